@@ -1,0 +1,45 @@
+"""dtrain: Distributed TensorFlow's parameter-server architecture for PyTorch, on Dask.
+
+Public API (see the README): ``load``, ``PipelineSpec``, ``compile``, ``run``, ``build_model``,
+``DeviceSpec``, ``Hook``. Heavy modules (torch, dask) are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .device import DeviceSpec
+from .errors import RunError, SpecError
+from .loading import load, loads
+from .spec import PipelineSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceSpec", "Hook", "PipelineSpec", "RunError", "SpecError", "__version__", "build_model", "compile",
+    "load", "loads", "run",
+]
+
+_LAZY = {
+    "compile": ("dtrain.compiler", "compile"),
+    "build_model": ("dtrain.model", "build_model"),
+    "run": ("dtrain.session", "run"),
+    "Hook": ("dtrain.hooks", "Hook"),
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .compiler import compile
+    from .hooks import Hook
+    from .model import build_model
+    from .session import run
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""The ``dtrain`` command: run, validate, plan, schema, worker.
+
+Exit codes (DESIGN.md): 0 success; 2 invalid pipeline or usage (nothing started, nothing
+written); 1 a run that failed; 130 on SIGINT and 143 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import RunDirError, RunError, SpecError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+logger = logging.getLogger("dtrain")
+
+
+class _Usage(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 already; keep its one-line style
+        self.print_usage(sys.stderr)
+        print(f"dtrain: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Usage(prog="dtrain", description="Parameter-server training for PyTorch on Dask, from a YAML pipeline.")
+    p.add_argument("--version", action="version", version=f"dtrain {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Usage)
+
+    r = sub.add_parser("run", help="run a pipeline (on an embedded local cluster unless --scheduler is given)")
+    r.add_argument("pipeline", help="pipeline YAML file")
+    r.add_argument("--run-dir", help="run directory (default: runs/<name>/)")
+    r.add_argument("--scheduler", help="address of a running Dask scheduler, e.g. tcp://10.0.0.5:8786")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a pipeline value, e.g. --set training.steps=50 (repeatable)")
+    r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
+    r.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+
+    v = sub.add_parser("validate", help="check a pipeline file; one FILE:LINE: path: message line per problem")
+    v.add_argument("pipeline", nargs="+")
+
+    pl = sub.add_parser("plan", help="print where every variable, layer, op and replica is placed")
+    pl.add_argument("pipeline")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    sub.add_parser("schema", help="print the JSON Schema of pipeline files (for editors' YAML completion)")
+
+    w = sub.add_parser("worker", help="start a Dask worker serving one task (name JOB-N, resource JOB=1)")
+    w.add_argument("--job", required=True)
+    w.add_argument("--task", required=True, type=int)
+    w.add_argument("--scheduler", required=True, help="scheduler address, e.g. tcp://10.0.0.5:8786")
+    w.add_argument("--host", default=None, help="interface to listen on (default: Dask's choice)")
+    w.add_argument("--nthreads", type=int, default=2)
+    w.add_argument("--memory-limit", default="auto")
+    w.add_argument("--no-nanny", action="store_true", help="run the worker without a nanny process")
+    w.add_argument("--tls-ca-file")
+    w.add_argument("--tls-cert")
+    w.add_argument("--tls-key")
+    w.add_argument("--device", help="e.g. cuda:0: sets CUDA_VISIBLE_DEVICES for this worker")
+    return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": cmd_run, "validate": cmd_validate, "plan": cmd_plan, "schema": cmd_schema,
+               "worker": cmd_worker}[args.command]
+    try:
+        code = handler(args)
+    except SpecError as exc:
+        print(str(exc), file=sys.stderr)
+        code = EXIT_USAGE
+    except RunDirError as exc:
+        print(f"dtrain: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except RunError as exc:
+        print(f"dtrain: run failed: {exc}", file=sys.stderr)
+        code = EXIT_FAILED
+    return code
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .loading import load
+
+    code = EXIT_OK
+    for path in args.pipeline:
+        try:
+            load(path)
+            print(f"{path}: ok")
+        except SpecError as exc:
+            print(str(exc), file=sys.stderr)
+            code = EXIT_USAGE
+    return code
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .spec import PipelineSpec
+
+    schema = PipelineSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "dtrain pipeline"
+    print(json.dumps(schema, indent=2))
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .compiler import compile
+    from .loading import load
+
+    plan = compile(load(args.pipeline, overrides=args.overrides))
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())
+    return EXIT_OK
+
+
+class _Terminated(BaseException):
+    """SIGTERM, turned into an exception so the session writes its summary (and checkpoint)."""
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .loading import load
+
+    spec = load(args.pipeline, overrides=args.overrides)
+    _setup_logging(quiet=args.quiet)
+    from .session import check_run_dir, default_run_dir, run
+
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
+    check_run_dir(run_dir, args.resume)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    bar = _Progress(enabled=not args.quiet)
+    try:
+        result = run(spec, run_dir=run_dir, scheduler=args.scheduler, resume=args.resume, progress=bar.update)
+    except KeyboardInterrupt:
+        bar.close()
+        print("dtrain: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+    except _Terminated:
+        bar.close()
+        print("dtrain: terminated", file=sys.stderr)
+        return EXIT_SIGTERM
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, old)
+    s = result.summary
+    if result.fetched:
+        for name, value in result.fetched.items():
+            print(f"{name} = {value}")
+        return EXIT_OK
+    ev = s.get("eval") or {}
+    acc = f"  accuracy {ev['accuracy']:.4f}" if ev.get("accuracy") is not None else ""
+    evl = f"  eval loss {ev['loss']:.4f}" if ev.get("loss") is not None else ""
+    loss = f"  loss {s['final_loss']:.4f}" if s.get("final_loss") is not None else ""
+    print(f"{s['name']}: {s['status']} at step {s['global_step']}{loss}{evl}{acc}  "
+          f"samples/s {s.get('samples_per_sec') or 0:.0f}  ({s['wall_s']:.1f} s)  -> {result.run_dir}")
+    return EXIT_OK
+
+
+class _Progress:
+    """A live progress bar on stderr (rich): step, loss, samples/s."""
+
+    def __init__(self, enabled: bool):
+        self._p = None
+        self._task = None
+        self.enabled = enabled
+
+    def update(self, info: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._p is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                               console=Console(stderr=True), transient=False)
+            self._p.start()
+            self._task = self._p.add_task("train", total=info["steps"], info="")
+        parts = []
+        if info.get("loss") is not None:
+            parts.append(f"loss {info['loss']:.4f}")
+        if info.get("samples_per_sec"):
+            parts.append(f"{info['samples_per_sec']:.0f} samples/s")
+        if info.get("dropped_stale"):
+            parts.append(f"stale {info['dropped_stale']}")
+        self._p.update(self._task, completed=min(info["step"], info["steps"]), info="  ".join(parts))
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+            self._p = None
+
+
+def _setup_logging(quiet: bool = False) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("dtrain").setLevel(logging.WARNING if quiet else logging.INFO)
+    # Dask logs comm retries and worker shutdowns at INFO/WARNING; a run's own messages matter more.
+    for name in ("distributed", "tornado", "asyncio"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "distributed.cli.dask_worker", args.scheduler, "--name", f"{args.job}-{args.task}",
+           "--resources", f"{args.job}=1", "--nthreads", str(args.nthreads), "--memory-limit", args.memory_limit,
+           "--no-dashboard"]
+    if args.host:
+        cmd += ["--host", args.host]
+    if args.no_nanny:
+        cmd += ["--no-nanny"]
+    for flag, value in (("--tls-ca-file", args.tls_ca_file), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key)):
+        if value:
+            cmd += [flag, value]
+    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    if args.device and args.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = args.device.split(":", 1)[1]
+    os.execvpe(cmd[0], cmd, env)
+    return EXIT_FAILED  # pragma: no cover - exec does not return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Where the tasks run: an embedded Dask cluster, or a running scheduler's workers.
+
+The embedded default is a ``distributed.SpecCluster`` (LocalCluster cannot name heterogeneous
+workers) with one worker per task, named ``<job>-<index>`` and tagged with the resource
+``<job>=1``, everything bound to 127.0.0.1 (the dashboard included). Workers get a death timeout
+so that a worker orphaned by a killed client exits by itself, and the scheduler a short
+worker-ttl so that a hung worker is dropped in seconds rather than Dask's default 5 minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+
+from .compiler import resolve_workers
+from .errors import RunError
+from .spec import PipelineSpec
+
+logger = logging.getLogger(__name__)
+
+DEATH_TIMEOUT_S = 15
+
+
+def dask_config(spec: PipelineSpec) -> dict[str, Any]:
+    """Dask settings dtrain runs with (see ../shared/dask-notes.md §6)."""
+    return {
+        "distributed.scheduler.worker-ttl": f"{spec.cluster.worker_ttl_s}s",
+        # DataLoader workers and other children need non-daemonic worker processes.
+        "distributed.worker.daemon": False,
+        # Replicas are long tasks on purpose; do not warn every few seconds about them.
+        "distributed.admin.tick.limit": "60s",
+        "distributed.worker.profile.enabled": False,
+        "distributed.scheduler.work-stealing": False,
+        "distributed.admin.system-monitor.gil.enabled": False,
+    }
+
+
+def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
+    """The SpecCluster worker entries: one per task of every job."""
+    out: dict[str, dict[str, Any]] = {}
+    for job in spec.cluster.jobs:
+        for i in range(spec.cluster.num_tasks(job)):
+            name = f"{job}-{i}"
+            options: dict[str, Any] = {
+                "name": name, "nthreads": spec.cluster.nthreads, "resources": {job: 1},
+                "host": "127.0.0.1", "memory_limit": spec.cluster.memory_limit, "death_timeout": DEATH_TIMEOUT_S,
+            }
+            if processes:
+                options["dashboard_address"] = None
+                options["env"] = {
+                    "OMP_NUM_THREADS": str(spec.training.torch_threads),
+                    "MKL_NUM_THREADS": str(spec.training.torch_threads),
+                    "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+                }
+                out[name] = {"cls": Nanny, "options": options}
+            else:
+                options["dashboard"] = False
+                out[name] = {"cls": Worker, "options": options}
+    return out
+
+
+def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
+    """Start the embedded cluster (blocking until every worker has joined)."""
+    scheduler = {"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "port": 0,
+        "dashboard_address": "127.0.0.1:0" if spec.cluster.dashboard else None,
+        "dashboard": spec.cluster.dashboard,
+    }}
+    with dask.config.set(dask_config(spec)):
+        return SpecCluster(workers=worker_specs(spec, processes), scheduler=scheduler, name=spec.name,
+                           shutdown_on_close=True)
+
+
+@dataclass
+class Connection:
+    """A client, the cluster it belongs to when dtrain started it, and the task -> address map."""
+
+    client: Client
+    cluster: SpecCluster | None = None
+    owns_client: bool = False
+    tasks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        try:
+            return self.client.dashboard_link if self.cluster is None or self.cluster.scheduler_info else None
+        except Exception:  # no dashboard (bokeh missing or disabled)
+            return None
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def close(self) -> None:
+        if self.owns_client:
+            with contextlib.suppress(Exception):
+                self.client.close(timeout=10)
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.close(timeout=20)
+
+
+def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict[str, str]:
+    """Block until a worker serves every task; RunError naming the missing tasks otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        addresses, missing = resolve_workers(spec, conn.workers())
+        if not missing:
+            conn.tasks = {k: v for k, v in addresses.items() if v}
+            return conn.tasks
+        if time.monotonic() >= deadline:
+            have = sorted(str(w.get("name")) for w in conn.workers().values())
+            raise RunError(
+                f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s); "
+                f"workers present: {', '.join(have) or 'none'}. Start them with "
+                + "; ".join(f"`dtrain worker --job {m.split('/')[1][4:]} --task {m.split(':')[-1]} "
+                            f"--scheduler {conn.client.scheduler.address}`" for m in missing[:3]))
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | None = None,
+            processes: bool = True) -> Iterator[Connection]:
+    """The cluster for a run: the given client's, a running scheduler's, or an embedded one.
+
+    Whatever dtrain starts here it also stops, whether the run ends, fails or is interrupted.
+    """
+    address = scheduler or spec.cluster.scheduler
+    conn: Connection
+    with dask.config.set(dask_config(spec)):
+        if client is not None:
+            conn = Connection(client)
+        elif address:
+            security = _security(spec)
+            try:
+                c = Client(address, timeout=spec.cluster.wait_s, direct_to_workers=True, security=security,
+                           set_as_default=False)
+            except OSError as exc:
+                raise RunError(f"cannot reach the scheduler at {address}: {exc}") from None
+            conn = Connection(c, owns_client=True)
+        else:
+            cluster = embedded_cluster(spec, processes=processes)
+            try:
+                c = Client(cluster, direct_to_workers=True, set_as_default=False)
+            except BaseException:
+                cluster.close()
+                raise
+            conn = Connection(c, cluster=cluster, owns_client=True)
+        try:
+            wait_for_tasks(conn, spec, spec.cluster.wait_s)
+            yield conn
+        finally:
+            conn.close()
+
+
+def _security(spec: PipelineSpec) -> Any:
+    sec = spec.cluster.security
+    if sec is None:
+        return None
+    from distributed.security import Security
+
+    base = spec.base_dir
+
+    def path(p: str | None) -> str | None:
+        return None if p is None else str((base / p) if not p.startswith("/") else p)
+
+    return Security(tls_ca_file=path(sec.ca_file), tls_client_cert=path(sec.cert_file),
+                    tls_client_key=path(sec.key_file), require_encryption=True)

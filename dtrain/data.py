@@ -1,0 +1,449 @@
+"""Data: loading datasets into seeded train/test splits, and deterministic per-replica batches.
+
+Pure numpy/torch (plus scikit-learn and pyarrow for sources); never imports Dask or the
+spec.  Sources: ``synthetic``, ``sklearn:<name>`` (bundled datasets, no download), or a
+path to a ``.npz`` / ``.csv`` / ``.parquet`` file (relative to ``base_dir``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+Task = Literal["classification", "regression"]
+
+SKLEARN_DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", "diabetes")
+"""Names accepted after ``sklearn:``; all bundled with scikit-learn (``diabetes`` is regression)."""
+
+FILE_SUFFIXES: tuple[str, ...] = (".npz", ".csv", ".parquet")
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A loaded, split (and optionally standardised) dataset.
+
+    ``x_*`` are float32 with shape ``(N, *feature_shape)``; ``y_*`` are int64 class ids
+    (``0..num_classes-1``) for classification, float32 for regression.  ``classes`` holds the
+    original label of each class id; ``mean``/``std`` the training-split statistics used to
+    standardise (None when not standardised).
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    task: Task
+    num_features: int
+    num_classes: int | None
+    feature_shape: tuple[int, ...]
+    classes: tuple[Any, ...] | None = None
+    mean: np.ndarray | None = field(default=None, repr=False)
+    std: np.ndarray | None = field(default=None, repr=False)
+
+
+def data_source_kind(source: str) -> Literal["synthetic", "sklearn", "file"]:
+    """``"synthetic"``, ``"sklearn"`` (``sklearn:<name>``) or ``"file"`` (anything else)."""
+    if source == "synthetic":
+        return "synthetic"
+    if source.startswith("sklearn:"):
+        return "sklearn"
+    return "file"
+
+
+def resolve_data_path(source: str, base_dir: str | Path = ".") -> Path | None:
+    """The file a source names (relative paths resolved against ``base_dir``); None otherwise."""
+    if data_source_kind(source) != "file":
+        return None
+    path = Path(source).expanduser()
+    return path if path.is_absolute() else Path(base_dir) / path
+
+
+def check_source(source: str, base_dir: str | Path = ".") -> None:
+    """Cheap checks without loading: known sklearn name, supported suffix, existing file.
+
+    Raises ``ValueError`` or ``FileNotFoundError`` with a message naming the problem.
+    """
+    kind = data_source_kind(source)
+    if kind == "sklearn":
+        name = source.split(":", 1)[1]
+        if name not in SKLEARN_DATASETS:
+            raise ValueError(
+                f"unknown scikit-learn dataset {name!r}; known: "
+                + ", ".join(f"sklearn:{n}" for n in SKLEARN_DATASETS)
+            )
+    elif kind == "file":
+        path = resolve_data_path(source, base_dir)
+        assert path is not None
+        if path.suffix.lower() not in FILE_SUFFIXES:
+            raise ValueError(
+                f"data source {source!r} is not 'synthetic', 'sklearn:<name>' or a "
+                f"{'/'.join(FILE_SUFFIXES)} file"
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _synthetic(
+    rng: np.random.Generator, task: Task, n: int, features: int, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    x = rng.standard_normal((n, features))
+    if task == "regression":
+        w = rng.standard_normal(features) / math.sqrt(features)
+        y = x @ w + 0.1 * rng.standard_normal(n)
+        return x, y.astype(np.float32)
+    # Gaussian blobs: class centroids about 5.7 apart (independent of the dimension),
+    # unit noise -> linearly separable up to a few percent, learnable by any MLP.
+    centroids = rng.standard_normal((num_classes, features)) * (4.0 / math.sqrt(features))
+    y = rng.permutation(np.arange(n) % num_classes)
+    return centroids[y] + x, y.astype(np.int64)
+
+
+def _sklearn(name: str) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn import datasets
+
+    loaders = {
+        "digits": datasets.load_digits,
+        "iris": datasets.load_iris,
+        "wine": datasets.load_wine,
+        "breast_cancer": datasets.load_breast_cancer,
+        "diabetes": datasets.load_diabetes,
+    }
+    x, y = loaders[name](return_X_y=True)
+    return np.asarray(x), np.asarray(y)
+
+
+def _npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            keys = sorted(archive.files)
+            if "x" not in keys or "y" not in keys:
+                raise ValueError(f"{path}: a .npz data file must hold arrays 'x' and 'y'; found {keys}")
+            x, y = archive["x"], archive["y"]
+    except ValueError as exc:
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: cannot read .npz file: {exc}") from exc
+    if x.ndim < 2:
+        raise ValueError(f"{path}: 'x' must be N x features (at least 2-D), got shape {x.shape}")
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(
+            f"{path}: 'y' must be 1-D with one entry per row of 'x' {x.shape}, got shape {y.shape}"
+        )
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise ValueError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
+    return x, y
+
+
+def _table(path: Path, target: str) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow as pa
+
+    try:
+        if path.suffix.lower() == ".csv":
+            import pyarrow.csv as pacsv
+
+            table = pacsv.read_csv(path)
+        else:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+    except pa.ArrowException as exc:
+        raise ValueError(f"{path}: cannot read {path.suffix} file: {exc}") from exc
+    names = list(table.column_names)
+    if target not in names:
+        raise ValueError(
+            f"{path}: target column {target!r} not found; columns: {', '.join(names) or '(none)'}"
+        )
+    features = [n for n in names if n != target]
+    if not features:
+        raise ValueError(f"{path}: no feature columns besides the target column {target!r}")
+    cols = []
+    for name in features:
+        col = table.column(name)
+        if col.null_count:
+            raise ValueError(f"{path}: feature column {name!r} has {col.null_count} missing values")
+        if not (
+            pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)
+        ):
+            raise ValueError(f"{path}: feature column {name!r} is not numeric ({col.type})")
+        cols.append(col.to_numpy().astype(np.float64))
+    ycol = table.column(target)
+    if ycol.null_count:
+        raise ValueError(f"{path}: target column {target!r} has {ycol.null_count} missing values")
+    return np.stack(cols, axis=1), np.asarray(ycol.to_numpy(zero_copy_only=False))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _labels(
+    y: np.ndarray, task: Task | None, where: str
+) -> tuple[Task, np.ndarray, int | None, tuple[Any, ...] | None]:
+    """Decide the task and encode targets: (task, y, num_classes, classes)."""
+    integral = y.dtype.kind in "iub" or (
+        y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(np.mod(y, 1) == 0)
+    )
+    if task is None:
+        task = "classification" if y.dtype.kind in "iubUSO" else "regression"
+    if task == "regression":
+        if y.dtype.kind not in "iubf":
+            raise ValueError(f"{where}: regression targets must be numeric, got dtype {y.dtype}")
+        return task, y.astype(np.float32), None, None
+    if task != "classification":
+        raise ValueError(f"task must be 'classification' or 'regression', got {task!r}")
+    if y.dtype.kind == "f" and not integral:
+        raise ValueError(f"{where}: classification targets must be integer class labels")
+    if y.dtype.kind in "iubf" and len(y) and y.min() >= 0:
+        y = y.astype(np.int64)
+        num_classes = int(y.max()) + 1 if len(y) else 0
+        return task, y, num_classes, tuple(range(num_classes))
+    values, inverse = np.unique(y, return_inverse=True)
+    return (
+        task,
+        inverse.astype(np.int64),
+        len(values),
+        tuple(v.item() if hasattr(v, "item") else v for v in values),
+    )
+
+
+def _split(
+    n: int, y: np.ndarray, task: Task, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.arange(n)
+    if test_fraction == 0:
+        return idx, idx[:0]
+    from sklearn.model_selection import train_test_split
+
+    stratify = None
+    if task == "classification":
+        counts = np.bincount(y)
+        counts = counts[counts > 0]
+        n_test = math.ceil(test_fraction * n)
+        if counts.min() >= 2 and len(counts) <= n_test and len(counts) <= n - n_test:
+            stratify = y
+    train, test = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=stratify)
+    return np.sort(train), np.sort(test)
+
+
+def load_dataset(
+    source: str,
+    *,
+    base_dir: str | Path = ".",
+    target: str = "label",
+    test_fraction: float = 0.2,
+    standardize: bool = True,
+    seed: int = 0,
+    task: Task | None = None,
+    num_samples: int = 2048,
+    num_features: int | None = None,
+    num_classes: int = 10,
+    feature_shape: Sequence[int] | None = None,
+) -> Dataset:
+    """Load ``source`` and split it (seeded; stratified for classification when possible).
+
+    * ``synthetic``: ``num_samples`` x ``num_features`` (default 64, or prod(feature_shape))
+      Gaussian blobs around ``num_classes`` centroids (learnable), or with
+      ``task="regression"`` a noisy linear target.
+    * ``sklearn:<name>`` for names in :data:`SKLEARN_DATASETS`.
+    * ``.npz`` (arrays ``x``, ``y``), ``.csv`` / ``.parquet`` (feature columns + ``target``).
+      Integer (or string) targets mean classification, float targets regression, unless
+      ``task`` says otherwise.  Non-negative integer labels are kept as class ids
+      (num_classes = max + 1); other labels are mapped to ``0..C-1`` in sorted order.
+
+    ``feature_shape`` reshapes every sample (e.g. 64 features -> ``(1, 8, 8)`` for conv
+    layers).  ``num_samples``/``num_classes`` only apply to ``synthetic``; ``num_features``,
+    when given for another source, must match it.  Standardisation uses the training
+    split's per-feature mean and std (std 0 -> 1) and is applied to both splits; targets
+    are never standardised.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for bad contents or
+    arguments.
+    """
+    check_source(source, base_dir)
+    if not 0 <= test_fraction < 1:
+        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    shape = tuple(int(d) for d in feature_shape) if feature_shape is not None else None
+    if shape is not None and (not shape or min(shape) < 1):
+        raise ValueError(f"feature_shape must be positive integers, got {list(shape)}")
+    kind = data_source_kind(source)
+    where = source
+    if kind == "synthetic":
+        features = num_features or (math.prod(shape) if shape else 64)
+        if num_samples < 2 or features < 1 or (task != "regression" and num_classes < 2):
+            raise ValueError("synthetic data needs num_samples >= 2, num_features >= 1, num_classes >= 2")
+        x, y = _synthetic(
+            np.random.default_rng(seed), task or "classification", num_samples, features, num_classes
+        )
+    elif kind == "sklearn":
+        x, y = _sklearn(source.split(":", 1)[1])
+    else:
+        path = resolve_data_path(source, base_dir)
+        assert path is not None
+        where = str(path)
+        x, y = _npz(path) if path.suffix.lower() == ".npz" else _table(path, target)
+    if len(x) < 2:
+        raise ValueError(f"{where}: need at least 2 samples, got {len(x)}")
+    flat = math.prod(x.shape[1:])
+    if num_features is not None and kind != "synthetic" and num_features != flat:
+        raise ValueError(f"{where}: has {flat} features, but num_features is {num_features}")
+    if shape is not None:
+        if math.prod(shape) != flat:
+            raise ValueError(
+                f"{where}: feature_shape {list(shape)} needs {math.prod(shape)} features, data has {flat}"
+            )
+        x = x.reshape(len(x), *shape)
+    task, y, n_classes, classes = _labels(y, task, where)
+    train, test = _split(len(x), y, task, test_fraction, seed)
+    x = x.astype(np.float64)
+    x_train, x_test = x[train], x[test]
+    mean = std = None
+    if standardize:
+        mean = x_train.mean(axis=0)
+        std = x_train.std(axis=0)
+        std[std == 0] = 1.0
+        x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+        mean, std = mean.astype(np.float32), std.astype(np.float32)
+    return Dataset(
+        x_train=np.ascontiguousarray(x_train, dtype=np.float32),
+        y_train=y[train],
+        x_test=np.ascontiguousarray(x_test, dtype=np.float32),
+        y_test=y[test],
+        task=task,
+        num_features=flat,
+        num_classes=n_classes,
+        feature_shape=tuple(int(d) for d in x.shape[1:]),
+        classes=classes,
+        mean=mean,
+        std=std,
+    )
+
+
+def to_tensors(
+    x: np.ndarray, y: np.ndarray, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch tensors: float32 ``x``; int64 ``y`` for integer labels, float32 otherwise."""
+    tx = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    y = np.ascontiguousarray(y)
+    ty = torch.from_numpy(y.astype(np.int64) if y.dtype.kind in "iub" else y.astype(np.float32))
+    return tx.to(device), ty.to(device)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def epoch_permutation(n_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The sample order of ``epoch``: ``default_rng([seed, epoch]).permutation(n)`` (or arange)."""
+    if not shuffle:
+        return np.arange(n_samples)
+    return np.random.default_rng([seed, epoch]).permutation(n_samples)
+
+
+class ShardIterator:
+    """Deterministic batches for replica ``r`` of ``R``, each of ``batch_size`` samples.
+
+    Every epoch is a seeded permutation of all sample indices, the same on every replica.
+    Global step ``j`` of an epoch covers positions ``[j*R*b, (j+1)*R*b)`` of that
+    permutation -- exactly the batch a single process with batch ``R*b`` sees at step ``j``
+    -- and replica ``r`` takes the sub-slice ``[j*R*b + r*b, j*R*b + (r+1)*b)``.  An epoch
+    has ``n // (R*b)`` steps (the incomplete tail is dropped); then the next epoch starts
+    with a fresh permutation.  So the replicas' ``k``-th batches are disjoint and together
+    equal the single-process batch ``k``.
+    """
+
+    def __init__(
+        self,
+        n_samples: int,
+        batch_size: int,
+        replica_index: int,
+        num_replicas: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if num_replicas < 1 or not 0 <= replica_index < num_replicas:
+            raise ValueError(f"replica_index must be in [0, {num_replicas}), got {replica_index}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if n_samples < batch_size * num_replicas:
+            raise ValueError(
+                f"{n_samples} training samples cannot fill one global batch of "
+                f"{num_replicas} replicas x {batch_size}; lower batch_size"
+            )
+        self.n_samples = n_samples
+        self.batch_size = batch_size
+        self.replica_index = replica_index
+        self.num_replicas = num_replicas
+        self.seed = seed
+        self.shuffle = shuffle
+        self.steps_per_epoch = n_samples // (batch_size * num_replicas)
+        self.epoch = 0
+        self.position = 0
+        self._perm: np.ndarray | None = None
+        self._perm_epoch = -1
+
+    @property
+    def local_step(self) -> int:
+        """Batches taken so far (over all epochs)."""
+        return self.epoch * self.steps_per_epoch + self.position
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            self._perm = epoch_permutation(self.n_samples, self.seed, self.epoch, self.shuffle)
+            self._perm_epoch = self.epoch
+        assert self._perm is not None
+        return self._perm
+
+    def next_indices(self) -> np.ndarray:
+        """Indices of this replica's next batch (``batch_size`` of them), advancing the state."""
+        start = (self.position * self.num_replicas + self.replica_index) * self.batch_size
+        out = self._permutation()[start : start + self.batch_size].copy()
+        self.position += 1
+        if self.position == self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self.next_indices()
+
+    def seek(self, local_step: int) -> None:
+        """Position the iterator as if ``local_step`` batches had been taken."""
+        if local_step < 0:
+            raise ValueError(f"local_step must be >= 0, got {local_step}")
+        self.epoch, self.position = divmod(int(local_step), self.steps_per_epoch)
+
+    def state(self) -> dict[str, int]:
+        """Resumable state as plain ints: ``{"epoch", "position"}``."""
+        return {"epoch": int(self.epoch), "position": int(self.position)}
+
+    def load_state(self, state: Mapping[str, int]) -> None:
+        """Restore a :meth:`state` dict (from this or an identically configured iterator)."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.steps_per_epoch:
+            raise ValueError(
+                f"invalid iterator state {dict(state)} for {self.steps_per_epoch} steps per epoch"
+            )
+        self.epoch, self.position = epoch, position
+
+    @staticmethod
+    def global_batch_indices(
+        step: int, global_batch: int, *, n_samples: int, seed: int, shuffle: bool = True
+    ) -> np.ndarray:
+        """Indices a single-process loop with batch ``global_batch`` sees at (0-based) ``step``."""
+        steps_per_epoch = n_samples // global_batch
+        if steps_per_epoch < 1:
+            raise ValueError(f"{n_samples} samples cannot fill a batch of {global_batch}")
+        epoch, j = divmod(step, steps_per_epoch)
+        perm = epoch_permutation(n_samples, seed, epoch, shuffle)
+        return perm[j * global_batch : (j + 1) * global_batch].copy()

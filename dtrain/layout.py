@@ -1,0 +1,91 @@
+"""Flat shard buffers <-> a model's parameters. Pure torch (no Dask).
+
+Each shard holds its variables as one contiguous float32 buffer; a :class:`ShardLayout` knows,
+from the Plan, which slice of which parameter every part of every shard buffer is. Replicas keep
+one persistent parameter buffer and two alternating gradient buffers per shard (fresh multi-MB
+tensors every step cost page faults: ../shared/ps-data-plane.md), so a step allocates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Part:
+    shard: int
+    offset: int  # in the shard buffer
+    numel: int
+    param: str
+    start: int  # in the flattened parameter
+
+
+class ShardLayout:
+    """The mapping between parameters and shard buffers (built from ``Plan.variables``)."""
+
+    def __init__(self, parts: Sequence[Part], shard_numel: Sequence[int]):
+        self.parts = list(parts)
+        self.shard_numel = list(shard_numel)
+
+    @classmethod
+    def from_plan(cls, plan) -> ShardLayout:  # plan: dtrain.compiler.Plan (kept untyped: no import cycle)
+        parts = [Part(v.shard, v.offset, v.numel, v.source, v.start) for v in plan.variables]
+        return cls(parts, [s.numel for s in plan.shards])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_numel)
+
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Parameters (name -> tensor) -> one new flat float32 CPU buffer per shard."""
+        out = [torch.zeros(n, dtype=torch.float32) for n in self.shard_numel]
+        for p in self.parts:
+            src = tensors[p.param].detach().reshape(-1)[p.start:p.start + p.numel]
+            out[p.shard][p.offset:p.offset + p.numel].copy_(src)
+        return out
+
+    def unpack(self, buffers: Sequence[torch.Tensor], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Shard buffers -> parameters (name -> new CPU tensor of the given shape)."""
+        flat = {name: torch.empty(int(torch.Size(shape).numel()), dtype=torch.float32)
+                for name, shape in shapes.items()}
+        for p in self.parts:
+            flat[p.param][p.start:p.start + p.numel].copy_(buffers[p.shard][p.offset:p.offset + p.numel])
+        return {name: t.view(shapes[name]) for name, t in flat.items()}
+
+
+class BoundModel:
+    """A model bound to persistent shard buffers: ``load_params`` copies received shard buffers
+    into the parameters, ``grads_into`` copies the gradients into a shard-shaped buffer set."""
+
+    def __init__(self, model: torch.nn.Module, layout: ShardLayout):
+        self.model = model
+        self.layout = layout
+        params = dict(model.named_parameters())
+        missing = {p.param for p in layout.parts} - params.keys()
+        if missing:
+            raise ValueError(f"the model has no parameter(s) {sorted(missing)} that the plan places; "
+                             "was the plan compiled for another model?")
+        # (flat parameter slice, shard, offset, numel), resolved once.
+        self._pairs = [(params[p.param], p.start, p.shard, p.offset, p.numel) for p in layout.parts]
+        self.device = next(iter(params.values())).device if params else torch.device("cpu")
+
+    def new_buffers(self) -> list[torch.Tensor]:
+        return [torch.zeros(n, dtype=torch.float32) for n in self.layout.shard_numel]
+
+    @torch.no_grad()
+    def load_params(self, shard: int, buf: torch.Tensor) -> None:
+        for param, start, s, off, n in self._pairs:
+            if s == shard:
+                param.view(-1)[start:start + n].copy_(buf[off:off + n], non_blocking=False)
+
+    @torch.no_grad()
+    def grads_into(self, bufs: Sequence[torch.Tensor]) -> None:
+        for param, start, s, off, n in self._pairs:
+            g = param.grad
+            if g is None:
+                bufs[s][off:off + n].zero_()
+            else:
+                bufs[s][off:off + n].copy_(g.view(-1)[start:start + n])

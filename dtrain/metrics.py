@@ -1,0 +1,73 @@
+"""Metric sinks: ``metrics.jsonl`` and TensorBoard event files. Each has ``log(metrics, step)``
+and ``close()``; the session (the chief) is the only writer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+class JsonlSink:
+    """One JSON object per line; flushed at every write so a crash loses nothing."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = path
+        self._f = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._f.write(json.dumps(_clean({"step": step, **metrics}), sort_keys=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    """Scalars under ``tb/``: loss, learning rate, samples/s, dropped_stale, eval/*."""
+
+    def __init__(self, path: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(path))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        self._w.add_scalar(f"{key}/{k}", v, step)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                    and key not in ("time", "step"):
+                self._w.add_scalar(key, value, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def format_line(step: int, metrics: dict[str, Any]) -> str:
+    """The coordinator's aligned progress line: ``step 1200  loss 0.1432  acc 0.961  samples/s 5210  stale 3``."""
+    parts = [f"step {step:>7}"]
+    if metrics.get("loss") is not None:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    ev = metrics.get("eval") or {}
+    if ev.get("accuracy") is not None:
+        parts.append(f"acc {ev['accuracy']:.3f}")
+    if metrics.get("samples_per_sec") is not None:
+        parts.append(f"samples/s {metrics['samples_per_sec']:>7.0f}")
+    if metrics.get("dropped_stale") is not None:
+        parts.append(f"stale {metrics['dropped_stale']}")
+    return "  ".join(parts)

@@ -1,0 +1,270 @@
+"""The parameter server: one shard of variables as one flat buffer, with its optimizer.
+
+``ParameterShard`` is a plain class. The session creates it as a Dask Actor pinned to its ps
+task's worker, but nothing here imports Dask: every public method is ``async def`` (it runs on
+the worker's event loop, so a waiting sync replica never blocks other calls — a blocking method
+would stall every actor on that worker: ../shared/dask-notes.md §1) and only does brief tensor
+math (an apply on a few MB takes well under a millisecond).
+
+Wire protocol (one round trip per shard per step, one flat tensor each way):
+
+- ``push_pull(grad, replica, version, ...)`` — async mode: apply at once, return fresh params.
+- ``push_sync(grad, replica, version, ...)`` — sync mode: accumulate; return once the step that
+  the gradient belongs to has been applied (or at once when the gradient is dropped as stale).
+- ``pull(min_step)`` — the current params, waiting until the shard has reached ``min_step``.
+
+Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in a ring of
+preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
+Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import torch
+
+from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
+
+
+class BarrierTimeout(RuntimeError):
+    """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
+
+
+def make_optimizer(param: torch.Tensor, config: dict[str, Any]) -> torch.optim.Optimizer:
+    """A torch optimizer over one flat parameter. The four supported optimizers are elementwise,
+    so applying them to a flat buffer is exactly torch's per-tensor behaviour."""
+    c = dict(config)
+    name = c.pop("name")
+    wd = c.get("weight_decay", 0.0)
+    if name == "sgd":
+        return torch.optim.SGD([param], lr=c["lr"], weight_decay=wd, foreach=False)
+    if name == "momentum":
+        return torch.optim.SGD([param], lr=c["lr"], momentum=c.get("momentum", 0.9), weight_decay=wd,
+                               nesterov=c.get("nesterov", False), dampening=c.get("dampening", 0.0), foreach=False)
+    if name == "adam":
+        return torch.optim.Adam([param], lr=c["lr"], betas=tuple(c.get("betas", (0.9, 0.999))),
+                                eps=c.get("eps", 1e-8), amsgrad=c.get("amsgrad", False), weight_decay=wd,
+                                foreach=False)
+    if name == "adagrad":
+        return torch.optim.Adagrad([param], lr=c["lr"], lr_decay=c.get("lr_decay", 0.0), weight_decay=wd,
+                                   initial_accumulator_value=c.get("initial_accumulator_value", 0.0),
+                                   eps=c.get("eps", 1e-10), foreach=False)
+    raise ValueError(f"unknown optimizer {name!r}; use sgd, momentum, adam or adagrad")
+
+
+class ParameterShard:
+    """One ps task's variables and optimizer state (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], init: torch.Tensor):
+        self.index: int = config["index"]
+        self.mode: str = config["mode"]
+        self.steps: int = config["steps"]
+        self.generation: int = config.get("generation", 0)
+        self.holds_global_step: bool = config.get("holds_global_step", self.index == 0)
+        self.barrier_timeout_s: float = config.get("barrier_timeout_s", 60.0)
+        self.summary_every: int = config.get("summary_every", 100)
+        self.nan_guard: bool = config.get("nan_guard", False)
+        num_replicas = config.get("num_replicas", 1)
+        self.param = torch.nn.Parameter(init.detach().to(torch.float32).clone(), requires_grad=False)
+        self.param.grad = torch.zeros_like(self.param)
+        self.optimizer = make_optimizer(self.param, config["optimizer"])
+        self.acc = torch.zeros_like(self.param)
+        self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas)
+        self.policy = AsyncPolicy(config.get("max_staleness"))
+        k = config.get("max_staleness")
+        self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
+        self._ring = [torch.empty_like(self.param.data) for _ in range(2 * num_replicas + 4)]
+        self._ring_next = 0
+        self._cond: asyncio.Condition | None = None
+        self.stop = False
+        self.error: str | None = None
+        # Shard 0's bookkeeping: records closed at every summary_every global steps.
+        self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": time.time()}
+        self.samples_total = 0
+        self.records: list[dict[str, Any]] = []
+        self.local_steps: dict[int, int] = {}
+        self.last_apply_time = 0.0
+
+    # ------------------------------------------------------------------ helpers (not remote)
+    @property
+    def step(self) -> int:
+        return self.sync.step if self.mode == "sync" else self.policy.step
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.sync.dropped_stale + self.policy.dropped_stale
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # created lazily so it binds to the worker's running loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _snapshot(self) -> torch.Tensor:
+        buf = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % len(self._ring)
+        buf.copy_(self.param.data)
+        return buf
+
+    def _reply(self) -> tuple[torch.Tensor, int, bool, int]:
+        return self._snapshot(), self.step, self.stop or self.error is not None, self.generation
+
+    def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
+        if scale != 1.0:
+            grad.mul_(scale)
+        self.param.grad = grad
+        self.optimizer.step()
+        self.last_apply_time = time.time()
+
+    def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
+        if not self.holds_global_step:
+            return
+        self.samples_total += samples
+        self._interval["samples"] += samples
+        if loss is not None:
+            if not math.isfinite(loss):
+                if self.nan_guard and self.error is None:
+                    self.error = (f"nan_guard: replica {replica} reported a non-finite loss ({loss}) at global "
+                                  f"step {self.step}; the update was not applied")
+                return
+            self._interval["loss_sum"] += loss
+            self._interval["loss_n"] += 1
+        self.local_steps[replica] = local_step
+
+    def _after_apply(self) -> None:
+        if not self.holds_global_step:
+            return
+        step = self.step
+        if step % self.summary_every == 0 or step == self.steps:
+            now = time.time()
+            iv = self._interval
+            dt = max(now - iv["t0"], 1e-9)
+            self.records.append({
+                "step": step, "time": now,
+                "loss": iv["loss_sum"] / iv["loss_n"] if iv["loss_n"] else None,
+                "samples_per_sec": iv["samples"] / dt, "dropped_stale": self.dropped_stale,
+                "samples": self.samples_total,
+            })
+            self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": now}
+        if step >= self.steps:
+            self.stop = True
+
+    def _bad_grad(self, grad: torch.Tensor, replica: int) -> bool:
+        if self.nan_guard and not bool(torch.isfinite(grad).all()):
+            self.error = self.error or (f"nan_guard: replica {replica} pushed a non-finite gradient at step "
+                                        f"{self.step} of shard {self.index}; the update was not applied")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ remote methods
+    async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
+                        samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
+        """Async mode: apply this gradient now (unless too stale), reply with fresh parameters."""
+        if self.stop or self.error is not None:
+            return self._reply()
+        self._observe(replica, loss, samples, local_step)
+        if self.error is None and not self._bad_grad(grad, replica):
+            decision = self.policy.push(version)
+            if isinstance(decision, Apply):
+                self._apply(grad)
+                self._after_apply()
+        if self.gate is not None:
+            self.gate.report(replica, local_step)
+            cond = self._condition()
+            async with cond:
+                cond.notify_all()
+                if not self.gate.may_proceed(replica, local_step + 1):
+                    await self._wait(cond, lambda: self.stop or self.gate.may_proceed(replica, local_step + 1),
+                                     f"replica {replica} waited for slower replicas (max_staleness "
+                                     f"{self.gate.max_staleness})")
+        return self._reply()
+
+    async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
+                        samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
+        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean."""
+        cond = self._condition()
+        async with cond:
+            if self.stop or self.error is not None:
+                return self._reply()
+            self._observe(replica, loss, samples, local_step)
+            if self._bad_grad(grad, replica):
+                cond.notify_all()
+                return self._reply()
+            decision = self.sync.push(replica, version)
+            if isinstance(decision, Drop):
+                return self._reply()
+            if len(self.sync.contributors) == 1 or isinstance(decision, Apply) and decision.count == 1:
+                self.acc.copy_(grad)
+            else:
+                self.acc.add_(grad)
+            if isinstance(decision, Apply):
+                self._apply(self.acc, 1.0 / decision.count)
+                self.acc = torch.zeros_like(self.param) if self.acc is self.param.grad else self.acc
+                self._after_apply()
+                cond.notify_all()
+            elif isinstance(decision, Accumulate):
+                await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
+                                 f"replica {replica} waited for the other replicas' gradients of step {version}")
+            return self._reply()
+
+    async def pull(self, min_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
+        """The current parameters, once this shard has applied ``min_step`` steps."""
+        if self.step < min_step and not self.stop:
+            cond = self._condition()
+            async with cond:
+                await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
+                                 f"pull waited for shard {self.index} to reach step {min_step}")
+        return self._reply()
+
+    async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
+        try:
+            await asyncio.wait_for(cond.wait_for(predicate), self.barrier_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise BarrierTimeout(f"{what} for {self.barrier_timeout_s:.0f} s (training.barrier_timeout_s); "
+                                 "a replica is probably lost") from None
+
+    async def stats(self) -> dict[str, Any]:
+        """Progress for the session: drains the summary records collected since the last call."""
+        records, self.records = self.records, []
+        return {"step": self.step, "stop": self.stop, "error": self.error, "records": records,
+                "dropped_stale": self.dropped_stale, "samples": self.samples_total,
+                "local_steps": dict(self.local_steps), "generation": self.generation,
+                "last_apply_time": self.last_apply_time}
+
+    async def request_stop(self) -> int:
+        """Ask every replica to stop at its next reply; releases waiting replicas."""
+        self.stop = True
+        if self._cond is not None:
+            async with self._cond:
+                self._cond.notify_all()
+        return self.step
+
+    async def get_params(self) -> tuple[torch.Tensor, int]:
+        return self.param.data.clone(), self.step
+
+    async def get_state(self) -> dict[str, Any]:
+        """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict)."""
+        opt = self.optimizer.state_dict()
+        state = {str(k): {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                 for k, s in opt["state"].items()}
+        return {"params": self.param.data.clone(), "step": self.step, "optimizer_state": state,
+                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+
+    async def set_state(self, state: dict[str, Any]) -> int:
+        """Restore from :meth:`get_state`'s output (a checkpoint)."""
+        with torch.no_grad():
+            self.param.data.copy_(state["params"])
+        opt = self.optimizer.state_dict()
+        opt["state"] = {int(k): dict(v) for k, v in state.get("optimizer_state", {}).items()}
+        self.optimizer.load_state_dict(opt)
+        step = int(state["step"])
+        self.sync.reset(step)
+        self.policy.reset(step)
+        self.sync.dropped_stale = int(state.get("dropped_stale", 0))
+        self.samples_total = int(state.get("samples", 0))
+        self.acc.zero_()
+        self.stop = step >= self.steps
+        return step

@@ -1,0 +1,249 @@
+"""A training replica: the torch step and the loop that talks to the ps shards.
+
+Nothing here imports Dask. The loop receives one *shard handle* per shard: any object whose
+``push_pull`` / ``push_sync`` / ``pull`` methods return a future with ``.result(timeout=...)``
+(a Dask actor handle is one; tests may pass others). The math — forward, loss, backward — knows
+nothing of shards: :class:`ReplicaModel` owns the model, its persistent shard-shaped buffers and
+the replica's deterministic slice of the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Protocol
+
+import torch
+
+from .data import Dataset, ShardIterator, load_dataset, to_tensors
+from .device import DeviceSpec
+from .layout import BoundModel, ShardLayout
+from .model import build_model, get_loss
+
+logger = logging.getLogger(__name__)
+
+
+class ShardHandle(Protocol):  # pragma: no cover - a typing aid
+    def push_pull(self, *args: Any, **kwargs: Any) -> Any: ...
+    def push_sync(self, *args: Any, **kwargs: Any) -> Any: ...
+    def pull(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class ReplicaError(RuntimeError):
+    """A replica could not go on (device missing, ps unreachable, a barrier timed out)."""
+
+
+@lru_cache(maxsize=4)
+def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
+                    task: str | None, num_samples: int, num_features: int | None, num_classes: int) -> Dataset:
+    return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
+                        standardize=standardize, seed=seed, task=task, num_samples=num_samples,
+                        num_features=num_features, num_classes=num_classes)
+
+
+def dataset_for(spec: Any) -> Dataset:
+    """The pipeline's dataset (cached per process: replicas and the session load it once)."""
+    d = spec.data
+    task = d.task
+    if task is None and d.source == "synthetic":
+        task = "classification" if spec.model.loss in ("cross_entropy", "bce_with_logits") else "regression"
+    num_features = None
+    if d.source == "synthetic" and spec.model.input_shape:
+        num_features = 1
+        for n in spec.model.input_shape:
+            num_features *= n
+    num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
+    return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
+                           spec.training.seed, task, d.num_samples, num_features, num_classes)
+
+
+def torch_device(device: str, soft: bool) -> torch.device:
+    """A plan device string -> the torch device this process computes on (soft placement)."""
+    spec = DeviceSpec.from_string(device)
+    if spec.device_type == "GPU":
+        index = spec.device_index or 0
+        if torch.cuda.is_available() and index < torch.cuda.device_count():
+            return torch.device("cuda", index)
+        if not soft:
+            raise ReplicaError(f"{device} is placed on a GPU but this worker has "
+                               f"{torch.cuda.device_count()} CUDA device(s); set placement.soft: true to fall "
+                               "back to the CPU")
+        warnings.warn(f"{device}: no CUDA device here; computing on the CPU (placement.soft)", stacklevel=2)
+    return torch.device("cpu")
+
+
+@dataclass
+class ReplicaStats:
+    replica: int
+    local_steps: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    device: str = "cpu"
+    final_step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ReplicaModel:
+    """The replica's model, data slice, loss and persistent buffers."""
+
+    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None):
+        torch.set_num_threads(spec.training.torch_threads)
+        self.spec = spec
+        self.index = index
+        self.device = device or torch_device(plan.replicas[index].device, spec.placement.soft)
+        self.model = build_model(spec, device=self.device)
+        self.model.train()
+        self.loss_fn = get_loss(spec.model.loss)
+        self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
+        # Parameter buffers received from the shards are copied in; gradients go out through two
+        # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
+        self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
+        data = dataset_for(spec)
+        self.x, self.y = to_tensors(data.x_train, data.y_train, self.device)
+        b = spec.data.batch_size
+        self.batches = ShardIterator(len(self.x), b, index, plan.num_replicas, spec.training.seed,
+                                     shuffle=spec.data.shuffle)
+        self.xb = torch.empty((b, *self.x.shape[1:]), dtype=self.x.dtype, device=self.device)
+        self.yb = torch.empty((b, *self.y.shape[1:]), dtype=self.y.dtype, device=self.device)
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(spec.training.seed * 1000 + index)  # dropout differs per replica, reproducibly
+
+    def step(self) -> tuple[float, int]:
+        """Forward, loss, backward on the next batch; gradients left in the parameters' .grad."""
+        idx = torch.from_numpy(self.batches.next_indices()).to(self.device)
+        torch.index_select(self.x, 0, idx, out=self.xb)
+        torch.index_select(self.y, 0, idx, out=self.yb)
+        for p in self.model.parameters():
+            p.grad.zero_()
+        loss = self.loss_fn(self.model(self.xb), self.yb)
+        loss.backward()
+        return float(loss.detach()), len(idx)
+
+    def load(self, buffers: list[torch.Tensor]) -> None:
+        for s, buf in enumerate(buffers):
+            self.bound.load_params(s, buf)
+
+
+def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, stop_check: Any = None) -> ReplicaStats:
+    """Train until the ps says stop. Returns the replica's own counters."""
+    rep = ReplicaModel(spec, plan, index)
+    t = spec.training
+    timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
+    stats = ReplicaStats(index, device=str(rep.device))
+    t_start = time.perf_counter()
+
+    def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
+        t0 = time.perf_counter()
+        try:
+            out = [f.result(timeout=timeout) for f in futures]
+        except TimeoutError:
+            raise ReplicaError(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
+                               "(training.call_timeout_s); is a ps task lost?") from None
+        stats.wait_s += time.perf_counter() - t0
+        return out
+
+    # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
+    replies = wait([s.pull(0) for s in shards])
+    version = replies[0][1]
+    if t.mode == "sync":
+        replies, version = _consistent(replies, shards, wait)
+    rep.load([r[0] for r in replies])
+    versions = [r[1] for r in replies]
+    stop = any(r[2] for r in replies)
+    pending: list[Any] | None = None
+    k = 0
+    while not stop:
+        t0 = time.perf_counter()
+        loss, n = rep.step()
+        grads = rep.grad_bufs[k % 2]
+        rep.bound.grads_into(grads)
+        stats.compute_s += time.perf_counter() - t0
+        k += 1
+        stats.local_steps = k
+        stats.samples += n
+        if t.mode == "sync":
+            futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k)
+                    for s, sh in enumerate(shards)]
+            replies, version = _consistent(wait(futs), shards, wait)
+            rep.load([r[0] for r in replies])
+            stop = any(r[2] for r in replies)
+            continue
+        if t.overlap and pending is not None:
+            # Staleness 1: this step's gradient was computed while the previous push was in flight.
+            replies = wait(pending)
+            rep.load([r[0] for r in replies])
+            versions = [r[1] for r in replies]
+            stop = any(r[2] for r in replies)
+        futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k)
+                for s, sh in enumerate(shards)]
+        if t.overlap:
+            pending = futs
+            continue
+        replies = wait(futs)
+        rep.load([r[0] for r in replies])
+        versions = [r[1] for r in replies]
+        stop = any(r[2] for r in replies)
+    if pending is not None:
+        replies = wait(pending)
+        versions = [r[1] for r in replies]
+    stats.final_step = versions[0] if t.mode == "async" else version
+    stats.wall_s = time.perf_counter() - t_start
+    if index == 0:
+        stats.extra["buffers"] = model_buffers(rep.model)
+    return stats
+
+
+def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list[Any], wait: Any
+                ) -> tuple[list[tuple[torch.Tensor, int, bool, int]], int]:
+    """Sync needs every shard's parameters from one step: re-pull lagging shards until they agree.
+
+    (A replica never computes on parameters taken from two different steps of two shards.)
+    """
+    replies = list(replies)
+    for _ in range(100):
+        steps = [r[1] for r in replies]
+        target = max(steps)
+        if min(steps) == target or any(r[2] for r in replies):
+            return replies, target
+        lagging = [s for s, st in enumerate(steps) if st < target]
+        for s, reply in zip(lagging, wait([shards[s].pull(target) for s in lagging])):
+            replies[s] = reply
+    raise ReplicaError("shards did not converge on one step after 100 pulls")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
+             batch_size: int = 1024) -> dict[str, float]:
+    """Mean loss (and accuracy for classification) of ``model`` on (x, y), in eval mode."""
+    from .model import accuracy, is_classification
+
+    if len(x) == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    loss_fn = get_loss(loss_name)
+    total, correct = 0.0, 0.0
+    try:
+        for i in range(0, len(x), batch_size):
+            out = model(x[i:i + batch_size])
+            yb = y[i:i + batch_size]
+            total += float(loss_fn(out, yb)) * len(yb)
+            if is_classification(loss_name):
+                correct += accuracy(out, yb, loss_name) * len(yb)
+    finally:
+        model.train(was_training)
+    result = {"loss": total / len(x)}
+    if is_classification(loss_name):
+        result["accuracy"] = correct / len(x)
+    return result
+
+
+def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Non-parameter state (BatchNorm running statistics), as a plain dict of CPU tensors."""
+    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}

@@ -1,0 +1,132 @@
+"""Replication rules as pure state machines: events in, decisions out. No torch, no Dask, no I/O.
+
+The ps actor feeds these with every push and carries out what they decide; they are tested in
+microseconds without a cluster (tests/test_replication.py).
+
+- :class:`SyncAggregator` — SyncReplicasOptimizer on one shard: gradients for the shard's current
+  step are accumulated; a gradient for an older step is stale and dropped; a second gradient from
+  the same replica for the same step is dropped; when ``replicas_to_aggregate`` distinct replicas
+  have pushed, the mean is applied and the step advances. With ``total_num_replicas`` larger than
+  ``replicas_to_aggregate`` the extra replicas are backups: whatever arrives after the quorum is
+  stale and dropped, so stragglers no longer set the pace.
+- :class:`AsyncPolicy` — plain async (apply every push at once) or a staleness bound: a push
+  computed on parameters more than ``max_staleness`` updates old is dropped.
+- :class:`StalenessGate` — stale synchronous parallel on local steps: a replica more than
+  ``max_staleness`` local steps ahead of the slowest live replica waits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    """Keep the gradient; the step is not complete yet (``count`` gradients so far)."""
+
+    step: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Apply the mean of ``count`` accumulated gradients (sync) or this gradient (async); the
+    shard's step becomes ``new_step``."""
+
+    new_step: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Throw the gradient away: ``reason`` is ``stale``, ``duplicate`` or ``ahead``."""
+
+    reason: str
+    step: int
+
+
+Decision = Accumulate | Apply | Drop
+
+
+@dataclass
+class SyncAggregator:
+    """SyncReplicasOptimizer's per-shard accumulator (see the module docstring)."""
+
+    replicas_to_aggregate: int
+    total_num_replicas: int
+    step: int = 0
+    contributors: set[int] = field(default_factory=set)
+    dropped_stale: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas_to_aggregate <= self.total_num_replicas:
+            raise ValueError("need 1 <= replicas_to_aggregate <= total_num_replicas")
+
+    def push(self, replica: int, step: int) -> Decision:
+        """A gradient from ``replica`` computed on the parameters of ``step``."""
+        if step < self.step:
+            self.dropped_stale += 1
+            return Drop("stale", self.step)
+        if step > self.step:
+            # Only possible after a restore moved the shard back; the replica re-pulls.
+            self.dropped_stale += 1
+            return Drop("ahead", self.step)
+        if replica in self.contributors:
+            self.dropped_stale += 1
+            return Drop("duplicate", self.step)
+        self.contributors.add(replica)
+        if len(self.contributors) >= self.replicas_to_aggregate:
+            count = len(self.contributors)
+            self.contributors.clear()
+            self.step += 1
+            return Apply(self.step, count)
+        return Accumulate(self.step, len(self.contributors))
+
+    def reset(self, step: int) -> None:
+        """Forget partial accumulation (after a restore or a lost replica's generation change)."""
+        self.step = step
+        self.contributors.clear()
+
+
+@dataclass
+class AsyncPolicy:
+    """Async updates, optionally bounded: a push on parameters more than ``max_staleness`` updates
+    old is dropped (``None``: every push is applied)."""
+
+    max_staleness: int | None = None
+    step: int = 0
+    dropped_stale: int = 0
+
+    def push(self, version: int) -> Decision:
+        """A gradient computed on the parameters this shard had at ``version``."""
+        if self.max_staleness is not None and self.step - version > self.max_staleness:
+            self.dropped_stale += 1
+            return Drop("stale", self.step)
+        self.step += 1
+        return Apply(self.step)
+
+    def reset(self, step: int) -> None:
+        self.step = step
+
+
+@dataclass
+class StalenessGate:
+    """Stale synchronous parallel: replica r may start local step s only while
+    ``s - min(local step of every other live replica) <= max_staleness``."""
+
+    num_replicas: int
+    max_staleness: int
+    local: dict[int, int] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+    def report(self, replica: int, local_step: int) -> None:
+        self.local[replica] = max(local_step, self.local.get(replica, 0))
+        self.lost.discard(replica)
+
+    def may_proceed(self, replica: int, local_step: int) -> bool:
+        others = [self.local.get(r, 0) for r in range(self.num_replicas) if r != replica and r not in self.lost]
+        return not others or local_step - min(others) <= self.max_staleness
+
+    def replica_lost(self, replica: int) -> None:
+        """A lost replica no longer holds the others back (until it reports again)."""
+        self.lost.add(replica)

@@ -1,0 +1,45 @@
+"""Functions that run inside Dask tasks on the cluster's workers.
+
+The replica task rebuilds its ps handles from ``(address, key)`` pairs instead of receiving
+Actor objects: a task that receives an actor depends on the actor's key and is failed by the
+scheduler the moment that ps dies, whereas a rebuilt handle lets the replica notice (its calls
+time out) and lets the session recover (../shared/dask-notes.md §4). It also leaves its thread
+slot (``secede``) so a long training loop does not starve other tasks on that worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from typing import Any
+
+from distributed import get_worker, secede
+from distributed.actor import Actor
+
+from .ps import ParameterShard
+from .replica import run_replica
+
+logger = logging.getLogger(__name__)
+
+
+def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
+    """Actor handles for ``(worker address, actor key)`` pairs, bound to this worker."""
+    worker = get_worker()
+    return [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
+
+
+def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]]) -> dict[str, Any]:
+    """One long-running replica: trains until the ps says stop, returns its counters."""
+    secede()
+    shards = shard_handles(refs)
+    stats = run_replica(spec, plan, index, shards)
+    out = asdict(stats)
+    out["worker"] = get_worker().name
+    out["pid"] = os.getpid()
+    return out
+
+
+def worker_pid() -> int:
+    """The worker process id (used by fault tests and by `dtrain plan` against a live cluster)."""
+    return os.getpid()
