@@ -20,6 +20,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
 from .compiler import resolve_workers
+from .device import DeviceSpec
 from .errors import RunError
 from .spec import PipelineSpec
 
@@ -108,9 +109,15 @@ class Connection:
 
 def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict[str, str]:
     """Block until a worker serves every task; RunError naming the missing tasks otherwise."""
+    from .compiler import compile
+
+    plan = compile(spec)
+    used = {s.task for s in plan.shards} | {r.task for r in plan.replicas}
+    used |= {DeviceSpec.from_string(o.device).task_key() for o in plan.ops}
     deadline = time.monotonic() + timeout
     while True:
         addresses, missing = resolve_workers(spec, conn.workers())
+        missing = [m for m in missing if m in used]
         if not missing:
             conn.tasks = {k: v for k, v in addresses.items() if v}
             return conn.tasks

@@ -15,6 +15,8 @@ Problems come back sorted by line, one per line of output.
 
 from __future__ import annotations
 
+import functools
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import CrossFieldErrors, Problem, SpecError, dotted
-from .spec import LAYER_NAMES, PipelineSpec, _quoted, did_you_mean
+from .spec import Layer, OptimizerSpec, PipelineSpec, _quoted, did_you_mean
 
 __all__ = ["load", "loads", "validate"]
 
@@ -53,11 +55,12 @@ def loads(text: str, filename: str = "<string>", base_dir: str | Path = ".",
           overrides: list[str] | None = None) -> PipelineSpec:
     """Validate pipeline YAML given as a string (see :func:`load`); ``base_dir`` anchors relative data paths."""
     node, data = _parse(text, filename)
-    if node is None:
+    if node is None or data is None:
         raise SpecError([Problem("the file is empty; a pipeline needs at least a 'model' or a 'graph' section "
                                  "(see pipelines/ for examples)", file=filename, line=1)])
     if not isinstance(data, dict):
-        kind = {list: "list", str: "string"}.get(type(data), type(data).__name__)
+        kind = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+            type(data), type(data).__name__)
         raise SpecError([Problem(f"the top level must be a mapping of sections (name:, cluster:, model:, ...), "
                                  f"not a {kind}", file=filename, line=node.start_mark.line + 1)])
     duplicates = _duplicate_keys(node, filename)
@@ -118,7 +121,7 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, filename: str) -> Problem:
         return Problem("YAML syntax error: a tab character; YAML indents with spaces only, replace the tab with spaces",
                        file=filename, line=line)
     opened = exc.context_mark
-    if opened is not None and ("flow" in context or "quoted scalar" in context):
+    if opened is not None and any(c in context for c in ("flow sequence", "flow mapping", "quoted scalar")):
         # An unclosed bracket, brace or quote: the opening one is the node at fault; the parser
         # only notices where the collection should have ended.
         what = "quote" if "quoted" in context else ("'['" if "sequence" in context else "'{'")
@@ -129,7 +132,11 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, filename: str) -> Problem:
                        "line up with the lines above it; keys of one mapping, and items of one list, must start "
                        "in the same column", file=filename, line=line)
     hint = ""
-    if "mapping values are not allowed" in problem:
+    if "single document" in context:
+        hint = "; a pipeline file holds one YAML document: remove the '---' line"
+    elif "<stream end>" in problem:
+        hint = "; the file ends inside an unclosed '[', '{' or quote"
+    elif "mapping values are not allowed" in problem:
         hint = "; a 'key: value' cannot follow a plain value on one line (check the indentation, or quote the value)"
     text = f"{context} {problem}".strip() if context else problem
     return Problem(f"YAML syntax error: {text}{hint}", file=filename, line=line)
@@ -251,9 +258,6 @@ def _locate(path: list[str | int], message: str, filename: str, node: yaml.Node 
     return Problem(message, path=dotted(path), file=filename, line=line, column=column)
 
 
-_DISCRIMINATED = set(LAYER_NAMES) | {"sgd", "momentum", "adam", "adagrad"}
-
-
 def _data_path(loc: tuple, data: Any, keep_last: bool) -> tuple[list[str | int], bool]:
     """The path of a pydantic ``loc`` in the user's data, and whether parts were dropped.
 
@@ -267,7 +271,7 @@ def _data_path(loc: tuple, data: Any, keep_last: bool) -> tuple[list[str | int],
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
         if isinstance(cur, dict):
-            is_tag = (not last and isinstance(part, str) and part in _DISCRIMINATED
+            is_tag = (not last and isinstance(part, str) and part in _discriminated()
                       and part in (cur.get("type"), cur.get("name")))
             if not is_tag and part in cur:
                 out.append(part)
@@ -477,11 +481,17 @@ def _expand(items: list[Any]) -> list[Any]:
         origin = typing.get_origin(item)
         if origin is typing.Annotated:
             out.extend(_expand([typing.get_args(item)[0]]))
-        elif origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        elif origin is typing.Union or origin is types.UnionType:
             out.extend(_expand(list(typing.get_args(item))))
         else:
             out.append(item)
     return out
+
+
+@functools.cache
+def _discriminated() -> frozenset[str]:
+    """Every layer type and optimizer name: the tags pydantic puts into a union member's ``loc``."""
+    return frozenset(t for c in _expand([Layer, OptimizerSpec]) for t in _tags_of(c))
 
 
 def _tags_of(cls: type[BaseModel]) -> tuple[str, ...]:

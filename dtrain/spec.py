@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -52,7 +53,7 @@ def _scalar_kinds(annotation: Any) -> set[Any]:
     origin = typing.get_origin(annotation)
     if origin is Annotated:
         return _scalar_kinds(typing.get_args(annotation)[0])
-    if origin is Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+    if origin is Union or origin is types.UnionType:
         out: set[Any] = set()
         for arg in typing.get_args(annotation):
             out |= _scalar_kinds(arg)
@@ -123,14 +124,14 @@ class ClusterSpec(_Strict):
         for name, tasks in jobs.items():
             if not isinstance(name, str) or not re.match(_NAME, name):
                 problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
-            elif isinstance(tasks, bool) or not isinstance(tasks, (int, list)):
+            elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
                 problems.append(((name,), f"expected a number of tasks (1..256) or a list of Dask worker "
                                           f"names/addresses, got {tasks!r}"))
             elif isinstance(tasks, int) and not 1 <= tasks <= 256:
                 problems.append(((name,), f"job {name!r} needs 1..256 tasks, got {tasks}"))
-            elif isinstance(tasks, list) and not tasks:
+            elif isinstance(tasks, (list, tuple)) and not tasks:
                 problems.append(((name,), f"job {name!r} lists no tasks; list one worker name/address per task"))
-            elif isinstance(tasks, list) and not all(isinstance(t, str) and t for t in tasks):
+            elif isinstance(tasks, (list, tuple)) and not all(isinstance(t, str) and t for t in tasks):
                 problems.append(((name,), f"job {name!r}: every task must be a worker name or address "
                                           f"(a non-empty string), got {tasks!r}"))
         if problems:
@@ -215,10 +216,8 @@ class NormLayer(_Layer):
 
 
 Layer = Annotated[
-    Union[
-        LinearLayer, ActivationLayer, LeakyReluLayer, DropoutLayer, FlattenLayer, ReshapeLayer,
-        Conv2dLayer, Pool2dLayer, NormLayer,
-    ],
+    LinearLayer | ActivationLayer | LeakyReluLayer | DropoutLayer | FlattenLayer | ReshapeLayer
+    | Conv2dLayer | Pool2dLayer | NormLayer,
     Field(discriminator="type"),
 ]
 
@@ -384,7 +383,7 @@ class AdagradOptimizer(_Opt):
 
 
 OptimizerSpec = Annotated[
-    Union[SgdOptimizer, MomentumOptimizer, AdamOptimizer, AdagradOptimizer], Field(discriminator="name")
+    SgdOptimizer | MomentumOptimizer | AdamOptimizer | AdagradOptimizer, Field(discriminator="name")
 ]
 
 

@@ -1,0 +1,28 @@
+"""Custom models used by tests (imported by path from pipelines, on the workers too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BrokenMLP(nn.Module):
+    """Declares a first layer of the wrong width, so the replica's forward fails with torch's
+    own shape error (what a user's custom module with a bug looks like)."""
+
+    def __init__(self, features: int = 64, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(features + 3, 32)
+        self.fc2 = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, features: int = 64, hidden: int = 32, classes: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
