@@ -181,12 +181,26 @@ def test_duplicate_keys_are_reported_with_other_problems(tmp_path: Path):
         ("hooks:\n  - type: logging\n    evry_steps: 3\n", 8, "hooks[0].evry_steps"),
         # a missing key: the line of the mapping's key
         ("checkpoint: {keep: 2}\ncluster:\n  security:\n    ca_file: ca.pem\n", 8, "cluster.security.cert_file"),
+        # a field named like its union tag (MomentumOptimizer.momentum): the tag is not part of the path
+        ("optimizer:\n  name: momentum\n  momentum: 2\n", 8, "optimizer.momentum"),
     ],
 )
 def test_lines_point_at_the_offending_node(text: str, line: int, path: str):
     with pytest.raises(SpecError) as info:
         loads(MODEL.replace("cluster: {jobs: {ps: 1, worker: 2}}\n", "name: x\n") + text, "p.yaml")
     assert [(p.line, p.path) for p in info.value.problems] == [(line, path)], str(info.value)
+
+
+def test_a_layer_named_like_a_layer_type():
+    text = ("model:\n  input_shape: [4]\n  layers:\n"
+            "    - {type: relu, name: linear}\n"
+            "    - {type: linear, name: relu, outt: 3}\n")
+    with pytest.raises(SpecError) as info:
+        loads(text, "p.yaml")
+    # Same line: ordered by column (the mapping that lacks 'out' opens before the unknown key).
+    assert [(p.line, p.path) for p in info.value.problems] == [(5, "model.layers[1].out"), (5, "model.layers[1].outt")]
+    assert info.value.problems[0].message.startswith("missing required key 'out'")
+    assert "did you mean 'out'" in info.value.problems[1].message
 
 
 def test_loads_without_a_file_names_the_string():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,6 +159,17 @@ def test_bad_specs_in_code_raise_validation_errors(sections: dict[str, Any], fra
 def test_graph_and_model_do_not_mix():
     with pytest.raises(ValidationError):
         mlp(fetch=["x"])
+
+
+def test_a_loaded_spec_pickles_with_its_base_dir(tmp_path):
+    import pickle
+
+    path = tmp_path / "p.yaml"
+    path.write_text("model: {input_shape: [4], layers: [{type: linear, out: 3}]}\n")
+    spec = dtrain.load(path)
+    copy = pickle.loads(pickle.dumps(spec))
+    assert copy == spec and copy.base_dir == tmp_path.resolve()
+    assert mlp().base_dir == Path(".")
 
 
 # ------------------------------------------------------------------------------ the hash
