@@ -12,6 +12,8 @@ Wire protocol (one round trip per shard per step, one flat tensor each way):
 - ``push_sync(grad, replica, version, ...)`` — sync mode: accumulate; return once the step that
   the gradient belongs to has been applied (or at once when the gradient is dropped as stale).
 - ``pull(min_step)`` — the current params, waiting until the shard has reached ``min_step``.
+- ``apply_mean(grad_sum, count, version)`` — in-graph replication (``dtrain.ingraph``): a task
+  on this worker applies the mean of gradients that the step's graph already reduced.
 
 Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in a ring of
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
@@ -190,7 +192,7 @@ class ParameterShard:
             if self.stop or self.error is not None:
                 return self._reply()
             self._observe(replica, loss, samples, local_step)
-            if self._bad_grad(grad, replica):
+            if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
                 cond.notify_all()
                 return self._reply()
             decision = self.sync.push(replica, version)
@@ -201,8 +203,9 @@ class ParameterShard:
             else:
                 self.acc.add_(grad)
             if isinstance(decision, Apply):
+                # The optimizer reads .grad only inside step(), so the accumulator is reused as
+                # .grad and refilled next step (no fresh buffer per step).
                 self._apply(self.acc, 1.0 / decision.count)
-                self.acc = torch.zeros_like(self.param) if self.acc is self.param.grad else self.acc
                 self._after_apply()
                 cond.notify_all()
             elif isinstance(decision, Accumulate):
@@ -263,8 +266,33 @@ class ParameterShard:
         step = int(state["step"])
         self.sync.reset(step)
         self.policy.reset(step)
+        if self.gate is not None:
+            self.gate.reset()
         self.sync.dropped_stale = int(state.get("dropped_stale", 0))
         self.samples_total = int(state.get("samples", 0))
         self.acc.zero_()
         self.stop = step >= self.steps
         return step
+
+    async def apply_mean(self, grad_sum: torch.Tensor, count: int, version: int, loss: float | None = None,
+                         samples: int = 0) -> int:
+        """In-graph replication: apply ``grad_sum / count`` — the sum of ``count`` replicas'
+        gradients, all computed on this shard's parameters of step ``version`` and reduced by the
+        step's graph — as one sync step. Returns the shard's step afterwards (unchanged when the
+        update was refused: stopped, failed, a non-finite gradient, or ``version`` not the current
+        step). ``grad_sum`` is scaled in place. ``loss`` is the replicas' mean loss and
+        ``samples`` their total, both recorded as one report (replica 0's) on shard 0."""
+        cond = self._condition()
+        async with cond:
+            if self.stop or self.error is not None:
+                return self.step
+            self._observe(0, loss, samples, version + 1)
+            if self.error is not None or self._bad_grad(grad_sum, 0):
+                cond.notify_all()
+                return self.step
+            decision = self.sync.push_aggregated(version, count)
+            if isinstance(decision, Apply):
+                self._apply(grad_sum, 1.0 / count)
+                self._after_apply()
+                cond.notify_all()
+            return self.step

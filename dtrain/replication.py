@@ -8,7 +8,8 @@ microseconds without a cluster (tests/test_replication.py).
   the same replica for the same step is dropped; when ``replicas_to_aggregate`` distinct replicas
   have pushed, the mean is applied and the step advances. With ``total_num_replicas`` larger than
   ``replicas_to_aggregate`` the extra replicas are backups: whatever arrives after the quorum is
-  stale and dropped, so stragglers no longer set the pace.
+  stale and dropped, so stragglers no longer set the pace. In-graph replication reduces a step's
+  gradients in its Dask graph and hands the shard one aggregated update (``push_aggregated``).
 - :class:`AsyncPolicy` — plain async (apply every push at once) or a staleness bound: a push
   computed on parameters more than ``max_staleness`` updates old is dropped.
 - :class:`StalenessGate` — stale synchronous parallel on local steps: a replica more than
@@ -64,6 +65,9 @@ class SyncAggregator:
 
     def push(self, replica: int, step: int) -> Decision:
         """A gradient from ``replica`` computed on the parameters of ``step``."""
+        if not 0 <= replica < self.total_num_replicas:
+            raise ValueError(f"replica {replica} is not one of the {self.total_num_replicas} replicas "
+                             f"(0..{self.total_num_replicas - 1})")
         if step < self.step:
             self.dropped_stale += 1
             return Drop("stale", self.step)
@@ -81,6 +85,19 @@ class SyncAggregator:
             self.step += 1
             return Apply(self.step, count)
         return Accumulate(self.step, len(self.contributors))
+
+    def push_aggregated(self, step: int, count: int) -> Decision:
+        """A mean of ``count`` gradients computed on the parameters of ``step`` and aggregated
+        elsewhere (in-graph replication: the step's graph reduced them). It is the whole update of
+        ``step``; any partial accumulation is superseded."""
+        if count < 1:
+            raise ValueError(f"an aggregated update needs count >= 1, got {count}")
+        if step != self.step:
+            self.dropped_stale += 1
+            return Drop("stale" if step < self.step else "ahead", self.step)
+        self.contributors.clear()
+        self.step += 1
+        return Apply(self.step, count)
 
     def reset(self, step: int) -> None:
         """Forget partial accumulation (after a restore or a lost replica's generation change)."""
@@ -130,3 +147,9 @@ class StalenessGate:
     def replica_lost(self, replica: int) -> None:
         """A lost replica no longer holds the others back (until it reports again)."""
         self.lost.add(replica)
+
+    def reset(self) -> None:
+        """Forget every local step (after a restore the replicas count from their new start;
+        :meth:`report` keeps the maximum, so old counts would otherwise outlive the restore)."""
+        self.local.clear()
+        self.lost.clear()
