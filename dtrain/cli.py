@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import RunDirError, RunError, SpecError
+from .errors import RunDirError, RunError, SpecError, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -125,10 +125,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so the session writes its summary (and checkpoint)."""
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from .loading import load
 
@@ -140,20 +136,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_run_dir(run_dir, args.resume)
 
     def on_term(signum: int, frame: Any) -> None:
-        raise _Terminated()
+        raise Terminated()
 
     old = signal.signal(signal.SIGTERM, on_term)
     bar = _Progress(enabled=not args.quiet)
     try:
         result = run(spec, run_dir=run_dir, scheduler=args.scheduler, resume=args.resume, progress=bar.update)
+    except Terminated:
+        bar.close()
+        print("dtrain: terminated (SIGTERM); checkpoint written where configured", file=sys.stderr)
+        return EXIT_SIGTERM
     except KeyboardInterrupt:
         bar.close()
-        print("dtrain: interrupted", file=sys.stderr)
+        print("dtrain: interrupted (SIGINT); checkpoint written where configured", file=sys.stderr)
         return EXIT_SIGINT
-    except _Terminated:
-        bar.close()
-        print("dtrain: terminated", file=sys.stderr)
-        return EXIT_SIGTERM
     finally:
         bar.close()
         signal.signal(signal.SIGTERM, old)

@@ -77,3 +77,8 @@ def _dotted(loc: Iterable[str | int]) -> str:
 
 
 dotted = _dotted
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so the session checkpoints and writes its summary
+    before the CLI exits 143 (a KeyboardInterrupt subclass: every interrupt path handles it)."""

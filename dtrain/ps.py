@@ -90,6 +90,8 @@ class ParameterShard:
         self.records: list[dict[str, Any]] = []
         self.local_steps: dict[int, int] = {}
         self.last_apply_time = 0.0
+        # Checkpoint snapshots: applies pause once the step reaches hold_at, until release().
+        self.hold_at: int | None = None
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -154,6 +156,20 @@ class ParameterShard:
         if step >= self.steps:
             self.stop = True
 
+    def _held(self, version: int | None) -> bool:
+        if self.hold_at is None or self.step < self.hold_at:
+            return False
+        return version is None or version >= self.hold_at  # else it completes the step being waited for
+
+    async def _wait_unheld(self, version: int | None = None) -> None:
+        """Pause a push while a snapshot is being taken (applies must not move the parameters)."""
+        if not self._held(version):
+            return
+        cond = self._condition()
+        async with cond:
+            await self._wait(cond, lambda: not self._held(version) or self.stop or self.error is not None,
+                             f"a push on shard {self.index} waited for a checkpoint snapshot")
+
     def _bad_grad(self, grad: torch.Tensor, replica: int) -> bool:
         if self.nan_guard and not bool(torch.isfinite(grad).all()):
             self.error = self.error or (f"nan_guard: replica {replica} pushed a non-finite gradient at step "
@@ -165,6 +181,7 @@ class ParameterShard:
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
         """Async mode: apply this gradient now (unless too stale), reply with fresh parameters."""
+        await self._wait_unheld()
         if self.stop or self.error is not None:
             return self._reply()
         self._observe(replica, loss, samples, local_step)
@@ -187,6 +204,7 @@ class ParameterShard:
     async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
         """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean."""
+        await self._wait_unheld(version)
         cond = self._condition()
         async with cond:
             if self.stop or self.error is not None:
@@ -245,6 +263,31 @@ class ParameterShard:
                 self._cond.notify_all()
         return self.step
 
+    async def hold(self, at_step: int | None = None) -> int:
+        """Pause applies from ``at_step`` on (default: now); returns the current step."""
+        self.hold_at = self.step if at_step is None else at_step
+        if self._cond is not None:  # a raised hold step may free pushes that were held
+            async with self._cond:
+                self._cond.notify_all()
+        return self.step
+
+    async def wait_held(self) -> int:
+        """Return once the shard has reached its hold step (sync: the step the snapshot needs)."""
+        if self.hold_at is not None and self.step < self.hold_at:
+            cond = self._condition()
+            async with cond:
+                await self._wait(cond, lambda: self.hold_at is None or self.step >= self.hold_at or self.stop
+                                 or self.error is not None, f"shard {self.index} waited for step {self.hold_at}")
+        return self.step
+
+    async def release(self) -> int:
+        """End a hold: waiting pushes go on."""
+        self.hold_at = None
+        if self._cond is not None:
+            async with self._cond:
+                self._cond.notify_all()
+        return self.step
+
     async def get_params(self) -> tuple[torch.Tensor, int]:
         return self.param.data.clone(), self.step
 
@@ -281,7 +324,9 @@ class ParameterShard:
         step's graph — as one sync step. Returns the shard's step afterwards (unchanged when the
         update was refused: stopped, failed, a non-finite gradient, or ``version`` not the current
         step). ``grad_sum`` is scaled in place. ``loss`` is the replicas' mean loss and
-        ``samples`` their total, both recorded as one report (replica 0's) on shard 0."""
+        ``samples`` their total, both recorded as one report (replica 0's) on shard 0. Waits
+        while a checkpoint snapshot holds the shard, like a push."""
+        await self._wait_unheld(version)
         cond = self._condition()
         async with cond:
             if self.stop or self.error is not None:

@@ -91,7 +91,8 @@ class ReplicaStats:
 class ReplicaModel:
     """The replica's model, data slice, loss and persistent buffers."""
 
-    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None):
+    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None,
+                 start_local_step: int = 0):
         torch.set_num_threads(spec.training.torch_threads)
         self.spec = spec
         self.index = index
@@ -108,11 +109,14 @@ class ReplicaModel:
         b = spec.data.batch_size
         self.batches = ShardIterator(len(self.x), b, index, plan.num_replicas, spec.training.seed,
                                      shuffle=spec.data.shuffle)
+        if start_local_step:
+            self.batches.seek(start_local_step)  # resume: the data order continues where it stopped
         self.xb = torch.empty((b, *self.x.shape[1:]), dtype=self.x.dtype, device=self.device)
         self.yb = torch.empty((b, *self.y.shape[1:]), dtype=self.y.dtype, device=self.device)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
-        torch.manual_seed(spec.training.seed * 1000 + index)  # dropout differs per replica, reproducibly
+        # Dropout differs per replica, reproducibly (and per resume point).
+        torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + start_local_step)
 
     def step(self) -> tuple[float, int]:
         """Forward, loss, backward on the next batch; gradients left in the parameters' .grad."""
@@ -130,9 +134,9 @@ class ReplicaModel:
             self.bound.load_params(s, buf)
 
 
-def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, stop_check: Any = None) -> ReplicaStats:
+def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters."""
-    rep = ReplicaModel(spec, plan, index)
+    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step)
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
     stats = ReplicaStats(index, device=str(rep.device))
@@ -157,7 +161,7 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, stop_che
     versions = [r[1] for r in replies]
     stop = any(r[2] for r in replies)
     pending: list[Any] | None = None
-    k = 0
+    k = start_local_step
     while not stop:
         t0 = time.perf_counter()
         loss, n = rep.step()
@@ -165,7 +169,7 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, stop_che
         rep.bound.grads_into(grads)
         stats.compute_s += time.perf_counter() - t0
         k += 1
-        stats.local_steps = k
+        stats.local_steps = k - start_local_step
         stats.samples += n
         if t.mode == "sync":
             futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from distributed import Client, Future
 
-from .cluster import Connection, connect
+from . import checkpoint as ckpt_io
+from .cluster import Connection, connect, wait_for_tasks
 from .compiler import Plan, compile
-from .errors import RunDirError, RunError
+from .errors import RunDirError, RunError, Terminated
 from .hooks import Hook, NanGuardHook, StepContext, build_hooks
 from .layout import ShardLayout
 from .metrics import JsonlSink, TensorBoardSink
@@ -112,6 +113,13 @@ class Session:
         self.replica_futures: list[Future] = []
         self.sinks: list[Any] = []
         self.eval_history: list[dict[str, Any]] = []
+        self.driver: Any = None  # in-graph replication's step driver
+        self.local_steps: dict[Any, int] = {}
+        self._submits = 0
+        self.recovery_log: list[dict[str, Any]] = []
+        self.checkpoints_written: list[str] = []
+        self._last_ckpt_step = 0
+        self._last_ckpt_time = time.monotonic()
 
     # ------------------------------------------------------------------ ps
     def _shard_config(self, index: int) -> dict[str, Any]:
@@ -137,6 +145,16 @@ class Session:
             self.shard_futures.append(fut)
         self.shards = [f.result(timeout=self.spec.cluster.wait_s) for f in self.shard_futures]
 
+    def restore(self, checkpoint: ckpt_io.Checkpoint) -> None:
+        """Set every shard (params, optimizer state, step) from one checkpoint."""
+        states = checkpoint.payload["shards"]
+        if len(states) != len(self.shards) or any(
+                st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards)):
+            raise RunError(f"{checkpoint.path} was written for a different model or placement "
+                           f"({len(states)} shard(s)); use another --run-dir")
+        for shard, state in zip(self.shards, states):
+            self._call(shard.set_state(state))
+
     def shard_refs(self) -> list[tuple[str, str]]:
         return [(self.conn.tasks[s.task], f.key) for s, f in zip(self.plan.shards, self.shard_futures)]
 
@@ -154,16 +172,39 @@ class Session:
                 logger.debug("request_stop failed: %s", exc)
 
     # ------------------------------------------------------------------ replicas
-    def submit_replicas(self) -> None:
+    def submit_replicas(self, only: int | None = None) -> None:
+        """Submit every replica (or just ``only``), each pinned to its worker task's address."""
+        if self.spec.training.replication == "in_graph":
+            from .ingraph import InGraphDriver
+
+            self.driver = InGraphDriver(self.client, self.spec, self.plan, self.shard_refs(), self.conn.tasks,
+                                        f"{self.token}-g{self.generation}")
+            self.driver.start()
+            return
         refs = self.shard_refs()
-        self.replica_futures = []
+        if only is None:
+            self.replica_futures = [None] * self.plan.num_replicas  # type: ignore[list-item]
+        self._submits += 1
         for r in self.plan.replicas:
+            if only is not None and r.index != only:
+                continue
             addr = self.conn.tasks[r.task]
-            self.replica_futures.append(self.client.submit(
-                replica_task, self.spec, self.plan, r.index, refs, workers=[addr], allow_other_workers=False,
-                pure=False, key=f"dtrain-replica-{r.index}-g{self.generation}-{self.token}"))
+            self.replica_futures[r.index] = self.client.submit(
+                replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
+                workers=[addr], allow_other_workers=False, pure=False,
+                key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
+
+    def _start_local_step(self, index: int) -> int:
+        """Where replica ``index`` resumes in its data order: in sync mode without backups every
+        replica contributes once per step, so its local step is the global step; otherwise the last
+        local step it reported to ps task 0."""
+        if self.spec.training.mode == "sync" and self.plan.replicas_to_aggregate == self.plan.num_replicas:
+            return self.global_step
+        return int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))
 
     def _replica_failure(self) -> str | None:
+        if self.driver is not None:
+            return self.driver.error()
         for r, fut in zip(self.plan.replicas, self.replica_futures):
             if fut.status == "error":
                 exc = fut.exception(timeout=5)
@@ -181,20 +222,33 @@ class Session:
         final_eval: dict[str, Any] = {}
         try:
             self._open_sinks()
+            if self.conn.dashboard_link:
+                logger.info("Dask dashboard: %s", self.conn.dashboard_link)
             torch.manual_seed(self.spec.training.seed)
             init_model = build_model(self.spec)
-            init = self.layout.pack(dict(init_model.named_parameters()))
-            self.create_shards(init)
+            self.init_buffers = self.layout.pack(dict(init_model.named_parameters()))
+            latest = ckpt_io.latest(self.run_dir) if self.resume else None
+            if self.resume and latest is None:
+                logger.warning("--resume: no valid checkpoint in %s; starting from step 0", self.run_dir)
+            self._start_generation(latest)
+            self.start_step = self.global_step
             for h in self.hooks:
                 h.begin(self)
             self.t_train = time.time()
-            self.submit_replicas()
             self._monitor()
             self.train_s = time.time() - self.t_train
+            if self.spec.checkpoint is not None and self._last_ckpt_step != self.global_step:
+                self.save_checkpoint()
             model, final_eval = self._finish(init_model)
             status = "completed"
-        except KeyboardInterrupt:
-            status, error = "interrupted", "interrupted"
+        except KeyboardInterrupt as exc:
+            status, error = "interrupted", "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+            if self.spec.checkpoint is not None and self.shards:
+                try:
+                    self.request_stop()
+                    self.save_checkpoint()
+                except Exception as ckpt_exc:  # the interrupt wins; say what was lost
+                    logger.warning("could not checkpoint on interrupt: %s", ckpt_exc)
             raise
         except RunError as exc:
             error = str(exc)
@@ -216,6 +270,166 @@ class Session:
                 sink.close()
         return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan)
 
+    def write_cluster_info(self) -> None:
+        """``cluster.json``: scheduler, dashboard and each task's worker address and process id
+        (for operators, and for fault tests that kill a task's process by pid)."""
+        import os
+
+        try:
+            pids = self.client.run(os.getpid, workers=list(set(self.conn.tasks.values())))
+        except Exception as exc:  # informational only
+            logger.debug("could not read worker pids: %s", exc)
+            pids = {}
+        workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(self.conn.tasks.items())}
+        _write_json(self.run_dir / "cluster.json", {
+            "scheduler": self.client.scheduler.address, "dashboard": self.conn.dashboard_link,
+            "generation": self.generation, "tasks": workers})
+
+    def _start_generation(self, checkpoint: ckpt_io.Checkpoint | None) -> None:
+        """Create the ps actors (restored from ``checkpoint`` when given) and start the replicas."""
+        self.write_cluster_info()
+        self.create_shards(self.init_buffers)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+            self.global_step = checkpoint.step
+            self._last_ckpt_step = checkpoint.step
+            self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
+                                .get("local_steps", {}).items()}
+            logger.info("restored %s (global step %d)", checkpoint.path.name, checkpoint.step)
+        self.submit_replicas()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """Snapshot every shard at one consistent step and write it atomically.
+
+        Applies pause for the snapshot: in async mode at once; in sync mode at the newest step any
+        shard has reached, once the lagging shards have applied it (they are at most one step
+        behind, and the replicas' gradients for that step are already on their way).
+        """
+        spec = self.spec.checkpoint
+        if spec is None:
+            return None
+        t0 = time.monotonic()
+        try:
+            if self.spec.training.mode == "async":
+                for s in self.shards:
+                    self._call(s.hold())
+            else:
+                target = max(self._call(s.hold(10**12)) for s in self.shards)
+                for _ in range(5):
+                    for s in self.shards:
+                        self._call(s.hold(target))
+                    steps = [self._call(s.wait_held(), timeout=self.spec.training.barrier_timeout_s + 5)
+                             for s in self.shards]
+                    if min(steps) == max(steps):
+                        break
+                    target = max(steps)
+            states = [self._call(s.get_state(), timeout=60) for s in self.shards]
+        finally:
+            for s in self.shards:
+                try:
+                    self._call(s.release(), timeout=10)
+                except Exception as exc:  # a lost shard: recovery will replace it
+                    logger.debug("release failed: %s", exc)
+        step = states[0]["step"]
+        path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
+                            pipeline_hash=self.plan.pipeline_hash,
+                            replicas={"local_steps": {str(k): v for k, v in self.local_steps.items()}},
+                            keep=spec.keep)
+        self._last_ckpt_step, self._last_ckpt_time = step, time.monotonic()
+        self.checkpoints_written.append(path.name)
+        logger.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - t0)
+        for h in self.hooks:
+            h.on_checkpoint(step, str(path))
+        return path
+
+    def _checkpoint_due(self) -> bool:
+        spec = self.spec.checkpoint
+        if spec is None or self.global_step == self._last_ckpt_step:
+            return False
+        if spec.every_steps and self.global_step // spec.every_steps > self._last_ckpt_step // spec.every_steps:
+            return True
+        return bool(spec.every_secs and time.monotonic() - self._last_ckpt_time >= spec.every_secs)
+
+    # ------------------------------------------------------------------ failures and recovery
+    def _lost_tasks(self) -> tuple[list[int], list[int]]:
+        """(lost shard indices, lost replica indices): their worker left the scheduler, or the
+        actor's future erred (the scheduler reports a dead actor worker within ~0.1 s)."""
+        try:
+            live = set(self.conn.workers())
+        except Exception:  # scheduler unreachable: nothing to recover to
+            raise RunError("lost the connection to the scheduler") from None
+        shards = [s.index for s, f in zip(self.plan.shards, self.shard_futures)
+                  if f.status == "error" or self.conn.tasks.get(s.task) not in live]
+        replicas = [] if self.driver is not None else [
+            r.index for r in self.plan.replicas if self.conn.tasks.get(r.task) not in live]
+        if self.driver is not None and any(self.conn.tasks.get(r.task) not in live for r in self.plan.replicas):
+            shards = shards or [0]  # in-graph: restart the step driver from the checkpoint
+        return shards, replicas
+
+    def _recover_if_lost(self, exc: BaseException, wait_s: float = 3.0) -> bool:
+        """After a failed actor call: recover if a task was lost (the scheduler may need a moment
+        to notice a dead worker), and say whether it was."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            lost_shards, lost_replicas = self._lost_tasks()
+            if lost_shards or lost_replicas:
+                logger.info("%s: %s", type(exc).__name__, exc)
+                self._recover(lost_shards, lost_replicas)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a coordinator action that calls the ps; a lost task turns into a recovery."""
+        try:
+            return fn(*args)
+        except RunError:
+            raise
+        except Exception as exc:
+            if not self._recover_if_lost(exc):
+                raise
+            return None
+
+    def _recover(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
+        t_lost = time.time()
+        lost = [self.plan.shards[i].task for i in lost_shards] + [self.plan.replicas[i].task for i in lost_replicas]
+        self.recoveries += 1
+        limit = self.spec.training.max_recoveries
+        if self.recoveries > limit:
+            raise RunError(f"lost {', '.join(lost)}; recovery attempts used up (training.max_recoveries: {limit})")
+        for h in self.hooks:
+            for task in lost:
+                h.on_task_lost(task)
+        logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), self.global_step,
+                       self.recoveries, limit)
+        stale = [f for i, f in enumerate(self.replica_futures) if lost_shards or i in lost_replicas]
+        if lost_shards:
+            # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
+            # checkpoint, so that all shards agree on one step.
+            self.request_stop()
+            if self.driver is not None:
+                self.driver.stop()
+                self.driver = None
+            stale += self.shard_futures
+        self.client.cancel([f for f in stale if f is not None], force=True)
+        wait_for_tasks(self.conn, self.spec, self.spec.cluster.wait_s)
+        self.plan = compile(self.spec, self.conn.workers())
+        if lost_shards:
+            self.generation += 1
+            latest = ckpt_io.latest(self.run_dir) if self.spec.checkpoint is not None else None
+            if latest is None:
+                self.global_step = 0
+                self.local_steps = {}
+            self._start_generation(latest)
+        else:
+            self.write_cluster_info()
+            for i in lost_replicas:
+                self.submit_replicas(only=i)
+        self.recovery_log.append({"lost": lost, "step": self.global_step, "time": t_lost,
+                                  "restored_step": self.global_step, "recovered_s": time.time() - t_lost})
+
     def _open_sinks(self) -> None:
         self.sinks = [JsonlSink(self.run_dir / "metrics.jsonl", append=self.resume)]
         if self.spec.summary.tensorboard:
@@ -230,11 +444,32 @@ class Session:
         last_step = -1
         latest: dict[str, Any] = {}
         lr = getattr(self.spec.optimizer, "lr", None)
+        last_liveness = 0.0
         while True:
-            stats = self._call(self.shards[0].stats(), timeout=30)
+            now = time.monotonic()
+            if now - last_liveness >= 0.25:
+                last_liveness = now
+                lost_shards, lost_replicas = self._lost_tasks()
+                if lost_shards or lost_replicas:
+                    self._recover(lost_shards, lost_replicas)
+                    continue
+            try:
+                stats = self._call(self.shards[0].stats(), timeout=10)
+            except Exception as exc:
+                if not self._recover_if_lost(exc):
+                    raise RunError(f"ps task 0 does not answer: {type(exc).__name__}: {exc}") from None
+                continue
+            if stats["generation"] != self.generation:
+                continue
             self.global_step = stats["step"]
             self.dropped_stale = stats["dropped_stale"]
             self.samples = stats["samples"]
+            self.local_steps.update({int(k): v for k, v in stats["local_steps"].items()})
+            if self.recovery_log and "first_apply_s" not in self.recovery_log[-1] \
+                    and stats["last_apply_time"] > self.recovery_log[-1]["time"]:
+                rec = self.recovery_log[-1]
+                rec["first_apply_s"] = stats["last_apply_time"] - rec["time"]
+                logger.warning("recovered: first update %.1f s after the loss was seen", rec["first_apply_s"])
             for rec in stats["records"]:
                 metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
                 metrics["learning_rate"] = lr
@@ -243,7 +478,7 @@ class Session:
                 latest = metrics
                 every = self.spec.eval.every_steps
                 if every and rec["step"] % every == 0 and rec["step"] < self.spec.training.steps:
-                    self._evaluate_now(rec["step"])
+                    self._guarded(self._evaluate_now, rec["step"])
             if self.global_step != last_step:
                 ctx = StepContext(self.global_step, dict(latest))
                 for h in self.hooks:
@@ -262,14 +497,31 @@ class Session:
             if stats["error"]:
                 self.request_stop()
                 raise RunError(stats["error"])
+            if self._checkpoint_due():
+                self._guarded(self.save_checkpoint)
             failure = self._replica_failure()
             if failure:
+                lost_shards, lost_replicas = self._lost_tasks()
+                if lost_shards or lost_replicas:
+                    self._recover(lost_shards, lost_replicas)
+                    continue
                 self.request_stop()
                 raise RunError(failure)
-            if all(f.status == "finished" for f in self.replica_futures):
+            if self.driver is not None:
+                if self.driver.done():
+                    break
+            elif all(f.status == "finished" for f in self.replica_futures):
                 break
             time.sleep(POLL_S)
-        self.replica_stats = [f.result() for f in self.replica_futures]
+        if self.driver is not None:
+            self.replica_stats = self.driver.replica_stats()
+        else:
+            self.replica_stats = [f.result() for f in self.replica_futures]
+        final = self._call(self.shards[0].stats(), timeout=30)
+        self.global_step, self.dropped_stale, self.samples = final["step"], final["dropped_stale"], final["samples"]
+        for rec in final["records"]:
+            self._log({k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}, rec["step"])
+            self.records.append(rec)
 
     def _evaluate_now(self, step: int) -> dict[str, Any]:
         model = self._assemble(build_model(self.spec), self.pull_params())
@@ -304,7 +556,9 @@ class Session:
         return model, final_eval
 
     def _cancel(self) -> None:
-        futures = self.replica_futures + self.shard_futures
+        if self.driver is not None:
+            self.driver.stop()
+        futures = [f for f in self.replica_futures + self.shard_futures if f is not None]
         if futures:
             try:
                 self.request_stop()
@@ -322,7 +576,8 @@ class Session:
             "mode": self.spec.training.mode, "replication": self.spec.training.replication,
             "replicas": self.plan.num_replicas, "recoveries": self.recoveries, "dropped_stale": self.dropped_stale,
             "samples": self.samples, "train_s": round(train_s, 3), "pipeline_hash": self.plan.pipeline_hash,
-            "ps_tasks": [s.task for s in self.plan.shards],
+            "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
+            "recovery_log": self.recovery_log, "checkpoints": self.checkpoints_written,
         }
         if error:
             summary["error"] = error

@@ -29,11 +29,12 @@ def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
     return [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
 
 
-def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]]) -> dict[str, Any]:
+def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
+                 start_local_step: int = 0) -> dict[str, Any]:
     """One long-running replica: trains until the ps says stop, returns its counters."""
     secede()
     shards = shard_handles(refs)
-    stats = run_replica(spec, plan, index, shards)
+    stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step)
     out = asdict(stats)
     out["worker"] = get_worker().name
     out["pid"] = os.getpid()

@@ -1,0 +1,142 @@
+"""Atomic checkpoints of every shard, with a manifest and a checksum.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    ckpt-00000500.pt     torch.save of {"format", "step", "shards": [...], "replicas": {...},
+                         "spec": <the pipeline as JSON data>, "pipeline_hash", "time"}
+    ckpt-00000500.json   manifest: {"step", "file", "bytes", "sha256", "pipeline_hash"}
+
+A checkpoint is written to a temp file, fsynced and renamed, then its manifest the same way,
+then the directory is fsynced: a crash leaves either the old set or the new one. The newest
+checkpoint whose bytes match its manifest's sha256 and that loads with ``weights_only=True``
+is used to resume; a corrupt or truncated newest one is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+    payload: dict[str, Any]
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: dict[str, Any],
+         pipeline_hash: str, replicas: dict[str, Any] | None = None, keep: int = 3) -> Path:
+    """Write ``ckpt-<step>.pt`` and its manifest atomically; keep the newest ``keep``."""
+    import io
+
+    directory = checkpoint_dir(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {"format": FORMAT, "step": int(step), "shards": shards, "replicas": replicas or {},
+               "spec": spec_data, "pipeline_hash": pipeline_hash, "time": time.time()}
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    path = directory / f"ckpt-{step:08d}.pt"
+    _atomic_write(path, data)
+    manifest = {"step": int(step), "file": path.name, "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
+    _atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
+    _fsync_dir(directory)
+    _retain(directory, keep)
+    return path
+
+
+def _retain(directory: Path, keep: int) -> None:
+    for old in list_checkpoints(directory.parent)[:-keep]:
+        for p in (old, old.with_suffix(".json")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint files by step, oldest first."""
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check a checkpoint against its manifest and load it (``weights_only=True``).
+
+    Raises ValueError saying what is wrong (missing manifest, size or checksum mismatch, unloadable).
+    """
+    manifest_path = path.with_suffix(".json")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path.name}: manifest {manifest_path.name} unreadable ({exc})") from None
+    data = path.read_bytes()
+    if len(data) != manifest.get("bytes"):
+        raise ValueError(f"{path.name}: {len(data)} bytes, manifest says {manifest.get('bytes')} (truncated?)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != manifest.get("sha256"):
+        raise ValueError(f"{path.name}: sha256 mismatch (corrupt)")
+    import io
+
+    try:
+        payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises several types for bad pickles
+        raise ValueError(f"{path.name}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+    if payload.get("format") != FORMAT:
+        raise ValueError(f"{path.name}: unknown checkpoint format {payload.get('format')!r}")
+    return payload
+
+
+def latest(run_dir: Path) -> Checkpoint | None:
+    """The newest valid checkpoint (skipping, with a warning, any newer one that fails :func:`verify`)."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            payload = verify(path)
+        except (OSError, ValueError) as exc:
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
+            continue
+        return Checkpoint(int(payload["step"]), path, payload)
+    return None

@@ -1,0 +1,37 @@
+"""A model whose forward is slow on one worker only: a straggler for the backup-replica test.
+
+Imported by path (``tests.helpers.slowmodels:SlowMLP``) on the in-process workers."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+SLOW_WORKER = "worker-2"
+
+
+def _worker_name() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().name)
+    except ValueError:  # not inside a Dask task (the client builds and evaluates the model too)
+        return None
+
+
+class SlowMLP(nn.Module):
+    """A small MLP; its forward sleeps ``delay_s`` on the Dask worker named ``slow_worker``."""
+
+    def __init__(self, features: int = 64, hidden: int = 16, classes: int = 10, delay_s: float = 0.05,
+                 slow_worker: str = SLOW_WORKER):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.delay_s = delay_s
+        self.slow_worker = slow_worker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and _worker_name() == self.slow_worker:
+            time.sleep(self.delay_s)
+        return self.net(x)
