@@ -471,7 +471,8 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         "status": "failed", "param_bytes": param_bytes, "shard_bytes": [s.bytes for s in plan.shards],
         "optimizer_state_bytes": param_bytes * optimizer_state_factor(p["optimizer"]),
         "replicas": plan.num_replicas, "samples_per_global_step": k * p["batch"],
-        "bytes_per_step_protocol": 2 * param_bytes,
+        # per global step: k gradient pushes and k parameter replies of every shard, fp32
+        "bytes_per_step_protocol": 2 * k * param_bytes,
     }
     run_dir = Path(p["run_dir"])
     sampler = LoopbackSampler()
@@ -737,6 +738,8 @@ def summarize(configs: list[Config], runs: list[dict[str, Any]], reps: int) -> d
         if cfg.kind == "dtrain":
             entry["method"] = sorted({r.get("method") for r in ok if r.get("method")})
             entry["memory"] = memory_summary(ok)
+            entry["bytes_per_step_protocol"] = ok[0].get("bytes_per_step_protocol") if ok else None
+            entry["lo_bytes_per_step"] = median([r.get("lo_bytes_per_step") for r in ok])
         elif ok and ok[0].get("peak_rss"):
             entry["memory"] = {"process_peak_rss": median([r.get("peak_rss") for r in ok])}
         out[cfg.name] = entry

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("schema", help="print the JSON Schema of pipeline files (for editors' YAML completion)")
 
+    rp = sub.add_parser("report", help="plot a run's loss and eval curves to a PNG and print a short table")
+    rp.add_argument("run_dir")
+    rp.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+
     w = sub.add_parser("worker", help="start a Dask worker serving one task (name JOB-N, resource JOB=1)")
     w.add_argument("--job", required=True)
     w.add_argument("--task", required=True, type=int)
@@ -77,7 +81,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "validate": cmd_validate, "plan": cmd_plan, "schema": cmd_schema,
-               "worker": cmd_worker}[args.command]
+               "worker": cmd_worker, "report": cmd_report}[args.command]
     try:
         code = handler(args)
     except SpecError as exc:
@@ -113,6 +117,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "dtrain pipeline"
     print(json.dumps(schema, indent=2))
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import render
+
+    try:
+        png, table = render(Path(args.run_dir), Path(args.out) if args.out else None)
+    except (ValueError, OSError) as exc:
+        print(f"dtrain: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(table)
+    print(f"plot: {png}")
     return EXIT_OK
 
 

@@ -1,0 +1,40 @@
+"""README snippets are tested data: every YAML pipeline in it validates, and the plan it shows is
+what `dtrain plan` prints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import dtrain
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+YAML_BLOCKS = re.findall(r"```yaml\n(.*?)```", README, flags=re.S)
+
+
+def test_readme_has_pipelines():
+    assert len(YAML_BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[f"yaml{i}" for i in range(len(YAML_BLOCKS))])
+def test_readme_yaml_validates(block):
+    spec = dtrain.loads(block, filename="README.md", base_dir=ROOT)
+    dtrain.compile(spec)
+
+
+def test_readme_plan_output_is_real():
+    shown = re.search(r"```\n(plan digits-async:.*?)\n\.\.\.\n```", README, flags=re.S).group(1)
+    real = dtrain.compile(dtrain.load(ROOT / "pipelines" / "digits_async.yaml")).format()
+    assert real.startswith(shown)
+
+
+def test_quickstart_is_two_make_commands():
+    quick = README.split("## Quickstart", 1)[1].split("##", 1)[0]
+    cmds = re.findall(r"^make (\w+)", quick, flags=re.M)
+    assert cmds == ["run", "test"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\nrun:" in makefile and "\ntest:" in makefile
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
