@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")  # 8 digits, more past step 99,999,999
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full, interrupt) leaves no temp file behind
+        raise
 
 
 def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: dict[str, Any],
@@ -81,17 +85,40 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
                 "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
     _atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
     _fsync_dir(directory)
-    _retain(directory, keep)
+    _retain(directory, path, keep)
     return path
 
 
-def _retain(directory: Path, keep: int) -> None:
-    for old in list_checkpoints(directory.parent)[:-keep]:
+def _step_of(path: Path) -> int:
+    m = _NAME.match(path.name)
+    if m is None:
+        raise ValueError(f"{path.name} is not a checkpoint name (ckpt-<8-digit step>.pt)")
+    return int(m.group(1))
+
+
+def _retain(directory: Path, current: Path, keep: int) -> None:
+    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints.
+
+    A checkpoint *newer* than ``current`` exists only when this run resumed or recovered past it,
+    i.e. it failed :func:`verify`: it is removed (with a warning) rather than counted against
+    ``keep`` (with keep: 1 the checkpoint just written would otherwise be deleted) or left to be
+    tried first at every later resume. A newer one that does verify is left alone and not counted.
+    """
+    step = _step_of(current)
+    paths = list_checkpoints(directory.parent)
+    doomed = []
+    for p in (p for p in paths if _step_of(p) > step):
+        try:
+            verify(p)
+        except (OSError, ValueError) as exc:
+            logger.warning("removing %s, newer than the checkpoint just written (%s) but invalid: %s",
+                           p.name, current.name, exc)
+            doomed.append(p)
+    older = [p for p in paths if _step_of(p) <= step]
+    doomed += older[:max(len(older) - max(keep, 1), 0)]
+    for old in doomed:
         for p in (old, old.with_suffix(".json")):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            p.unlink(missing_ok=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -113,6 +140,8 @@ def verify(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path.name}: manifest {manifest_path.name} unreadable ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("file", path.name) != path.name:
+        raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this file")
     data = path.read_bytes()
     if len(data) != manifest.get("bytes"):
         raise ValueError(f"{path.name}: {len(data)} bytes, manifest says {manifest.get('bytes')} (truncated?)")
@@ -125,8 +154,13 @@ def verify(path: Path) -> dict[str, Any]:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises several types for bad pickles
         raise ValueError(f"{path.name}: cannot be loaded ({type(exc).__name__}: {exc})") from None
-    if payload.get("format") != FORMAT:
-        raise ValueError(f"{path.name}: unknown checkpoint format {payload.get('format')!r}")
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{path.name}: unknown checkpoint format {got!r}")
+    if payload.get("step") != _step_of(path):
+        raise ValueError(f"{path.name}: holds step {payload.get('step')!r}, not the step its name says")
+    if not isinstance(payload.get("shards"), list):
+        raise ValueError(f"{path.name}: no shard list")
     return payload
 
 

@@ -71,7 +71,7 @@ def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
     """Start the embedded cluster (blocking until every worker has joined)."""
     scheduler = {"cls": Scheduler, "options": {
         "host": "127.0.0.1", "port": 0,
-        "dashboard_address": "127.0.0.1:0" if spec.cluster.dashboard else None,
+        "dashboard_address": "127.0.0.1:0",
         "dashboard": spec.cluster.dashboard,
     }}
     with dask.config.set(dask_config(spec)):
@@ -144,12 +144,46 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
         if client is not None:
             conn = Connection(client)
         elif address:
+            import json
+            from pathlib import Path
+
+            from distributed.comm.core import CommClosedError, FatalCommClosedError
+
             security = _security(spec)
+            if "://" not in address and address.endswith(".json"):
+                # a scheduler file written by `dask scheduler --scheduler-file` (a shared file system)
+                sched_file = Path(address).expanduser()
+                if scheduler is None and not sched_file.is_absolute():
+                    sched_file = spec.base_dir / sched_file  # cluster.scheduler: relative to the pipeline
+                try:
+                    address = str(json.loads(sched_file.read_text())["address"])
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise RunError(f"cannot read the scheduler address from {sched_file}: {exc}") from None
+            if security is not None and "://" not in address:
+                address = f"tls://{address}"
+            scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+            if scheme == "tls" and security is None:
+                raise RunError(f"the scheduler at {address} uses TLS: set cluster.security (ca_file, cert_file, "
+                               f"key_file) to a certificate signed by the scheduler's CA (docs/deployment.md)")
+            if security is not None and scheme != "tls":
+                raise RunError(f"cluster.security is set, so every connection must be encrypted, but the "
+                               f"scheduler address {address} is {scheme}://; use tls://")
             try:
                 c = Client(address, timeout=spec.cluster.wait_s, direct_to_workers=True, security=security,
                            set_as_default=False)
+            except FatalCommClosedError as exc:
+                raise RunError(f"the scheduler at {address} refused the TLS connection ({exc}); is "
+                               f"cluster.security.cert_file signed by the CA the scheduler trusts, and ca_file "
+                               f"the CA that signed the scheduler's certificate?") from None
+            except CommClosedError as exc:
+                hint = "; if it uses TLS, give its tls:// address and set cluster.security" if scheme == "tcp" else ""
+                raise RunError(f"the scheduler at {address} closed the connection ({exc}){hint}") from None
             except OSError as exc:
-                raise RunError(f"cannot reach the scheduler at {address}: {exc}") from None
+                raise RunError(f"cannot reach the scheduler at {address} within {spec.cluster.wait_s:g} s "
+                               f"(cluster.wait_s): {exc}. Is `dask scheduler` running there, and its port open "
+                               f"to this machine?") from None
+            except ValueError as exc:  # a malformed address
+                raise RunError(f"bad scheduler address {address!r}: {exc}") from None
             conn = Connection(c, owns_client=True)
         else:
             cluster = embedded_cluster(spec, processes=processes)
@@ -166,16 +200,34 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
             conn.close()
 
 
-def _security(spec: PipelineSpec) -> Any:
+def security_paths(spec: PipelineSpec) -> dict[str, str | None] | None:
+    """``cluster.security``'s files as absolute paths (relative ones are relative to the pipeline)."""
     sec = spec.cluster.security
     if sec is None:
         return None
-    from distributed.security import Security
-
-    base = spec.base_dir
 
     def path(p: str | None) -> str | None:
-        return None if p is None else str((base / p) if not p.startswith("/") else p)
+        return None if p is None else str(p if p.startswith("/") else spec.base_dir / p)
 
-    return Security(tls_ca_file=path(sec.ca_file), tls_client_cert=path(sec.cert_file),
-                    tls_client_key=path(sec.key_file), require_encryption=True)
+    return {"ca_file": path(sec.ca_file), "cert_file": path(sec.cert_file), "key_file": path(sec.key_file)}
+
+
+def _security(spec: PipelineSpec) -> Any:
+    """``cluster.security`` as a client-side ``distributed.Security`` that refuses unencrypted comms.
+
+    Relative paths are relative to the pipeline file (``security_paths``); a missing file is a
+    RunError naming the field, raised before any connection is tried.
+    """
+    import os
+
+    paths = security_paths(spec)
+    if paths is None:
+        return None
+    from distributed.security import Security
+
+    for key, p in paths.items():
+        if p is not None and not (os.path.isfile(p) and os.access(p, os.R_OK)):
+            raise RunError(f"cluster.security.{key}: no readable file {p} "
+                           f"(relative paths are relative to the pipeline file)")
+    return Security(tls_ca_file=paths["ca_file"], tls_client_cert=paths["cert_file"],
+                    tls_client_key=paths["key_file"], require_encryption=True)

@@ -81,6 +81,10 @@ class LoggingHook(Hook):
         self._last_step = 0
         self._last_time = time.monotonic()
 
+    def begin(self, session: Any) -> None:
+        # Count intervals from where this run starts (a resumed run starts past step 0).
+        self._last_step, self._last_time = session.start_step, time.monotonic()
+
     def after_step(self, ctx: StepContext) -> None:
         due = (self.every_steps and ctx.step // self.every_steps > self._last_step // self.every_steps) or \
               (self.every_secs and time.monotonic() - self._last_time >= self.every_secs)
@@ -97,6 +101,10 @@ class StepCounterHook(Hook):
         self.every_secs = every_secs
         self._last = (0, time.monotonic())
         self.rates: list[float] = []
+
+    def begin(self, session: Any) -> None:
+        # A resumed run starts past step 0: its steps before the resume are not this run's rate.
+        self._last = (session.start_step, time.monotonic())
 
     def after_step(self, ctx: StepContext) -> None:
         step0, t0 = self._last
@@ -124,11 +132,16 @@ BUILTIN: dict[str, type[Hook]] = {
 
 
 def build_hooks(specs: list[Any]) -> list[Hook]:
-    """Hook objects for the ``hooks:`` section (builtins by name, custom ones by import path)."""
+    """Hook objects for the ``hooks:`` section (builtins by name, custom ones by import path).
+
+    A custom hook that cannot be imported, is not a :class:`Hook` subclass, or rejects its ``args``
+    raises :class:`~dtrain.errors.SpecError` naming ``hooks[i]`` (the CLI exits 2; nothing started).
+    """
+    from .errors import Problem, SpecError
     from .model import import_object
 
     hooks: list[Hook] = []
-    for h in specs:
+    for i, h in enumerate(specs):
         if h.type in BUILTIN:
             cls = BUILTIN[h.type]
             if cls is StopAtStepHook:
@@ -138,8 +151,18 @@ def build_hooks(specs: list[Any]) -> list[Hook]:
             else:
                 hooks.append(cls())
             continue
-        cls = import_object(h.type)
+        try:
+            cls = import_object(h.type)
+        except (ImportError, ValueError) as exc:
+            raise SpecError([Problem(f"custom hook {h.type!r} cannot be imported: {exc}",
+                                     path=f"hooks[{i}].type")]) from None
         if not (isinstance(cls, type) and issubclass(cls, Hook)):
-            raise TypeError(f"hook {h.type!r} is not a subclass of dtrain.Hook")
-        hooks.append(cls(**h.args))
+            what = f"class {cls.__name__}" if isinstance(cls, type) else type(cls).__name__
+            raise SpecError([Problem(f"custom hook {h.type!r} is a {what}, not a subclass of dtrain.Hook "
+                                     "(from dtrain.hooks import Hook)", path=f"hooks[{i}].type")])
+        try:
+            hooks.append(cls(**h.args))
+        except TypeError as exc:
+            raise SpecError([Problem(f"custom hook {h.type!r} rejects its args {h.args!r}: {exc}",
+                                     path=f"hooks[{i}].args")]) from None
     return hooks

@@ -61,6 +61,10 @@ class _StepError(RuntimeError):
     """A step of the in-graph loop failed; the message says which task and why."""
 
 
+class _Aborted(Exception):
+    """:meth:`InGraphDriver.abort` was called."""
+
+
 # ---------------------------------------------------------------------------- tasks (on workers)
 
 
@@ -191,6 +195,7 @@ class InGraphDriver:
         self.global_step = 0
         self._stats = [ReplicaStats(r.index) for r in plan.replicas]
         self._held: dict[int, list[Future]] = {}
+        self._aborted = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ public
@@ -210,7 +215,14 @@ class InGraphDriver:
         return self._error
 
     def stop(self) -> None:
-        """Ask the loop to end after the steps in flight; does not wait (see :meth:`join`)."""
+        """Ask the loop to end after the steps in flight (so every shard ends at one step); does
+        not wait (see :meth:`join`)."""
+        self._stop.set()
+
+    def abort(self) -> None:
+        """End now, cancelling the steps in flight: for a recovery, before the shards are restored
+        (a late apply of this driver must not land on a restored shard). Does not wait."""
+        self._aborted = True
         self._stop.set()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -285,6 +297,8 @@ class InGraphDriver:
                         raise _StepError(f"{what}: {label} was cancelled (its worker was lost?)")
             if all(f.status == "finished" for f in futures):
                 return
+            if self._aborted:
+                raise _Aborted
             if time.monotonic() > deadline:
                 raise _StepError(f"{what} did not finish in {self.timeout:.0f} s (training.call_timeout_s); "
                                  "is a ps or worker task lost?")
@@ -328,9 +342,10 @@ class InGraphDriver:
                 ending = self._record(v, results) or ending
                 del self._held[v], applies, results
         except Exception as exc:
-            self._error = f"in-graph replication: {exc}" if isinstance(exc, _StepError) \
-                else f"in-graph replication: {type(exc).__name__}: {exc}"
-            logger.debug("in-graph driver failed", exc_info=True)
+            if not isinstance(exc, _Aborted):
+                self._error = f"in-graph replication: {exc}" if isinstance(exc, _StepError) \
+                    else f"in-graph replication: {type(exc).__name__}: {exc}"
+                logger.debug("in-graph driver failed", exc_info=True)
             # Steps still in flight would only recreate the models that _release drops.
             outstanding = [f for held in self._held.values() for f in held]
             outstanding += [f for _v, applies, _labels in pending for f in applies]

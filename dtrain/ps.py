@@ -341,3 +341,28 @@ class ParameterShard:
                 self._after_apply()
                 cond.notify_all()
             return self.step
+
+    # ------------------------------------------------------------------ socket data plane
+    async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
+                              tls: dict[str, str | None] | None = None) -> tuple[str, int]:
+        """Start serving this shard over TCP (``training.transport: socket``); returns (host, port).
+
+        Requests still run here, on this worker's event loop, through the methods above."""
+        from .transport import ShardServer, server_ssl_context
+
+        if getattr(self, "_server", None) is None:
+            ctx = server_ssl_context(tls) if tls else None
+            self._server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
+                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0)
+        return self._server.host, self._server.port
+
+    async def close_data_plane(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()
+            self._server = None
+
+    def __del__(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()

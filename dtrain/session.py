@@ -144,6 +144,40 @@ class Session:
                                      key=f"dtrain-ps-{shard.index}-g{self.generation}-{self.token}")
             self.shard_futures.append(fut)
         self.shards = [f.result(timeout=self.spec.cluster.wait_s) for f in self.shard_futures]
+        self.data_plane = None
+        if self.spec.training.transport == "socket" and self.spec.training.replication == "between_graph":
+            self.data_plane = self._open_data_plane()
+
+    def _open_data_plane(self) -> dict[str, Any]:
+        """Each ps actor opens a listener on its worker's host; replicas get the endpoints and a
+        per-run secret through Dask (the control plane: TLS-protected when the cluster is)."""
+        import secrets
+
+        tls = None
+        sec = self.spec.cluster.security
+        if sec is not None:
+            from .cluster import security_paths
+
+            files = security_paths(self.spec) or {}
+            tls = {name: (Path(files[f"{name}_file"]).read_text() if files.get(f"{name}_file") else None)
+                   for name in ("ca", "cert", "key")}
+        secret = getattr(self, "_secret", None) or secrets.token_bytes(32)
+        self._secret = secret
+        endpoints = []
+        for shard, handle in zip(self.plan.shards, self.shards):
+            host = self.conn.tasks[shard.task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
+            endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls))))
+        return {"endpoints": endpoints, "secret": secret, "tls": tls}
+
+    def close_data_plane(self) -> None:
+        if getattr(self, "data_plane", None) is None:
+            return
+        for s in self.shards:
+            try:
+                self._call(s.close_data_plane(), timeout=5)
+            except Exception as exc:  # a lost shard's listener died with its process
+                logger.debug("close_data_plane failed: %s", exc)
+        self.data_plane = None
 
     def restore(self, checkpoint: ckpt_io.Checkpoint) -> None:
         """Set every shard (params, optimizer state, step) from one checkpoint."""
@@ -191,7 +225,7 @@ class Session:
             addr = self.conn.tasks[r.task]
             self.replica_futures[r.index] = self.client.submit(
                 replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
-                workers=[addr], allow_other_workers=False, pure=False,
+                self.data_plane, workers=[addr], allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
 
     def _start_local_step(self, index: int) -> int:
@@ -412,6 +446,7 @@ class Session:
             if self.driver is not None:
                 self.driver.stop()
                 self.driver = None
+            self.close_data_plane()
             stale += self.shard_futures
         self.client.cancel([f for f in stale if f is not None], force=True)
         wait_for_tasks(self.conn, self.spec, self.spec.cluster.wait_s)
@@ -548,6 +583,7 @@ class Session:
         return model
 
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
+        self.close_data_plane()
         model = self._assemble(model, self.pull_params())
         final_eval = self._eval(model)
         if final_eval:
@@ -556,6 +592,7 @@ class Session:
         return model, final_eval
 
     def _cancel(self) -> None:
+        self.close_data_plane()
         if self.driver is not None:
             self.driver.stop()
         futures = [f for f in self.replica_futures + self.shard_futures if f is not None]

@@ -419,7 +419,12 @@ class TrainingSpec(_Strict):
     call_timeout_s: float = Field(60.0, gt=0, description="Timeout of every call a replica makes to a ps task.")
     max_recoveries: int = Field(3, ge=0, description="Lost ps/worker recoveries before the run fails.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
-    transport: Literal["dask"] = Field("dask", description="Data plane: dask (ps actor method calls).")
+    transport: Literal["dask", "socket"] = Field(
+        "socket",
+        description="Data plane for the flat parameter/gradient buffers: socket (one persistent TCP connection per "
+        "replica and shard, opened by the ps actor, authenticated with a per-run secret, TLS when the cluster "
+        "uses TLS) or dask (ps actor method calls). Dask is the control plane either way.",
+    )
     wire_dtype: Literal["float32"] = Field("float32", description="Dtype of parameters and gradients on the wire.")
 
 

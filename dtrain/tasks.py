@@ -29,12 +29,32 @@ def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
     return [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
 
 
+def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any]) -> list[Any]:
+    """Socket data-plane handles (``training.transport: socket``), one per shard."""
+    from .transport import SocketShard, client_ssl_context
+
+    tls = data_plane.get("tls")
+    ctx = client_ssl_context(tls) if tls else None
+    timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
+    return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx)
+            for (host, port), s in zip(data_plane["endpoints"], plan.shards)]
+
+
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
-                 start_local_step: int = 0) -> dict[str, Any]:
-    """One long-running replica: trains until the ps says stop, returns its counters."""
+                 start_local_step: int = 0, data_plane: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One long-running replica: trains until the ps says stop, returns its counters.
+
+    With ``data_plane`` (endpoints, secret, tls) the flat buffers travel over the socket data
+    plane; otherwise over ps actor calls."""
     secede()
-    shards = shard_handles(refs)
-    stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step)
+    shards = socket_handles(spec, plan, index, data_plane) if data_plane else shard_handles(refs)
+    try:
+        stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step)
+    finally:
+        for s in shards:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
     out = asdict(stats)
     out["worker"] = get_worker().name
     out["pid"] = os.getpid()

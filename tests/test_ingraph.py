@@ -199,3 +199,17 @@ def test_in_graph_checkpoints_pause_applies_without_changing_the_result(inproc_c
     assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))
     assert len(names) >= 2  # (the session saves when its poll sees every_steps passed)
+
+
+def test_in_graph_abort_ends_without_an_error(inproc_client, tmp_path):
+    spec = in_graph_spec(1, 2, steps=100_000)
+    with shards_for(inproc_client, spec, tmp_path) as session:
+        driver = driver_for(session)
+        driver.start()
+        deadline = time.monotonic() + 60
+        while driver.global_step < 3 and time.monotonic() < deadline and not driver.done():
+            time.sleep(0.05)
+        driver.abort()
+        assert driver.join(timeout=60)
+        assert driver.error() is None
+        assert shard_steps(session)[0] >= driver.global_step >= 3

@@ -84,7 +84,7 @@ name: backup
 cluster: {jobs: {ps: 1, worker: 3}}
 model:
   module: "tests.helpers.slowmodels:SlowMLP"
-  kwargs: {delay_s: 0.05, slow_worker: worker-2}
+  kwargs: {delay_s: 0.1, slow_worker: worker-2}
 data: {source: sklearn:digits, batch_size: 8}
 optimizer: {name: sgd, lr: 0.1}
 training: {mode: sync, total_num_replicas: 3, replicas_to_aggregate: 2, steps: 60}

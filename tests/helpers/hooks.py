@@ -1,0 +1,81 @@
+"""Custom hooks (and one misbehaving model) used by tests/test_hooks.py, named by import path in
+pipelines. Hooks run in the client process (the session is the chief), so a module-level list
+would do; :class:`RecordingHook` also writes to a file so the record survives anything."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.hooks import Hook, StepContext
+
+CALLS: list[tuple[str, Any]] = []
+
+
+class RecordingHook(Hook):
+    """Records every callback, in order, to ``path`` (one JSON array per line) and to ``CALLS``."""
+
+    def __init__(self, path: str, tag: str = "rec"):
+        self.path = Path(path)
+        self.tag = tag
+        self.path.write_text("")
+
+    def _record(self, event: str, value: Any = None) -> None:
+        CALLS.append((event, value))
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps([self.tag, event, value]) + "\n")
+
+    def begin(self, session: Any) -> None:
+        self._record("begin", session.start_step)
+
+    def before_step(self, ctx: StepContext) -> None:
+        self._record("before_step", ctx.step)
+
+    def after_step(self, ctx: StepContext) -> None:
+        self._record("after_step", ctx.step)
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        self._record("on_checkpoint", [step, path])
+
+    def end(self, session: Any) -> None:
+        self._record("end", session.global_step)
+
+
+class NotAHook:
+    """Has the callbacks but does not subclass dtrain.Hook: must be refused."""
+
+    def begin(self, session: Any) -> None:  # pragma: no cover - never called
+        pass
+
+
+def read_calls(path: str | Path) -> list[tuple[str, Any]]:
+    return [tuple(json.loads(line)[1:]) for line in Path(path).read_text().splitlines() if line]
+
+
+class NanAfter(nn.Module):
+    """A digits MLP whose training forward returns NaN logits from its ``after + 1``-th call on:
+    a reliable NaN loss (and NaN gradients) after a known number of good local steps. Each good
+    training step sleeps ``sleep_s`` so that the chief (which polls a few times a second) sees
+    the steps go by and writes its checkpoints before the NaN."""
+
+    def __init__(self, after: int = 25, sleep_s: float = 0.0, features: int = 64, classes: int = 10):
+        super().__init__()
+        self.after = after
+        self.sleep_s = sleep_s
+        self.calls = 0
+        self.net = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.after:
+                out = out * float("nan")
+            elif self.sleep_s:
+                time.sleep(self.sleep_s)
+        return out

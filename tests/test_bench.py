@@ -1,0 +1,53 @@
+"""The benchmark runs: ``benchmarks/bench.py --tiny`` exits 0 and writes its JSON.
+
+No timing or ratio is asserted here (project rule: numbers live in benchmarks/, not in tests);
+only that every configuration of the tiny run was measured and produced a positive figure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "bench.py"
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(330)
+def test_bench_tiny_runs_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+
+    assert doc["settings"]["tiny"] is True
+    assert doc["settings"]["model"]["hidden"] == [128]
+    machine = doc["machine"]
+    assert machine["cpu_count"] >= 1
+    assert machine["torch"] and machine["dask"]
+
+    results = doc["results"]
+    assert set(results) == {"plain", "async_1ps_1w", "sync_1ps_2w"}
+    for name, r in results.items():
+        assert r["status"] == "ok", (name, r.get("error"))
+        assert r["samples_per_sec"] > 0, name
+        assert r["ratio"] is not None and r["ratio"] > 0, name
+        assert r["step_ms"] > 0, name
+    assert results["plain"]["ratio"] == 1.0
+    for name in ("async_1ps_1w", "sync_1ps_2w"):
+        r = results[name]
+        assert r["method"] == ["metrics.jsonl"], name  # steady state, not the start-up-diluted summary
+        assert r["fixed_cost_ms"] is not None, name
+        mem = r["memory"]
+        assert mem["param_bytes"] == 4 * (64 * 128 + 128 + 128 * 10 + 10)
+        assert mem["ps_peak_rss"] > 0 and mem["replica_peak_rss"] > 0
+
+    runs = doc["runs"]
+    assert len(runs) == 3 and all(r["rep"] == 0 for r in runs)
+    assert "samples/s" in proc.stdout and "async 1 ps + 1 worker" in proc.stdout
