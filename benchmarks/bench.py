@@ -650,12 +650,16 @@ class Runner:
             except BaseException:
                 _kill_group(proc)
                 raise
+        strays = _group_alive(proc.pid, grace=2.0)
         _kill_group(proc)  # anything the child left behind in its group (it should leave nothing)
         res = _read_json(result_path)
         if res is None:
             return {"status": "failed", "error": f"child exited {rc} without a result", "log_tail": _tail(log_path)}
         if res.get("status") != "ok" and "log_tail" not in res:
             res["log_tail"] = _tail(log_path)
+        if strays:
+            res["stray_processes"] = True  # the child exited but left processes behind (killed now)
+            _progress(f"  note: {tag} left processes behind after it exited; they were killed")
         return res
 
     # ----------------------------------------------------------------- one config, one rep
@@ -696,6 +700,25 @@ class Runner:
             return {"status": "failed", "error": bad.get("error"), "log_tail": bad.get("log_tail")}
         return {"status": "ok", "samples_per_sec": sum(r["samples_per_sec"] for r in results),
                 "step_ms": statistics.mean(r["step_ms"] for r in results), "per_process": results}
+
+
+def _group_alive(pgid: int, grace: float) -> bool:
+    """Whether any process of the group still runs ``grace`` seconds after its leader exited."""
+    import psutil
+
+    def alive() -> bool:
+        for proc in psutil.process_iter(["status"]):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    return True
+        return False
+
+    deadline = time.monotonic() + grace
+    while alive():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

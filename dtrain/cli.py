@@ -321,6 +321,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         import asyncio
         import time
 
+        from distributed.comm import connect as comm_connect
+        from distributed.comm.core import FatalCommClosedError
+        from distributed.security import Security
+
         deadline = time.monotonic() + args.wait_s
         if args.scheduler_file:  # wait for `dask scheduler --scheduler-file` to write it, as Dask would
             while True:
@@ -337,11 +341,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if problem:
                 return usage(f"{args.scheduler_file}: {problem}")
         assert address is not None
-
-        from distributed.comm import connect as comm_connect
-        from distributed.comm.core import FatalCommClosedError
-        from distributed.security import Security
-
         sec = (Security(tls_ca_file=args.tls_ca_file, tls_worker_cert=args.tls_cert, tls_worker_key=args.tls_key,
                         require_encryption=True) if use_tls else Security())
 

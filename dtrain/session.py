@@ -50,6 +50,7 @@ class Result:
     run_dir: Path | None = None
     fetched: dict[str, Any] = field(default_factory=dict)
     plan: Plan | None = None
+    replica_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
 def default_run_dir(spec: PipelineSpec) -> Path:
@@ -302,7 +303,8 @@ class Session:
             _write_json(self.run_dir / "summary.json", summary)
             for sink in self.sinks:
                 sink.close()
-        return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan)
+        return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan,
+                      replica_stats=list(getattr(self, "replica_stats", []) or []))
 
     def write_cluster_info(self) -> None:
         """``cluster.json``: scheduler, dashboard and each task's worker address and process id
@@ -345,26 +347,10 @@ class Session:
             return None
         t0 = time.monotonic()
         try:
-            if self.spec.training.mode == "async":
-                for s in self.shards:
-                    self._call(s.hold())
-            else:
-                target = max(self._call(s.hold(10**12)) for s in self.shards)
-                for _ in range(5):
-                    for s in self.shards:
-                        self._call(s.hold(target))
-                    steps = [self._call(s.wait_held(), timeout=self.spec.training.barrier_timeout_s + 5)
-                             for s in self.shards]
-                    if min(steps) == max(steps):
-                        break
-                    target = max(steps)
+            self._hold_consistent()
             states = [self._call(s.get_state(), timeout=60) for s in self.shards]
         finally:
-            for s in self.shards:
-                try:
-                    self._call(s.release(), timeout=10)
-                except Exception as exc:  # a lost shard: recovery will replace it
-                    logger.debug("release failed: %s", exc)
+            self._release()
         step = states[0]["step"]
         path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
                             pipeline_hash=self.plan.pipeline_hash,
@@ -376,6 +362,41 @@ class Session:
         for h in self.hooks:
             h.on_checkpoint(step, str(path))
         return path
+
+    def _hold_consistent(self) -> list[int]:
+        """Pause applies with every shard at one step (see :meth:`save_checkpoint`); returns the steps."""
+        if self.spec.training.mode == "async":
+            return [self._call(s.hold()) for s in self.shards]
+        target = max(self._call(s.hold(10**12)) for s in self.shards)
+        steps: list[int] = []
+        for _ in range(5):
+            for s in self.shards:
+                self._call(s.hold(target))
+            steps = [self._call(s.wait_held(), timeout=self.spec.training.barrier_timeout_s + 5)
+                     for s in self.shards]
+            if min(steps) == max(steps):
+                break
+            target = max(steps)
+        return steps
+
+    def _release(self) -> None:
+        for s in self.shards:
+            try:
+                self._call(s.release(), timeout=10)
+            except Exception as exc:  # a lost shard: recovery will replace it
+                logger.debug("release failed: %s", exc)
+
+    def stop_consistently(self) -> None:
+        """A hook's stop: in sync mode every shard stops at the same step (held first, so no step
+        lands on one shard but not another); async simply stops."""
+        if self.spec.training.mode == "sync":
+            try:
+                self._hold_consistent()
+                self.request_stop()
+            finally:
+                self._release()
+        else:
+            self.request_stop()
 
     def _checkpoint_due(self) -> bool:
         spec = self.spec.checkpoint
@@ -444,7 +465,8 @@ class Session:
             # checkpoint, so that all shards agree on one step.
             self.request_stop()
             if self.driver is not None:
-                self.driver.stop()
+                self.driver.abort()  # cancel steps in flight: no late apply on a restored shard
+                self.driver.join(10)
                 self.driver = None
             self.close_data_plane()
             stale += self.shard_futures
@@ -523,7 +545,7 @@ class Session:
                 if ctx.stop_requested and not stopping:
                     logger.info("stopping: %s", ctx.stop_requested)
                     stopping = True
-                    self.request_stop()
+                    self._guarded(self.stop_consistently)
                 last_step = self.global_step
             if self.progress is not None:
                 self.progress({"step": self.global_step, "steps": self.spec.training.steps,
