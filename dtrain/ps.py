@@ -344,7 +344,7 @@ class ParameterShard:
 
     # ------------------------------------------------------------------ socket data plane
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
-                              tls: dict[str, str | None] | None = None) -> tuple[str, int]:
+                              tls: dict[str, str | None] | None = None, wire_dtype: str = "float32") -> tuple[str, int]:
         """Start serving this shard over TCP (``training.transport: socket``); returns (host, port).
 
         Requests still run here, on this worker's event loop, through the methods above."""
@@ -353,7 +353,7 @@ class ParameterShard:
         if getattr(self, "_server", None) is None:
             ctx = server_ssl_context(tls) if tls else None
             self._server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
-                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0)
+                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype)
         return self._server.host, self._server.port
 
     async def close_data_plane(self) -> None:

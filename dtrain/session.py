@@ -167,8 +167,9 @@ class Session:
         endpoints = []
         for shard, handle in zip(self.plan.shards, self.shards):
             host = self.conn.tasks[shard.task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
-            endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls))))
-        return {"endpoints": endpoints, "secret": secret, "tls": tls}
+            endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls,
+                                                                     self.spec.training.wire_dtype))))
+        return {"endpoints": endpoints, "secret": secret, "tls": tls, "wire_dtype": self.spec.training.wire_dtype}
 
     def close_data_plane(self) -> None:
         if getattr(self, "data_plane", None) is None:

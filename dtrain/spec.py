@@ -425,7 +425,9 @@ class TrainingSpec(_Strict):
         "replica and shard, opened by the ps actor, authenticated with a per-run secret, TLS when the cluster "
         "uses TLS) or dask (ps actor method calls). Dask is the control plane either way.",
     )
-    wire_dtype: Literal["float32"] = Field("float32", description="Dtype of parameters and gradients on the wire.")
+    wire_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of parameters and gradients on the wire: bfloat16 halves the bytes moved "
+        "(transport: socket only; the ps keeps and applies float32).")
 
 
 # ------------------------------------------------------------------------ checkpoint/summary/eval
@@ -616,6 +618,9 @@ class PipelineSpec(_Strict):
             problems.append((("training", "replicas_to_aggregate"),
                              f"{t.replicas_to_aggregate} exceeds the {self.num_replicas()} replicas ({source}); "
                              f"lower it or add worker tasks"))
+        if t.wire_dtype != "float32" and (t.transport != "socket" or t.replication == "in_graph"):
+            problems.append((("training", "wire_dtype"), f"wire_dtype {t.wire_dtype} needs transport: socket "
+                             "and between_graph replication (Dask's serializer has no bfloat16)"))
         if t.replication == "in_graph" and t.mode == "async":
             problems.append((("training", "replication"),
                              "in_graph replication needs mode: sync (the session aggregates every step); "

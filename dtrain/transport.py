@@ -68,7 +68,12 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
 
 
 def _tensor_view(t: torch.Tensor) -> memoryview:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bytes as int16
+        t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")
+
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------------- server
@@ -78,8 +83,9 @@ class ShardServer:
     """Serves one ParameterShard to replicas over TCP (started inside the ps actor)."""
 
     def __init__(self, shard: Any, loop: asyncio.AbstractEventLoop, secret: bytes, host: str = "127.0.0.1",
-                 ssl_context: ssl.SSLContext | None = None, timeout: float = 120.0):
+                 ssl_context: ssl.SSLContext | None = None, timeout: float = 120.0, wire_dtype: str = "float32"):
         self.shard = shard
+        self.wire = WIRE_DTYPES[wire_dtype]
         self.loop = loop
         self.secret = secret
         self.timeout = timeout
@@ -115,7 +121,11 @@ class ShardServer:
                 logger.warning("ps %d: data-plane handshake refused (bad secret)", self.shard.index)
                 return
             grad = torch.empty(self.shard.param.numel(), dtype=torch.float32)
-            gview = _tensor_view(grad)
+            # Lower-precision wire: receive into a wire-dtype buffer and widen into ``grad``;
+            # replies are narrowed into a per-connection send buffer.
+            wire_in = grad if self.wire == torch.float32 else torch.empty_like(grad, dtype=self.wire)
+            self._wire_out = None if self.wire == torch.float32 else torch.empty_like(grad, dtype=self.wire)
+            gview = _tensor_view(wire_in)
             header = bytearray(REQ.size)
             while not self._closed.is_set():
                 try:
@@ -124,10 +134,12 @@ class ShardServer:
                     return
                 op, _flags, _pad, replica, version, local_step, loss, samples, nbytes = REQ.unpack(header)
                 if nbytes:
-                    if nbytes != grad.numel() * 4:
-                        raise DataPlaneError(f"gradient of {nbytes} bytes for a shard of {grad.numel() * 4}")
+                    if nbytes != len(gview):
+                        raise DataPlaneError(f"gradient of {nbytes} bytes for a shard of {len(gview)}")
                     _recv_exact(conn, gview)
-                self._answer(conn, op, grad, replica, version, local_step, loss, samples)
+                    if wire_in is not grad:
+                        grad.copy_(wire_in)
+                self._answer(conn, op, grad, replica, version, local_step, loss, samples, self._wire_out)
         except Exception as exc:  # one replica's broken connection must not take the ps down
             if not self._closed.is_set():
                 logger.info("ps %d: data-plane connection ended: %s", self.shard.index, exc)
@@ -138,7 +150,7 @@ class ShardServer:
                 pass
 
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
-                local_step: int, loss: float, samples: int) -> None:
+                local_step: int, loss: float, samples: int, wire_out: torch.Tensor | None = None) -> None:
         loss_value = None if np.isnan(loss) and samples == 0 else loss
         if op == OP_PULL:
             coro = self.shard.pull(version)
@@ -150,6 +162,9 @@ class ShardServer:
             msg = f"{type(exc).__name__}: {exc}".encode()
             conn.sendall(REP.pack(0, 1, 1, 0, 0, len(msg)) + msg)
             return
+        if wire_out is not None:
+            wire_out.copy_(params)
+            params = wire_out
         payload = _tensor_view(params)
         conn.sendall(REP.pack(step, int(stop), 0, 0, generation, len(payload)))
         conn.sendall(payload)
@@ -172,8 +187,11 @@ class SocketShard:
     request is in flight at a time, run by a background thread so it overlaps compute."""
 
     def __init__(self, host: str, port: int, secret: bytes, replica: int, numel: int, timeout: float = 60.0,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, wire_dtype: str = "float32"):
         self.replica = replica
+        self.wire = WIRE_DTYPES[wire_dtype]
+        self._wire_out = None if self.wire == torch.float32 else torch.empty(numel, dtype=self.wire)
+        self._wire_in = None if self.wire == torch.float32 else torch.empty(numel, dtype=self.wire)
         self.timeout = timeout
         self._sock = socket.create_connection((host, port), timeout=timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,6 +215,9 @@ class SocketShard:
     def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
                    local_step: int) -> tuple[torch.Tensor, int, bool, int]:
         try:
+            if grad is not None and self._wire_out is not None:
+                self._wire_out.copy_(grad)  # narrowed here, on this thread, off the compute path
+                grad = self._wire_out
             payload = _tensor_view(grad) if grad is not None else None
             header = REQ.pack(op, 0, 0, self.replica, version, local_step,
                               float("nan") if loss is None else loss, samples, len(payload) if payload else 0)
@@ -209,9 +230,13 @@ class SocketShard:
                 raise DataPlaneError(_recv_bytes(self._sock, nbytes).decode(errors="replace"))
             buf = self._bufs[self._next]
             self._next ^= 1
-            if nbytes != buf.numel() * 4:
-                raise DataPlaneError(f"parameters of {nbytes} bytes, expected {buf.numel() * 4}")
-            _recv_exact(self._sock, _tensor_view(buf))
+            target = buf if self._wire_in is None else self._wire_in
+            view = _tensor_view(target)
+            if nbytes != len(view):
+                raise DataPlaneError(f"parameters of {nbytes} bytes, expected {len(view)}")
+            _recv_exact(self._sock, view)
+            if target is not buf:
+                buf.copy_(target)
             return buf, step, bool(stop), generation
         except socket.timeout:
             raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None

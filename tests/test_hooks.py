@@ -144,6 +144,7 @@ hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls_file}
 """)
     summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
     assert summary["status"] == "completed" and summary["global_step"] == 40
+    assert summary["recoveries"] == 0, summary["recovery_log"]
     calls = helper_hooks.read_calls(calls_file)
     assert calls == helper_hooks.CALLS  # the file and the in-process list agree
     events = [c[0] for c in calls]

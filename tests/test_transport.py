@@ -111,3 +111,21 @@ def test_ps_error_travels_back(loop):
     finally:
         client.close()
         server.close()
+
+
+def test_bfloat16_wire_halves_bytes_and_rounds_like_bfloat16(loop):
+    shard = make_shard(n=1000)
+    server = ShardServer(shard, loop, b"b" * 32, wire_dtype="bfloat16")
+    client = SocketShard(server.host, server.port, b"b" * 32, replica=0, numel=1000, timeout=5,
+                         wire_dtype="bfloat16")
+    try:
+        grad = torch.linspace(-1, 1, 1000)
+        params, step, *_ = client.push_pull(grad, 0, 0, 0.1, 8, 1).result(timeout=5)
+        assert step == 1 and params.dtype == torch.float32
+        # the ps applied the bfloat16-rounded gradient in float32, and replied in bfloat16
+        expected = (torch.ones(1000) - 0.5 * grad.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+        assert torch.equal(params, expected)
+        assert torch.equal(shard.param.data, torch.ones(1000) - 0.5 * grad.to(torch.bfloat16).float())
+    finally:
+        client.close()
+        server.close()
