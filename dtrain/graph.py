@@ -161,8 +161,10 @@ def build_graph(plan: Any, client: Any, soft: bool = True) -> dict[str, Any]:
     return futures
 
 
-def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = None, processes: bool = True) -> Any:
-    """Evaluate a graph pipeline on its cluster; Result with ``fetched`` and a placement record."""
+def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = None, processes: bool = True,
+              run_dir: Any = None) -> Any:
+    """Evaluate a graph pipeline on its cluster; Result with ``fetched`` and a placement record
+    (also written to ``run_dir/summary.json`` when a run directory is given)."""
     from .cluster import connect
     from .compiler import compile
     from .session import Result
@@ -193,5 +195,12 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
     summary = {"name": spec.name, "status": "completed", "fetched": fetched, "placement": placement,
                "devices": {o.name: o.device for o in plan.ops if o.name in names},
                "nodes": len(futures), "wall_s": round(time.monotonic() - t0, 3)}
-    return Result(summary=summary, fetched=fetched, plan=plan)
+    if run_dir is not None:
+        from pathlib import Path
+
+        from .session import _write_json
+
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        _write_json(Path(run_dir) / "summary.json", summary)
+    return Result(summary=summary, fetched=fetched, plan=plan, run_dir=run_dir)
 

@@ -76,7 +76,7 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
     if spec.is_graph:
         from .graph import run_graph
 
-        return run_graph(spec, client=client, scheduler=scheduler, processes=processes)
+        return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
     with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
         session = Session(spec, conn, run_dir, resume=resume, progress=progress)
         # Actor handles find their client through the "current client" (this is not made the

@@ -1,0 +1,37 @@
+"""Golden pipelines are tested data: every file in pipelines/ validates, compiles and runs (with few
+steps, on the shared in-process cluster). Accuracy targets are checked by the tests of the
+features they exercise (test_session, test_sync, test_cli)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import dtrain
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
+
+
+def test_there_are_pipelines_for_every_mode():
+    specs = [dtrain.load(p) for p in PIPELINES]
+    modes = {(s.training.mode, s.training.replication) for s in specs if not s.is_graph}
+    assert {("async", "between_graph"), ("sync", "between_graph"), ("sync", "in_graph")} <= modes
+    assert any(s.is_graph for s in specs)
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=[p.stem for p in PIPELINES])
+def test_pipeline_runs(path, inproc_client, tmp_path):
+    spec = dtrain.load(path, overrides=["training.steps=20", "summary.every_steps=10", "summary.tensorboard=false",
+                                        "eval={}", "checkpoint=null"])
+    plan = dtrain.compile(spec)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    if spec.is_graph:
+        assert set(result.fetched) == set(spec.fetch)
+        assert (tmp_path / "run" / "summary.json").is_file()
+        return
+    assert result.summary["status"] == "completed"
+    assert result.summary["global_step"] >= 20
+    assert result.summary["replicas"] == plan.num_replicas
+    assert (tmp_path / "run" / "model.pt").is_file()
