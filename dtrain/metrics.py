@@ -47,7 +47,7 @@ class TensorBoardSink:
         for key, value in metrics.items():
             if isinstance(value, dict):
                 for k, v in value.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v):
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                         self._w.add_scalar(f"{key}/{k}", v, step)
             elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
                     and key not in ("time", "step"):

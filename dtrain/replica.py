@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -71,7 +70,7 @@ def torch_device(device: str, soft: bool) -> torch.device:
             raise ReplicaError(f"{device} is placed on a GPU but this worker has "
                                f"{torch.cuda.device_count()} CUDA device(s); set placement.soft: true to fall "
                                "back to the CPU")
-        warnings.warn(f"{device}: no CUDA device here; computing on the CPU (placement.soft)", stacklevel=2)
+        logger.warning("%s: no CUDA device here; computing on the CPU (placement.soft)", device)
     return torch.device("cpu")
 
 
@@ -216,7 +215,7 @@ def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list
         if min(steps) == target or any(r[2] for r in replies):
             return replies, target
         lagging = [s for s, st in enumerate(steps) if st < target]
-        for s, reply in zip(lagging, wait([shards[s].pull(target) for s in lagging])):
+        for s, reply in zip(lagging, wait([shards[s].pull(target) for s in lagging]), strict=True):
             replies[s] = reply
     raise ReplicaError("shards did not converge on one step after 100 pulls")
 

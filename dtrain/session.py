@@ -137,7 +137,7 @@ class Session:
     def create_shards(self, init: list[torch.Tensor]) -> None:
         """One actor per shard, pinned to its task's worker address."""
         self.shards, self.shard_futures = [], []
-        for shard, values in zip(self.plan.shards, init):
+        for shard, values in zip(self.plan.shards, init, strict=True):
             addr = self.conn.tasks[shard.task]
             data = self.client.scatter(values, workers=[addr], direct=True, hash=False)
             fut = self.client.submit(ParameterShard, self._shard_config(shard.index), data, actor=True,
@@ -165,7 +165,7 @@ class Session:
         secret = getattr(self, "_secret", None) or secrets.token_bytes(32)
         self._secret = secret
         endpoints = []
-        for shard, handle in zip(self.plan.shards, self.shards):
+        for shard, handle in zip(self.plan.shards, self.shards, strict=True):
             host = self.conn.tasks[shard.task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
             endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls,
                                                                      self.spec.training.wire_dtype))))
@@ -185,14 +185,14 @@ class Session:
         """Set every shard (params, optimizer state, step) from one checkpoint."""
         states = checkpoint.payload["shards"]
         if len(states) != len(self.shards) or any(
-                st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards)):
+                st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards, strict=True)):
             raise RunError(f"{checkpoint.path} was written for a different model or placement "
                            f"({len(states)} shard(s)); use another --run-dir")
-        for shard, state in zip(self.shards, states):
+        for shard, state in zip(self.shards, states, strict=True):
             self._call(shard.set_state(state))
 
     def shard_refs(self) -> list[tuple[str, str]]:
-        return [(self.conn.tasks[s.task], f.key) for s, f in zip(self.plan.shards, self.shard_futures)]
+        return [(self.conn.tasks[s.task], f.key) for s, f in zip(self.plan.shards, self.shard_futures, strict=True)]
 
     def _call(self, future: Any, timeout: float = 30.0) -> Any:
         return future.result(timeout=timeout)
@@ -241,7 +241,7 @@ class Session:
     def _replica_failure(self) -> str | None:
         if self.driver is not None:
             return self.driver.error()
-        for r, fut in zip(self.plan.replicas, self.replica_futures):
+        for r, fut in zip(self.plan.replicas, self.replica_futures, strict=True):
             if fut.status == "error":
                 exc = fut.exception(timeout=5)
                 return f"replica {r.index} on {r.task} failed: {type(exc).__name__}: {exc}"
@@ -415,7 +415,7 @@ class Session:
             live = set(self.conn.workers())
         except Exception:  # scheduler unreachable: nothing to recover to
             raise RunError("lost the connection to the scheduler") from None
-        shards = [s.index for s, f in zip(self.plan.shards, self.shard_futures)
+        shards = [s.index for s, f in zip(self.plan.shards, self.shard_futures, strict=True)
                   if f.status == "error" or self.conn.tasks.get(s.task) not in live]
         replicas = [] if self.driver is not None else [
             r.index for r in self.plan.replicas if self.conn.tasks.get(r.task) not in live]
@@ -575,6 +575,10 @@ class Session:
             self.replica_stats = self.driver.replica_stats()
         else:
             self.replica_stats = [f.result() for f in self.replica_futures]
+        for r, st in zip(self.plan.replicas, self.replica_stats, strict=True):
+            if "GPU" in r.device and not str(st.get("device", "")).startswith("cuda"):
+                logger.warning("replica %d was placed on %s but computed on %s (placement.soft: no CUDA device "
+                               "on %s)", r.index, r.device, st.get("device"), r.task)
         final = self._call(self.shards[0].stats(), timeout=30)
         self.global_step, self.dropped_stale, self.samples = final["step"], final["dropped_stale"], final["samples"]
         for rec in final["records"]:

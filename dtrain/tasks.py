@@ -38,7 +38,7 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any])
     timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"))
-            for (host, port), s in zip(data_plane["endpoints"], plan.shards)]
+            for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)]
 
 
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],

@@ -238,7 +238,7 @@ class SocketShard:
             if target is not buf:
                 buf.copy_(target)
             return buf, step, bool(stop), generation
-        except socket.timeout:
+        except TimeoutError:
             raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
             raise DataPlaneError(f"data-plane connection failed: {exc}") from None

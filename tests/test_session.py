@@ -4,14 +4,13 @@ the run directory contract, failures that end the run instead of hanging it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import dtrain
 from dtrain.errors import RunDirError, RunError
-
-from pathlib import Path
 
 PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
@@ -77,7 +76,7 @@ def test_overlap_trains_and_counts_steps(inproc_client, run_dir):
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam", "adagrad"])
 def test_optimizers_train(inproc_client, run_dir, optimizer):
-    spec = tiny(f"\n").model_copy(deep=True)
+    spec = tiny("\n").model_copy(deep=True)
     spec = dtrain.PipelineSpec.model_validate({**spec.model_dump(exclude={"optimizer"}),
                                               "optimizer": {"name": optimizer, "lr": 0.01}})
     result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
@@ -115,3 +114,31 @@ def test_missing_task_is_named(inproc_client, run_dir):
     spec.cluster.wait_s = 1.0
     with pytest.raises(RunError, match=r"/job:ps/task:2"):
         dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+
+
+def test_soft_placement_falls_back_to_cpu(inproc_client, run_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: soft placement has nothing to fall back from")
+    spec = tiny("placement: {worker_device: cuda, soft: true}\n")
+    result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+    assert result.summary["status"] == "completed"
+    assert {s["device"] for s in result.replica_stats} == {"cpu"}
+
+
+def test_hard_gpu_placement_without_gpu_fails_clearly(inproc_client, run_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    spec = tiny("placement: {worker_device: /gpu:0, soft: false}\n")
+    with pytest.raises(RunError, match="placement.soft"):
+        dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+
+
+@pytest.mark.cuda
+def test_replicas_compute_on_cuda(inproc_client, run_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = tiny("placement: {worker_device: cuda, soft: false}\n")
+    result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+    assert result.summary["status"] == "completed"
+    assert {s["device"] for s in result.replica_stats} == {"cuda:0"}
+    assert result.summary["final_loss"] < 2.3
