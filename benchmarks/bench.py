@@ -728,7 +728,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-def _tail(path: Path, n: int = 15) -> str:
+def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:

@@ -119,6 +119,10 @@ def _retain(directory: Path, current: Path, keep: int) -> None:
     for old in doomed:
         for p in (old, old.with_suffix(".json")):
             p.unlink(missing_ok=True)
+    # Temp files of a writer killed mid-save (the chief is the only writer: another pid's are stale).
+    for p in directory.glob(".ckpt-*.tmp-*"):
+        if not p.name.endswith(f".tmp-{os.getpid()}"):
+            p.unlink(missing_ok=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

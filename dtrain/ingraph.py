@@ -112,11 +112,10 @@ def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: t
         rep.batches.seek(version)
     t0 = time.perf_counter()
     rep.load([r[0] for r in reads])
-    loss, n = rep.step()
     # Two alternating buffer sets: this step's result may still be referenced by Dask while the
     # next step fills the other one (step v+2 starts only after step v's transfers are done).
     grads = rep.grad_bufs[version % 2]
-    rep.bound.grads_into(grads)
+    loss, n = rep.step(grads)
     return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
             "step": version, "device": str(rep.device)}
 

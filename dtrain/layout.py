@@ -71,6 +71,25 @@ class BoundModel:
         # (flat parameter slice, shard, offset, numel), resolved once.
         self._pairs = [(params[p.param], p.start, p.shard, p.offset, p.numel) for p in layout.parts]
         self.device = next(iter(params.values())).device if params else torch.device("cpu")
+        # Zero-copy is possible when every parameter is one whole part on the CPU: parameters and
+        # gradients can then be views into the shard buffers (DDP's gradient_as_bucket_view).
+        self.zero_copy = self.device.type == "cpu" and all(
+            p.start == 0 and p.numel == params[p.param].numel() for p in layout.parts)
+
+    def grads_as_views(self, bufs: Sequence[torch.Tensor]) -> None:
+        """Make every ``param.grad`` a view into ``bufs`` (zeroed): backward then writes the
+        shard-shaped gradient directly, and no copy is needed before a push."""
+        for param, _start, s, off, n in self._pairs:
+            param.grad = bufs[s][off:off + n].view(param.shape)
+        for b in bufs:
+            b.zero_()
+
+    def params_as_views(self, shard: int, buf: torch.Tensor) -> None:
+        """Make the parameters of ``shard`` views into a received buffer (which the caller owns
+        until the next reply): no copy into the model."""
+        for param, _start, s, off, n in self._pairs:
+            if s == shard:
+                param.data = buf[off:off + n].view(param.shape)
 
     def new_buffers(self) -> list[torch.Tensor]:
         return [torch.zeros(n, dtype=torch.float32) for n in self.layout.shard_numel]

@@ -91,7 +91,7 @@ class ReplicaModel:
     """The replica's model, data slice, loss and persistent buffers."""
 
     def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None,
-                 start_local_step: int = 0):
+                 start_local_step: int = 0, owns_replies: bool = False):
         torch.set_num_threads(spec.training.torch_threads)
         self.spec = spec
         self.index = index
@@ -100,6 +100,9 @@ class ReplicaModel:
         self.model.train()
         self.loss_fn = get_loss(spec.model.loss)
         self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
+        # Zero-copy needs reply buffers that stay ours until the next reply (the socket data
+        # plane's); Dask's replies may share memory with the ps in an in-process cluster.
+        self.zero_copy = self.bound.zero_copy and owns_replies
         # Parameter buffers received from the shards are copied in; gradients go out through two
         # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
@@ -117,25 +120,38 @@ class ReplicaModel:
         # Dropout differs per replica, reproducibly (and per resume point).
         torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + start_local_step)
 
-    def step(self) -> tuple[float, int]:
-        """Forward, loss, backward on the next batch; gradients left in the parameters' .grad."""
+    def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
+        """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
+        buffers): written there directly by backward when zero-copy is on, else copied."""
         idx = torch.from_numpy(self.batches.next_indices()).to(self.device)
         torch.index_select(self.x, 0, idx, out=self.xb)
         torch.index_select(self.y, 0, idx, out=self.yb)
-        for p in self.model.parameters():
-            p.grad.zero_()
+        if self.zero_copy:
+            self.bound.grads_as_views(grads)
+        else:
+            for p in self.model.parameters():
+                p.grad.zero_()
         loss = self.loss_fn(self.model(self.xb), self.yb)
         loss.backward()
+        if not self.zero_copy:
+            self.bound.grads_into(grads)
         return float(loss.detach()), len(idx)
 
     def load(self, buffers: list[torch.Tensor]) -> None:
+        """Take the parameters of a reply: as views (zero-copy: the buffers are ours until the next
+        reply to this replica) or by copying into the model."""
         for s, buf in enumerate(buffers):
-            self.bound.load_params(s, buf)
+            if self.zero_copy:
+                self.bound.params_as_views(s, buf)
+            else:
+                self.bound.load_params(s, buf)
 
 
-def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0) -> ReplicaStats:
-    """Train until the ps says stop. Returns the replica's own counters."""
-    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step)
+def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,
+                owns_replies: bool = False) -> ReplicaStats:
+    """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
+    handles' reply buffers stay valid until their next reply (enables zero-copy)."""
+    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
     stats = ReplicaStats(index, device=str(rep.device))
@@ -163,9 +179,8 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
     k = start_local_step
     while not stop:
         t0 = time.perf_counter()
-        loss, n = rep.step()
         grads = rep.grad_bufs[k % 2]
-        rep.bound.grads_into(grads)
+        loss, n = rep.step(grads)
         stats.compute_s += time.perf_counter() - t0
         k += 1
         stats.local_steps = k - start_local_step

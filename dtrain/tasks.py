@@ -50,7 +50,8 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     secede()
     shards = socket_handles(spec, plan, index, data_plane) if data_plane else shard_handles(refs)
     try:
-        stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step)
+        stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
+                            owns_replies=bool(data_plane))
     finally:
         for s in shards:
             close = getattr(s, "close", None)

@@ -27,12 +27,14 @@ SCHEDULER_PID=""
 log() { echo "[deploy_local] $*" >&2; }
 
 stop_pid() {     # SIGTERM, then SIGKILL (the process and its children) after a grace period
-    local pid="$1" grace="${2:-30}" kids i
+    local pid="$1" grace="${2:-30}" kids p i alive
     kill -0 "$pid" 2>/dev/null || return 0
-    kids="$(pgrep -P "$pid" || true)"        # a nanny's worker process
+    kids="$(pgrep -P "$pid" || true)"        # a nanny's worker process (it may outlive the nanny briefly)
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < grace * 10; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
+        alive=0
+        for p in $pid $kids; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && break
         sleep 0.1
     done
     for p in $pid $kids; do
@@ -41,16 +43,16 @@ stop_pid() {     # SIGTERM, then SIGKILL (the process and its children) after a 
             kill -KILL "$p" 2>/dev/null || true
         fi
     done
-    wait "$pid" 2>/dev/null || true
 }
 
 cleanup() {
     local code=$?
     trap - EXIT INT TERM
-    local pid
-    for pid in "${PIDS[@]}"; do stop_pid "$pid" & done   # the workers in parallel
-    wait
-    [ -n "$SCHEDULER_PID" ] && stop_pid "$SCHEDULER_PID"
+    local pid stoppers=()
+    for pid in "${PIDS[@]}"; do stop_pid "$pid" & stoppers+=($!); done   # the workers in parallel
+    [ "${#stoppers[@]}" -eq 0 ] || wait "${stoppers[@]}"
+    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done  # reap them
+    if [ -n "$SCHEDULER_PID" ]; then stop_pid "$SCHEDULER_PID"; wait "$SCHEDULER_PID" 2>/dev/null || true; fi
     if [ "$code" -ne 0 ]; then
         for f in "$WORK"/*.log; do
             [ -f "$f" ] && { log "--- tail of $f"; tail -n 20 "$f" >&2; }

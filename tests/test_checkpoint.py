@@ -66,6 +66,9 @@ def test_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_retention_keeps_newest_n(tmp_path):
+    _save(tmp_path, 5)
+    stale = ckpt.checkpoint_dir(tmp_path) / ".ckpt-00000007.json.tmp-999999999"  # a writer killed mid-save
+    stale.write_text("{")
     for step in (10, 20, 30, 40):
         _save(tmp_path, step, keep=2)
     assert _names(tmp_path) == ["ckpt-00000030.json", "ckpt-00000030.pt", "ckpt-00000040.json",
