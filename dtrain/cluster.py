@@ -96,7 +96,10 @@ class Connection:
             return None
 
     def workers(self) -> dict[str, dict[str, Any]]:
-        return self.client.scheduler_info(n_workers=-1)["workers"]
+        """The scheduler's current workers, asked of the scheduler itself: the client's cached
+        ``scheduler_info`` is periodically refreshed and can briefly list no workers, which would
+        look like lost tasks."""
+        return self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
 
     def close(self) -> None:
         if self.owns_client:

@@ -77,8 +77,9 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
         from .graph import run_graph
 
         return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
+    hooks = build_hooks(spec.hooks)  # a bad custom hook is a SpecError: before anything starts
     with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
-        session = Session(spec, conn, run_dir, resume=resume, progress=progress)
+        session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks)
         # Actor handles find their client through the "current client" (this is not made the
         # process-wide default client, which belongs to the user).
         with conn.client.as_current():
@@ -89,7 +90,7 @@ class Session:
     """One training run on a connected cluster (see the module docstring)."""
 
     def __init__(self, spec: PipelineSpec, conn: Connection, run_dir: Path, resume: bool = False,
-                 progress: Callable[[dict[str, Any]], None] | None = None):
+                 progress: Callable[[dict[str, Any]], None] | None = None, hooks: list[Hook] | None = None):
         self.spec = spec
         self.conn = conn
         self.client = conn.client
@@ -102,7 +103,7 @@ class Session:
         self.layout = ShardLayout.from_plan(self.plan)
         self.token = uuid.uuid4().hex[:8]
         self.generation = 0
-        self.hooks: list[Hook] = build_hooks(spec.hooks)
+        self.hooks: list[Hook] = build_hooks(spec.hooks) if hooks is None else hooks
         self.start_step = 0
         self.global_step = 0
         self.recoveries = 0
@@ -352,6 +353,11 @@ class Session:
             states = [self._call(s.get_state(), timeout=60) for s in self.shards]
         finally:
             self._release()
+        if any(isinstance(h, NanGuardHook) for h in self.hooks):
+            for i, st in enumerate(states):
+                if not bool(torch.isfinite(st["params"]).all()):
+                    raise RunError(f"nan_guard: parameters of shard {i} became non-finite at step {st['step']}; "
+                                   "no checkpoint written")
         step = states[0]["step"]
         path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
                             pipeline_hash=self.plan.pipeline_hash,
@@ -584,6 +590,8 @@ class Session:
         for rec in final["records"]:
             self._log({k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}, rec["step"])
             self.records.append(rec)
+        if final["error"]:  # nan_guard fired after the last poll
+            raise RunError(final["error"])
 
     def _evaluate_now(self, step: int) -> dict[str, Any]:
         model = self._assemble(build_model(self.spec), self.pull_params())

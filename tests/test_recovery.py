@@ -17,6 +17,8 @@ import psutil
 import pytest
 import torch
 
+from dtrain import checkpoint as dtrain_checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.processes
 
@@ -122,11 +124,31 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     assert code2 == 2 and "--resume" in err2
     code, out, err = finish(start_run("pipelines/digits_sync.yaml", ref_dir, *settings))
     assert code == 0, err[-3000:]
+    # The kill may land between a checkpoint and its manifest: resume uses the newest valid one.
+    expected = dtrain_checkpoint.latest(run_dir).step
     code3, out3, err3 = finish(start_run("pipelines/digits_sync.yaml", run_dir, *settings, "--resume"))
     assert code3 == 0, err3[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["start_step"] == int(ckpts[-1].name[5:13]) and resumed["global_step"] == 300
+    assert resumed["start_step"] == expected and resumed["global_step"] == 300
     a = torch.load(ref_dir / "model.pt", weights_only=True)
     b = torch.load(run_dir / "model.pt", weights_only=True)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_writes_a_checkpoint_and_exits(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = start_run("pipelines/digits_async.yaml", run_dir, "--set", "checkpoint={every_steps: 100000}",
+                     "--set", "summary.every_steps=20")
+    seen = wait_for_step(proc, run_dir, 60)
+    children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    proc.send_signal(sig)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == code, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert ckpts and int(ckpts[-1].name[5:13]) >= seen
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in children if psutil.pid_exists(p)], timeout=20)
+    assert not alive, "the embedded cluster's processes outlived the run"
