@@ -61,11 +61,12 @@ amsgrad: 3x the parameters). The table shows ps (peak - idle) / state.
 Scaling (``--scaling``): for hidden sizes 256, 512, 1024, 2048 (784-H-H-10) and 1 or 2 ps shards
 (2 shards: ``placement.variables: partitioned`` so the bytes are balanced), dtrain async with 1
 worker and ``overlap: false`` (every exchange is on the critical path) beside the plain loop of
-the same size. Bytes moved per step = 2 x parameter bytes (one fp32 gradient push and one fp32
-parameter reply per global step; the protocol's figure) and, as a cross-check, the loopback
-interface's byte counter over the timed window divided by its steps (machine-wide: other
-traffic on 127.0.0.1 adds to it). Effective exchange rate = bytes per step / (dtrain step time -
-plain step time). Beside it, a raw loopback TCP round trip (a subprocess echoing a buffer back,
+the same size (run before and after them; the mean is used). Bytes moved per step = 2 x
+parameter bytes (one fp32 gradient push and one fp32 parameter reply per global step; the
+protocol's figure) and, as a cross-check, the loopback interface's byte counter per step (the
+median over the summary intervals after the warm-up; machine-wide, so other traffic on
+127.0.0.1 can add to it). Effective exchange rate = bytes per step / (dtrain step time - plain
+step time). Beside it, a raw loopback TCP round trip (a subprocess echoing a buffer back,
 ``sendall``/``recv_into`` on preallocated buffers) is measured in the same run at the same sizes
 and at 16 MiB; rate = 2 x size / round-trip time. Plotted to ``benchmarks/results/scaling.png``.
 
@@ -520,8 +521,8 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         ba, bb = sampler.at(ta), sampler.at(tb)
         if ba is not None and bb is not None and steps:
             out["lo_bytes_per_step_window"] = (bb - ba) / steps
-        # The loopback counter is machine-wide: other processes' traffic only adds to it, so the
-        # smallest per-summary-interval figure is the tightest upper bound on dtrain's own bytes.
+        # The loopback counter is machine-wide: other processes' traffic adds to it in bursts, so
+        # the median over the summary intervals is used (robust to a few contaminated intervals).
         per = []
         after = sorted((r for r in records if "time" in r and r.get("step", -1) >= p["warmup"]),
                        key=lambda r: r["step"])
@@ -530,7 +531,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
             if la is not None and lb is not None and b["step"] > a["step"]:
                 per.append((lb - la) / (b["step"] - a["step"]))
         if per:
-            out["lo_bytes_per_step"] = min(per)
+            out["lo_bytes_per_step"] = statistics.median(per)
     else:
         out.update(method="summary", samples_per_sec=summary.get("samples_per_sec"))
     if out.get("samples_per_sec"):
@@ -884,26 +885,37 @@ def run_scaling(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
             model = {"input": 784, "hidden": [h, h], "classes": 10}
             warmup, steps = SCALING_STEPS.get(h, (10, 40))
             every = 10
-            plain = runner.child("plain", {**runner.base_params(model), "name": f"plain-h{h}", "warmup": 10,
-                                           "steps": steps, "min_seconds": 1.0})
-            _progress(f"[scaling rep {rep + 1}] hidden {h}: plain {fmt_num(plain.get('step_ms'), '.2f')} ms/step")
+            plain_p = {**runner.base_params(model), "name": f"plain-h{h}", "warmup": 10, "steps": steps,
+                       "min_seconds": 1.5}
+            # The plain loop brackets the dtrain runs of this size (before and after; their mean is
+            # the compute time subtracted), which halves the effect of a one-off slow measurement.
+            before = runner.child("plain", plain_p)
+            dtrain_points = []
             for shards in SCALING_SHARDS:
                 cfg = Config(f"scale_h{h}_s{shards}", f"h{h} {shards} shard(s)", "dtrain", workers=1, ps=shards,
                              overlap=False, placement="partitioned" if shards > 1 else "round_robin")
                 res = runner.measure(cfg, model, rep, warmup, steps, every)
                 pt = {"rep": rep, "hidden": h, "shards": shards, "params": param_count(model),
-                      "status": res.get("status"), "error": res.get("error"),
-                      "plain_step_ms": plain.get("step_ms"), "step_ms": res.get("step_ms"),
+                      "status": res.get("status"), "error": res.get("error"), "step_ms": res.get("step_ms"),
                       "samples_per_sec": res.get("samples_per_sec"), "shard_bytes": res.get("shard_bytes"),
                       "bytes_per_step": res.get("bytes_per_step_protocol"),
                       "lo_bytes_per_step": res.get("lo_bytes_per_step"),
                       "memory": res.get("memory")}
+                dtrain_points.append(pt)
+            after = runner.child("plain", plain_p)
+            brackets = [r.get("step_ms") for r in (before, after) if r.get("status") == "ok"]
+            plain_ms = statistics.mean(brackets) if brackets else None
+            _progress(f"[scaling rep {rep + 1}] hidden {h}: plain {fmt_num(plain_ms, '.2f')} ms/step "
+                      f"(before {fmt_num(before.get('step_ms'), '.2f')}, after {fmt_num(after.get('step_ms'), '.2f')})")
+            for pt in dtrain_points:
+                pt["plain_step_ms"] = plain_ms
+                pt["plain_step_ms_brackets"] = [before.get("step_ms"), after.get("step_ms")]
                 if pt["step_ms"] and pt["plain_step_ms"] and pt["bytes_per_step"]:
                     exch = (pt["step_ms"] - pt["plain_step_ms"]) / 1e3
                     pt["exchange_ms"] = exch * 1e3
                     pt["exchange_gb_per_s"] = pt["bytes_per_step"] / exch / 1e9 if exch > 0 else None
                 points.append(pt)
-                _progress(f"[scaling rep {rep + 1}] hidden {h}, {shards} shard(s): "
+                _progress(f"[scaling rep {rep + 1}] hidden {h}, {pt['shards']} shard(s): "
                           + (f"{pt['step_ms']:.2f} ms/step, {pt['bytes_per_step'] / 1e6:.1f} MB/step, exchange "
                              f"{fmt_num(pt.get('exchange_gb_per_s'), '.2f')} GB/s" if pt["status"] == "ok"
                              else f"FAILED: {pt['error']}"))
@@ -956,8 +968,9 @@ def print_scaling(sc: dict[str, Any]) -> None:
               f"{fmt_num(a['exchange_gb_per_s'], '.2f'):>10} {max(a['shard_bytes']) / 1e6:>17.1f}")
     print("raw loopback TCP round trip (same run): " + ", ".join(
         f"{x['bytes'] / 1e6:.1f} MB {x['gb_per_s']:.2f} GB/s" for x in sc["loopback"]))
-    print("MB/step: 2 x parameter bytes (protocol); lo MB/step: loopback interface counter over the timed window "
-          "(machine-wide, a cross-check); exch = dtrain step - plain step; GB/s counts both directions.")
+    print("MB/step: 2 x parameter bytes (protocol); lo MB/step: loopback interface counter, median over the summary "
+          "intervals (machine-wide, a cross-check); plain ms: mean of a plain run before and after the dtrain runs; "
+          "exch = dtrain step - plain step (GB/s '–' when not positive: noise); GB/s counts both directions.")
 
 
 def plot_scaling(sc: dict[str, Any], path: Path) -> None:
@@ -1009,7 +1022,9 @@ def plot_scaling(sc: dict[str, Any], path: Path) -> None:
         ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        lo, hi = ax.get_ylim()
+        # Label the minor ticks only when the axis spans less than a decade (else they crowd).
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if hi < 10 * lo else NullFormatter())
     fig.suptitle("dtrain scaling (async, 1 worker, overlap off)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

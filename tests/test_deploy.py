@@ -237,13 +237,14 @@ def test_missing_ps_task_exits_1_naming_it_after_wait_s(plain, tmp_path):
     while "ps-1" in plain.worker_names():
         assert time.monotonic() < deadline, "ps-1 still registered"
         time.sleep(0.2)
-    out, elapsed = dtrain("run", "pipelines/digits_async.yaml", "--scheduler", plain.address,
+    # --scheduler may also be the file `dask scheduler --scheduler-file` wrote
+    out, elapsed = dtrain("run", "pipelines/digits_async.yaml", "--scheduler", str(plain.workdir / "scheduler.json"),
                           "--run-dir", str(tmp_path / "run"), "--quiet", "--set", "cluster.wait_s=5", timeout=180)
     assert out.returncode == 1, out.stderr[-3000:]
     err = out.stderr
     assert "/job:ps/task:1" in err and "after waiting 5 s" in err, err[-3000:]
     assert "/job:ps/task:0" not in err.split("workers present")[0]  # only the missing task is named
-    assert "dtrain worker --job ps --task 1" in err
+    assert f"dtrain worker --job ps --task 1 --scheduler {plain.address}" in err
     assert "Traceback" not in err
     assert elapsed < 5 + 90  # the wait plus the start of a Python process on a busy machine
 
@@ -341,6 +342,18 @@ def test_tls_scheduler_refuses_connections_without_the_certificate(tls, tls_dir,
                     "--tls-key", str(stranger / "cluster-key.pem"), "--wait-s", "10", timeout=120)
     assert out.returncode == 1 and "refused the TLS connection" in out.stderr, out.stderr[-2000:]
     assert "ps-7" not in tls.worker_names()
+
+
+def test_missing_security_file_is_named_before_connecting(tmp_path):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text("name: p\ncluster:\n  jobs: {ps: 1, worker: 1}\n  scheduler: tls://127.0.0.1:1\n"
+                        "  security: {ca_file: certs/ca.pem, cert_file: certs/cluster.pem}\n"
+                        "model: {input_shape: [4], layers: [{type: linear, out: 1}], loss: mse}\n"
+                        "data: {source: synthetic}\n")
+    out, _ = dtrain("run", str(pipeline), "--run-dir", str(tmp_path / "run"), "--quiet", timeout=120)
+    assert out.returncode == 1
+    assert f"cluster.security.ca_file: no readable file {tmp_path / 'certs' / 'ca.pem'}" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_tls_cluster_stops_leaving_no_process(tls):
