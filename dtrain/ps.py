@@ -29,33 +29,12 @@ from typing import Any
 
 import torch
 
+from .optim import make_optimizer
 from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
 
 
 class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
-
-
-def make_optimizer(param: torch.Tensor, config: dict[str, Any]) -> torch.optim.Optimizer:
-    """A torch optimizer over one flat parameter. The four supported optimizers are elementwise,
-    so applying them to a flat buffer is exactly torch's per-tensor behaviour."""
-    c = dict(config)
-    name = c.pop("name")
-    wd = c.get("weight_decay", 0.0)
-    if name == "sgd":
-        return torch.optim.SGD([param], lr=c["lr"], weight_decay=wd, foreach=False)
-    if name == "momentum":
-        return torch.optim.SGD([param], lr=c["lr"], momentum=c.get("momentum", 0.9), weight_decay=wd,
-                               nesterov=c.get("nesterov", False), dampening=c.get("dampening", 0.0), foreach=False)
-    if name == "adam":
-        return torch.optim.Adam([param], lr=c["lr"], betas=tuple(c.get("betas", (0.9, 0.999))),
-                                eps=c.get("eps", 1e-8), amsgrad=c.get("amsgrad", False), weight_decay=wd,
-                                foreach=False)
-    if name == "adagrad":
-        return torch.optim.Adagrad([param], lr=c["lr"], lr_decay=c.get("lr_decay", 0.0), weight_decay=wd,
-                                   initial_accumulator_value=c.get("initial_accumulator_value", 0.0),
-                                   eps=c.get("eps", 1e-10), foreach=False)
-    raise ValueError(f"unknown optimizer {name!r}; use sgd, momentum, adam or adagrad")
 
 
 class ParameterShard:
@@ -71,15 +50,15 @@ class ParameterShard:
         self.summary_every: int = config.get("summary_every", 100)
         self.nan_guard: bool = config.get("nan_guard", False)
         num_replicas = config.get("num_replicas", 1)
-        self.param = torch.nn.Parameter(init.detach().to(torch.float32).clone(), requires_grad=False)
-        self.param.grad = torch.zeros_like(self.param)
-        self.optimizer = make_optimizer(self.param, config["optimizer"])
+        # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
+        self.param = init.detach().to(torch.float32).clone()
+        self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])
         self.acc = torch.zeros_like(self.param)
         self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas)
         self.policy = AsyncPolicy(config.get("max_staleness"))
         k = config.get("max_staleness")
         self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
-        self._ring = [torch.empty_like(self.param.data) for _ in range(2 * num_replicas + 4)]
+        self._ring = [torch.empty_like(self.param) for _ in range(2 * num_replicas + 4)]
         self._ring_next = 0
         self._cond: asyncio.Condition | None = None
         self.stop = False
@@ -110,7 +89,7 @@ class ParameterShard:
     def _snapshot(self) -> torch.Tensor:
         buf = self._ring[self._ring_next]
         self._ring_next = (self._ring_next + 1) % len(self._ring)
-        buf.copy_(self.param.data)
+        buf.copy_(self.param)
         return buf
 
     def _reply(self) -> tuple[torch.Tensor, int, bool, int]:
@@ -119,8 +98,7 @@ class ParameterShard:
     def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
         if scale != 1.0:
             grad.mul_(scale)
-        self.param.grad = grad
-        self.optimizer.step()
+        self.optimizer.step(self.param, grad)
         self.last_apply_time = time.time()
 
     def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
@@ -221,8 +199,8 @@ class ParameterShard:
             else:
                 self.acc.add_(grad)
             if isinstance(decision, Apply):
-                # The optimizer reads .grad only inside step(), so the accumulator is reused as
-                # .grad and refilled next step (no fresh buffer per step).
+                # The optimizer reads the gradient only inside step(), so the accumulator is
+                # reused and refilled next step (no fresh buffer per step).
                 self._apply(self.acc, 1.0 / decision.count)
                 self._after_apply()
                 cond.notify_all()
@@ -289,23 +267,19 @@ class ParameterShard:
         return self.step
 
     async def get_params(self) -> tuple[torch.Tensor, int]:
-        return self.param.data.clone(), self.step
+        return self.param.clone(), self.step
 
     async def get_state(self) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict)."""
-        opt = self.optimizer.state_dict()
-        state = {str(k): {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
-                 for k, s in opt["state"].items()}
-        return {"params": self.param.data.clone(), "step": self.step, "optimizer_state": state,
+        state = self.optimizer.state_dict()
+        return {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
                 "dropped_stale": self.dropped_stale, "samples": self.samples_total}
 
     async def set_state(self, state: dict[str, Any]) -> int:
         """Restore from :meth:`get_state`'s output (a checkpoint)."""
         with torch.no_grad():
-            self.param.data.copy_(state["params"])
-        opt = self.optimizer.state_dict()
-        opt["state"] = {int(k): dict(v) for k, v in state.get("optimizer_state", {}).items()}
-        self.optimizer.load_state_dict(opt)
+            self.param.copy_(state["params"])
+        self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
         step = int(state["step"])
         self.sync.reset(step)
         self.policy.reset(step)

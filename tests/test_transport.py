@@ -44,7 +44,7 @@ def test_push_pull_roundtrip_applies_the_gradient(loop):
         assert torch.allclose(params, torch.zeros(1000))  # 1 - 0.5 * 2
         assert shard.samples_total == 32
         # the same numbers the actor path computes
-        assert torch.equal(shard.param.data, params)
+        assert torch.equal(shard.param, params)
     finally:
         client.close()
         server.close()
@@ -125,7 +125,7 @@ def test_bfloat16_wire_halves_bytes_and_rounds_like_bfloat16(loop):
         # the ps applied the bfloat16-rounded gradient in float32, and replied in bfloat16
         expected = (torch.ones(1000) - 0.5 * grad.to(torch.bfloat16).float()).to(torch.bfloat16).float()
         assert torch.equal(params, expected)
-        assert torch.equal(shard.param.data, torch.ones(1000) - 0.5 * grad.to(torch.bfloat16).float())
+        assert torch.equal(shard.param, torch.ones(1000) - 0.5 * grad.to(torch.bfloat16).float())
     finally:
         client.close()
         server.close()
