@@ -287,7 +287,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
                 return usage(f"{flag} {value}: no such readable file")
 
+    from .cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
+
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    # Keep torch's per-step buffers on the heap (see dtrain.cluster.dask_config): for the worker
+    # process a nanny spawns, and for this process itself when it runs without one.
+    for name, value in (("MALLOC_TRIM_THRESHOLD_", MALLOC_TRIM_THRESHOLD),
+                        ("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)):
+        env[f"DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__{name}"] = str(value)
+        env.setdefault(name, str(value))
     if args.device:
         device = args.device.strip().lower().lstrip("/").removeprefix("device:")
         kind, _, index = device.partition(":")

@@ -27,6 +27,8 @@ from .spec import PipelineSpec
 logger = logging.getLogger(__name__)
 
 DEATH_TIMEOUT_S = 15
+MALLOC_TRIM_THRESHOLD = 256 << 20
+MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit
 
 
 def dask_config(spec: PipelineSpec) -> dict[str, Any]:
@@ -40,6 +42,12 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
         "distributed.worker.profile.enabled": False,
         "distributed.scheduler.work-stealing": False,
         "distributed.admin.system-monitor.gil.enabled": False,
+        # Dask sets MALLOC_TRIM_THRESHOLD_=65536 for nanny-spawned workers, which also turns off
+        # glibc's dynamic mmap threshold: every activation and buffer over 128 KB is then mmapped and
+        # unmapped each step (page faults: torch compute measured ~45% slower in such a worker).
+        # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
+        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
+        "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
     }
 
 
