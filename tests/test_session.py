@@ -142,3 +142,14 @@ def test_replicas_compute_on_cuda(inproc_client, run_dir):
     assert result.summary["status"] == "completed"
     assert {s["device"] for s in result.replica_stats} == {"cuda:0"}
     assert result.summary["final_loss"] < 2.3
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_dask_actor_data_plane(inproc_client, run_dir, mode):
+    """training.transport: dask keeps the flat buffers on ps actor calls; same protocol, same results."""
+    spec = tiny().model_copy(deep=True)
+    spec.training.mode = mode
+    spec.training.transport = "dask"
+    result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+    assert result.summary["status"] == "completed" and result.summary["global_step"] >= 60
+    assert result.summary["final_loss"] < 2.3
