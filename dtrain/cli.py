@@ -246,7 +246,8 @@ def _setup_logging(quiet: bool = False) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     """`dtrain worker`: check the arguments and that the scheduler answers, then become `dask worker`.
 
-    The process execs ``python -m distributed.cli.dask_worker`` (same pid), so a process manager's
+    The process execs ``python -m dtrain._dask_worker`` (``dask worker`` with dtrain's Dask
+    settings; same pid), so a process manager's
     signals reach Dask directly. Exit 2 for bad arguments (nothing started); exit 1 when the scheduler
     cannot be reached within ``--wait-s`` or refuses this worker's TLS certificate.
     """
@@ -290,12 +291,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from .cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
-    # Keep torch's per-step buffers on the heap (see dtrain.cluster.dask_config): for the worker
-    # process a nanny spawns, and for this process itself when it runs without one.
-    for name, value in (("MALLOC_TRIM_THRESHOLD_", MALLOC_TRIM_THRESHOLD),
-                        ("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)):
-        env[f"DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__{name}"] = str(value)
-        env.setdefault(name, str(value))
+    # Keep torch's per-step buffers on the heap (see dtrain.cluster.dask_config): for this process
+    # itself when it runs without a nanny (dtrain._dask_worker sets them for a nanny's worker).
+    for var, value in (("MALLOC_TRIM_THRESHOLD_", MALLOC_TRIM_THRESHOLD),
+                       ("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)):
+        env.setdefault(var, str(value))
     if args.device:
         device = args.device.strip().lower().lstrip("/").removeprefix("device:")
         kind, _, index = device.partition(":")
@@ -374,7 +374,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                   f"machine?", file=sys.stderr)
             return EXIT_FAILED
 
-    cmd = [sys.executable, "-m", "distributed.cli.dask_worker"]
+    cmd = [sys.executable, "-m", "dtrain._dask_worker"]
     cmd += ["--scheduler-file", args.scheduler_file] if args.scheduler_file else [str(address)]
     cmd += ["--name", name, "--resources", ",".join(f"{k}={v}" for k, v in resources.items()),
             "--nthreads", str(args.nthreads), "--memory-limit", args.memory_limit, "--no-dashboard"]
