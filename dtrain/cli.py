@@ -236,11 +236,16 @@ class _Progress:
 
 
 def _setup_logging(quiet: bool = False) -> None:
+    import distributed  # noqa: F401 - it configures its loggers on import: import first, then quiet them
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("dtrain").setLevel(logging.WARNING if quiet else logging.INFO)
     # Dask logs comm retries and worker shutdowns at INFO/WARNING; a run's own messages matter more.
     for name in ("distributed", "tornado", "asyncio"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name in list(logging.root.manager.loggerDict):  # Dask sets levels on its child loggers too
+        if name.startswith(("distributed.", "tornado.")):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

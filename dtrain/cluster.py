@@ -48,6 +48,8 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
         # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
         "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
         "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
+        # Embedded workers share the terminal: only their warnings and errors (read at import).
+        "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning",
     }
 
 
