@@ -54,7 +54,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename: readers see the old file or the new one, never a torn one (used
+    for checkpoints, manifests, summary.json and model.pt)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -80,10 +82,10 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     torch.save(payload, buf)
     data = buf.getvalue()
     path = directory / f"ckpt-{step:08d}.pt"
-    _atomic_write(path, data)
+    atomic_write(path, data)
     manifest = {"step": int(step), "file": path.name, "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
-    _atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
     _fsync_dir(directory)
     _retain(directory, path, keep)
     return path

@@ -657,17 +657,12 @@ class Session:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    ckpt_io.atomic_write(path, (json.dumps(obj, indent=2, default=str) + "\n").encode("utf-8"))
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    import os
+    import io
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    ckpt_io.atomic_write(path, buf.getvalue())
