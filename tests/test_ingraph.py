@@ -122,14 +122,20 @@ def test_in_graph_resumes_where_the_shards_are(inproc_client, tmp_path):
     assert max_abs_diff(model, single_process(spec, 2)) <= TOLERANCE
 
 
+def started_driver(session, until_step: int):
+    """A running InGraphDriver, once it has applied ``until_step`` steps (or 60 s passed)."""
+    driver = driver_for(session)
+    driver.start()
+    deadline = time.monotonic() + 60
+    while driver.global_step < until_step and time.monotonic() < deadline and not driver.done():
+        time.sleep(0.05)
+    return driver
+
+
 def test_in_graph_stops_on_request_with_every_shard_at_one_step(inproc_client, tmp_path):
     spec = in_graph_spec(2, 2, steps=100_000)
     with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = driver_for(session)
-        driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 5 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        driver = started_driver(session, until_step=5)
         driver.stop()
         assert driver.join(timeout=60)
         assert driver.error() is None
@@ -204,11 +210,7 @@ def test_in_graph_checkpoints_pause_applies_without_changing_the_result(inproc_c
 def test_in_graph_abort_ends_without_an_error(inproc_client, tmp_path):
     spec = in_graph_spec(1, 2, steps=100_000)
     with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = driver_for(session)
-        driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 3 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        driver = started_driver(session, until_step=3)
         driver.abort()
         assert driver.join(timeout=60)
         assert driver.error() is None
