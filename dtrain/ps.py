@@ -233,20 +233,22 @@ class ParameterShard:
                 "local_steps": dict(self.local_steps), "generation": self.generation,
                 "last_apply_time": self.last_apply_time}
 
-    async def request_stop(self) -> int:
-        """Ask every replica to stop at its next reply; releases waiting replicas."""
-        self.stop = True
+    async def _wake(self) -> None:
+        """Let every waiter re-check its condition (after stop, hold or release changed)."""
         if self._cond is not None:
             async with self._cond:
                 self._cond.notify_all()
+
+    async def request_stop(self) -> int:
+        """Ask every replica to stop at its next reply; releases waiting replicas."""
+        self.stop = True
+        await self._wake()
         return self.step
 
     async def hold(self, at_step: int | None = None) -> int:
         """Pause applies from ``at_step`` on (default: now); returns the current step."""
         self.hold_at = self.step if at_step is None else at_step
-        if self._cond is not None:  # a raised hold step may free pushes that were held
-            async with self._cond:
-                self._cond.notify_all()
+        await self._wake()  # a raised hold step may free pushes that were held
         return self.step
 
     async def wait_held(self) -> int:
@@ -261,9 +263,7 @@ class ParameterShard:
     async def release(self) -> int:
         """End a hold: waiting pushes go on."""
         self.hold_at = None
-        if self._cond is not None:
-            async with self._cond:
-                self._cond.notify_all()
+        await self._wake()
         return self.step
 
     async def get_params(self) -> tuple[torch.Tensor, int]:
