@@ -58,7 +58,10 @@ class ParameterShard:
         self.policy = AsyncPolicy(config.get("max_staleness"))
         k = config.get("max_staleness")
         self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
-        self._ring = [torch.empty_like(self.param) for _ in range(2 * num_replicas + 4)]
+        # Reply snapshots for the actor path, allocated on first use (the socket data plane passes
+        # its own ``out`` buffer: a shared-memory slot or a per-connection buffer).
+        self._ring_size = 2 * num_replicas + 4
+        self._ring: list[torch.Tensor] = []
         self._ring_next = 0
         self._cond: asyncio.Condition | None = None
         self.stop = False
@@ -86,14 +89,17 @@ class ParameterShard:
             self._cond = asyncio.Condition()
         return self._cond
 
-    def _snapshot(self) -> torch.Tensor:
-        buf = self._ring[self._ring_next]
-        self._ring_next = (self._ring_next + 1) % len(self._ring)
-        buf.copy_(self.param)
-        return buf
+    def _snapshot(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            if len(self._ring) < self._ring_size:
+                self._ring.append(torch.empty_like(self.param))
+            out = self._ring[self._ring_next]
+            self._ring_next = (self._ring_next + 1) % self._ring_size
+        out.copy_(self.param)
+        return out
 
-    def _reply(self) -> tuple[torch.Tensor, int, bool, int]:
-        return self._snapshot(), self.step, self.stop or self.error is not None, self.generation
+    def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
+        return self._snapshot(out), self.step, self.stop or self.error is not None, self.generation
 
     def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
         if scale != 1.0:
@@ -157,11 +163,12 @@ class ParameterShard:
 
     # ------------------------------------------------------------------ remote methods
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
-                        samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, int, bool, int]:
         """Async mode: apply this gradient now (unless too stale), reply with fresh parameters."""
         await self._wait_unheld()
         if self.stop or self.error is not None:
-            return self._reply()
+            return self._reply(out)
         self._observe(replica, loss, samples, local_step)
         if self.error is None and not self._bad_grad(grad, replica):
             decision = self.policy.push(version)
@@ -177,23 +184,24 @@ class ParameterShard:
                     await self._wait(cond, lambda: self.stop or self.gate.may_proceed(replica, local_step + 1),
                                      f"replica {replica} waited for slower replicas (max_staleness "
                                      f"{self.gate.max_staleness})")
-        return self._reply()
+        return self._reply(out)
 
     async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
-                        samples: int = 0, local_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, int, bool, int]:
         """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean."""
         await self._wait_unheld(version)
         cond = self._condition()
         async with cond:
             if self.stop or self.error is not None:
-                return self._reply()
+                return self._reply(out)
             self._observe(replica, loss, samples, local_step)
             if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
                 cond.notify_all()
-                return self._reply()
+                return self._reply(out)
             decision = self.sync.push(replica, version)
             if isinstance(decision, Drop):
-                return self._reply()
+                return self._reply(out)
             if len(self.sync.contributors) == 1 or isinstance(decision, Apply) and decision.count == 1:
                 self.acc.copy_(grad)
             else:
@@ -207,16 +215,17 @@ class ParameterShard:
             elif isinstance(decision, Accumulate):
                 await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
                                  f"replica {replica} waited for the other replicas' gradients of step {version}")
-            return self._reply()
+            return self._reply(out)
 
-    async def pull(self, min_step: int = 0) -> tuple[torch.Tensor, int, bool, int]:
-        """The current parameters, once this shard has applied ``min_step`` steps."""
+    async def pull(self, min_step: int = 0, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
+        """The current parameters, once this shard has applied ``min_step`` steps. ``out`` (here
+        and in the pushes): write the reply's snapshot there instead of into the ring."""
         if self.step < min_step and not self.stop:
             cond = self._condition()
             async with cond:
                 await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
                                  f"pull waited for shard {self.index} to reach step {min_step}")
-        return self._reply()
+        return self._reply(out)
 
     async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
         try:

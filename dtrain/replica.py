@@ -152,6 +152,10 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
     """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
     handles' reply buffers stay valid until their next reply (enables zero-copy)."""
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
+    slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
+    if rep.zero_copy and all(s is not None for s in slots):
+        # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
+        rep.grad_bufs = [[s[j] for s in slots] for j in range(2)]
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
     stats = ReplicaStats(index, device=str(rep.device))

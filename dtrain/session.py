@@ -170,7 +170,8 @@ class Session:
             host = self.conn.tasks[shard.task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
             endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls,
                                                                      self.spec.training.wire_dtype))))
-        return {"endpoints": endpoints, "secret": secret, "tls": tls, "wire_dtype": self.spec.training.wire_dtype}
+        return {"endpoints": endpoints, "secret": secret, "tls": tls, "wire_dtype": self.spec.training.wire_dtype,
+                "shared_memory": self.spec.training.shared_memory}
 
     def close_data_plane(self) -> None:
         if getattr(self, "data_plane", None) is None:

@@ -428,6 +428,11 @@ class TrainingSpec(_Strict):
     wire_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of parameters and gradients on the wire: bfloat16 halves the bytes moved "
         "(transport: socket only; the ps keeps and applies float32).")
+    shared_memory: bool = Field(
+        True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
+        "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "
+        "falls back to the socket per connection when the ps cannot map the file (another machine or container, "
+        "a full /dev/shm).")
 
 
 # ------------------------------------------------------------------------ checkpoint/summary/eval
