@@ -339,11 +339,15 @@ class ParameterShard:
                                        timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype)
         return self._server.host, self._server.port
 
-    async def close_data_plane(self) -> None:
+    async def close_data_plane(self) -> dict[str, int]:
+        """Stop serving; returns how many replica connections it served, and how many of them
+        through shared memory."""
         server = getattr(self, "_server", None)
-        if server is not None:
-            server.close()
-            self._server = None
+        if server is None:
+            return {"connections": 0, "shared_memory": 0}
+        server.close()
+        self._server = None
+        return {"connections": server.connections, "shared_memory": server.shared_connections}
 
     def __del__(self) -> None:
         server = getattr(self, "_server", None)

@@ -119,6 +119,8 @@ class Session:
         self.local_steps: dict[Any, int] = {}
         self._submits = 0
         self.recovery_log: list[dict[str, Any]] = []
+        # Replica connections the ps data planes served (all generations), and through shared memory.
+        self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
         self.checkpoints_written: list[str] = []
         self._last_ckpt_step = 0
         self._last_ckpt_time = time.monotonic()
@@ -176,9 +178,12 @@ class Session:
     def close_data_plane(self) -> None:
         if getattr(self, "data_plane", None) is None:
             return
+        counts = self.data_plane_counts
         for s in self.shards:
             try:
-                self._call(s.close_data_plane(), timeout=5)
+                served = self._call(s.close_data_plane(), timeout=5)
+                counts["connections"] += served["connections"]
+                counts["shared_memory_connections"] += served["shared_memory"]
             except Exception as exc:  # a lost shard's listener died with its process
                 logger.debug("close_data_plane failed: %s", exc)
         self.data_plane = None
@@ -652,6 +657,9 @@ class Session:
             "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
             "recovery_log": self.recovery_log, "checkpoints": self.checkpoints_written,
         }
+        if self.spec.training.replication == "between_graph":
+            t = self.spec.training
+            summary["data_plane"] = {"transport": t.transport, "wire_dtype": t.wire_dtype, **self.data_plane_counts}
         if error:
             summary["error"] = error
         return summary

@@ -224,7 +224,8 @@ class ShardServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._closed = threading.Event()
         self._conns: list[socket.socket] = []
-        self.shared_connections = 0  # how many connections use shared memory (stats, tests)
+        self.connections = 0  # replica connections that passed the handshake
+        self.shared_connections = 0  # ... of which use shared memory
         self._thread = threading.Thread(target=self._accept, name=f"dtrain-ps{shard.index}-accept", daemon=True)
         self._thread.start()
 
@@ -265,6 +266,7 @@ class ShardServer:
             ok, shm = self._handshake(conn, numel)
             if not ok:
                 return
+            self.connections += 1
             if shm is not None:
                 self.shared_connections += 1
             f32 = self.wire == torch.float32

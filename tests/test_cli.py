@@ -81,6 +81,10 @@ def test_run_digits_async_end_to_end(tmp_path):
     assert summary["status"] == "completed"
     assert summary["eval"]["accuracy"] >= 0.95
     assert "completed at step" in stdout
+    # 2 replicas x 2 shards, each replica in its own worker process: shared memory between processes
+    dp = summary["data_plane"]
+    assert dp["connections"] == 4
+    assert dp["shared_memory_connections"] == (4 if Path("/dev/shm").is_dir() else 0)
     for name in ("metrics.jsonl", "model.pt", "summary.json"):
         assert (run_dir / name).is_file()
     assert len(seen) >= 4  # the worker processes really existed ...

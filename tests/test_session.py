@@ -4,6 +4,7 @@ the run directory contract, failures that end the run instead of hanging it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,22 @@ def test_dask_actor_data_plane(inproc_client, run_dir, mode):
     result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
     assert result.summary["status"] == "completed" and result.summary["global_step"] >= 60
     assert result.summary["final_loss"] < 2.3
+
+
+def test_shared_memory_and_socket_bytes_train_identically(inproc_client, tmp_path):
+    """Sync between-graph is deterministic: the same pipeline through the shared-memory slots and
+    through the socket's bytes ends on the same parameters, and the summary says which was used."""
+    results = {}
+    for shm in (True, False):
+        spec = tiny("").model_copy(deep=True)
+        spec.training.mode = "sync"
+        spec.training.shared_memory = shm
+        results[shm] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / f"shm-{shm}")
+    for shm, result in results.items():
+        dp = result.summary["data_plane"]
+        assert dp["transport"] == "socket" and dp["connections"] == 4  # 2 replicas x 2 shards
+        assert dp["shared_memory_connections"] == (4 if shm and os.path.isdir("/dev/shm") else 0)
+    a, b = results[True].model.state_dict(), results[False].model.state_dict()
+    assert results[True].summary["global_step"] == results[False].summary["global_step"] == 60
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

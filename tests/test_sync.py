@@ -77,14 +77,15 @@ def test_sync_differs_from_a_wrong_data_order(inproc_client, tmp_path):
 
 
 def test_backup_replicas_do_not_wait_for_a_straggler(inproc_client, tmp_path):
-    """3 replicas, aggregate 2, replica 2 sleeps in every forward: the two fast replicas carry
-    every step, the straggler's late gradients are dropped."""
+    """3 replicas, aggregate 2, replica 2 sleeps 0.1 s in every forward (the others 5 ms, so the
+    60 steps outlast the straggler's first pushes): the two fast replicas carry every step, the
+    straggler's late gradients are dropped."""
     spec = dtrain.loads("""
 name: backup
 cluster: {jobs: {ps: 1, worker: 3}}
 model:
   module: "tests.helpers.slowmodels:SlowMLP"
-  kwargs: {delay_s: 0.1, slow_worker: worker-2}
+  kwargs: {delay_s: 0.1, fast_delay_s: 0.005, slow_worker: worker-2}
 data: {source: sklearn:digits, batch_size: 8}
 optimizer: {name: sgd, lr: 0.1}
 training: {mode: sync, total_num_replicas: 3, replicas_to_aggregate: 2, steps: 60}

@@ -22,16 +22,23 @@ def _worker_name() -> str | None:
 
 
 class SlowMLP(nn.Module):
-    """A small MLP; its forward sleeps ``delay_s`` on the Dask worker named ``slow_worker``."""
+    """A small MLP; its forward sleeps ``delay_s`` on the Dask worker named ``slow_worker`` and
+    ``fast_delay_s`` on the others (so the fast replicas do not finish before the slow one's
+    first push arrives)."""
 
     def __init__(self, features: int = 64, hidden: int = 16, classes: int = 10, delay_s: float = 0.05,
-                 slow_worker: str = SLOW_WORKER):
+                 slow_worker: str = SLOW_WORKER, fast_delay_s: float = 0.0):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
         self.delay_s = delay_s
         self.slow_worker = slow_worker
+        self.fast_delay_s = fast_delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and _worker_name() == self.slow_worker:
-            time.sleep(self.delay_s)
+        if self.training:
+            worker = _worker_name()
+            if worker == self.slow_worker:
+                time.sleep(self.delay_s)
+            elif worker is not None and self.fast_delay_s:
+                time.sleep(self.fast_delay_s)
         return self.net(x)
