@@ -39,6 +39,23 @@ class ShardLayout:
     def num_shards(self) -> int:
         return len(self.shard_numel)
 
+    def buckets(self, shard: int, bucket_numel: int) -> list[tuple[int, int, list[str]]]:
+        """Gradient buckets of ``shard`` for pushes during backward: ``(lo, hi, params)`` ranges of
+        the shard buffer, from its end to its start (backward produces the last layers' gradients
+        first), each at least ``bucket_numel`` elements unless it is the last, never splitting a
+        part."""
+        parts = sorted((p for p in self.parts if p.shard == shard), key=lambda p: p.offset, reverse=True)
+        out: list[tuple[int, int, list[str]]] = []
+        hi, names = self.shard_numel[shard], []
+        for p in parts:
+            names.append(p.param)
+            if hi - p.offset >= bucket_numel:
+                out.append((p.offset, hi, names))
+                hi, names = p.offset, []
+        if names:
+            out.append((0, hi, names))
+        return out
+
     def pack(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Parameters (name -> tensor) -> one new flat float32 CPU buffer per shard."""
         out = [torch.zeros(n, dtype=torch.float32) for n in self.shard_numel]

@@ -147,6 +147,77 @@ class ReplicaModel:
                 self.bound.load_params(s, buf)
 
 
+class GradBuckets:
+    """DDP-style gradient bucketing for pushes whose bytes cross a socket (``training.bucket_mb``).
+
+    Each shard's buffer is cut into buckets from its end (backward's first gradients) to its
+    start. A hook on every parameter (``register_post_accumulate_grad_hook``) counts the gradients
+    that backward has finished; once every bucket from the end down to one is complete, those
+    are sent at once (``handle.send_part``) while backward goes on with the earlier layers. After
+    backward, the push sends only the head that is still unsent. Needs zero-copy gradients (they
+    are written straight into the buffers that are sent)."""
+
+    def __init__(self, bound: BoundModel, shards: list[Any], bucket_numel: int):
+        self.shards = shards
+        self.numel = list(bound.layout.shard_numel)
+        self.buckets: dict[int, list[tuple[int, int, list[str]]]] = {}
+        self._where: dict[str, list[tuple[int, int]]] = {}
+        for s, handle in enumerate(shards):
+            if getattr(handle, "sends_parts", False):
+                self.buckets[s] = bound.layout.buckets(s, bucket_numel)
+                for b, (_lo, _hi, names) in enumerate(self.buckets[s]):
+                    for name in names:
+                        self._where.setdefault(name, []).append((s, b))
+        self._grads: list[torch.Tensor] | None = None
+        self._pending: dict[tuple[int, int], int] = {}
+        self._next: dict[int, int] = {}
+        self._cut: dict[int, int] = {}
+        self._handles = []
+        for name, param in bound.model.named_parameters():
+            if name in self._where and param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(name)))
+        self.parts_sent = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.buckets)
+
+    def _hook_for(self, name: str) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if self._grads is None:
+                return
+            for key in self._where[name]:
+                self._pending[key] -= 1
+                if self._pending[key] == 0:
+                    self._flush(key[0])
+        return hook
+
+    def _flush(self, s: int) -> None:
+        buckets = self.buckets[s]
+        while self._next[s] < len(buckets) and self._pending[(s, self._next[s])] == 0:
+            lo, hi, _ = buckets[self._next[s]]
+            self.shards[s].send_part(self._grads[s], lo, hi)
+            self.parts_sent += 1
+            self._cut[s] = lo
+            self._next[s] += 1
+
+    def begin(self, grads: list[torch.Tensor]) -> None:
+        """Before a step's backward: ``grads`` are the buffers it writes."""
+        self._grads = grads
+        self._pending = {(s, b): len(names) for s, bs in self.buckets.items() for b, (_, _, names) in enumerate(bs)}
+        self._next = dict.fromkeys(self.buckets, 0)
+        self._cut = {s: self.numel[s] for s in self.buckets}
+
+    def end(self) -> list[int | None]:
+        """After backward: per shard, the head still to send (None: the whole gradient)."""
+        self._grads = None
+        return [self._cut.get(s) if s in self._cut else None for s in range(len(self.shards))]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,
                 owns_replies: bool = False) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
@@ -156,6 +227,12 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
     if rep.zero_copy and all(s is not None for s in slots):
         # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
         rep.grad_bufs = [[s[j] for s in slots] for j in range(2)]
+    buckets = None
+    if spec.training.bucket_mb and rep.zero_copy:
+        buckets = GradBuckets(rep.bound, shards, max(1, int(spec.training.bucket_mb * 2**20 / 4)))
+        if not buckets.active:  # no shard's bytes cross a socket
+            buckets.remove()
+            buckets = None
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
     stats = ReplicaStats(index, device=str(rep.device))
@@ -184,14 +261,17 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
     while not stop:
         t0 = time.perf_counter()
         grads = rep.grad_bufs[k % 2]
+        if buckets is not None:
+            buckets.begin(grads)
         loss, n = rep.step(grads)
+        heads = buckets.end() if buckets is not None else None
         stats.compute_s += time.perf_counter() - t0
         k += 1
         stats.local_steps = k - start_local_step
         stats.samples += n
         if t.mode == "sync":
-            futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k)
-                    for s, sh in enumerate(shards)]
+            futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
+                                 **_head(heads, s)) for s, sh in enumerate(shards)]
             replies, version = _consistent(wait(futs), shards, wait)
             rep.load([r[0] for r in replies])
             stop = any(r[2] for r in replies)
@@ -202,8 +282,8 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
             rep.load([r[0] for r in replies])
             versions = [r[1] for r in replies]
             stop = any(r[2] for r in replies)
-        futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k)
-                for s, sh in enumerate(shards)]
+        futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
+                             **_head(heads, s)) for s, sh in enumerate(shards)]
         if t.overlap:
             pending = futs
             continue
@@ -214,11 +294,20 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
     if pending is not None:
         replies = wait(pending)
         versions = [r[1] for r in replies]
+    if buckets is not None:
+        stats.extra["parts_sent"] = buckets.parts_sent
+        buckets.remove()
     stats.final_step = versions[0] if t.mode == "async" else version
     stats.wall_s = time.perf_counter() - t_start
     if index == 0:
         stats.extra["buffers"] = model_buffers(rep.model)
     return stats
+
+
+def _head(heads: list[int | None] | None, s: int) -> dict[str, int]:
+    """The ``head`` keyword for shard ``s``'s push when buckets already went (else no keyword:
+    the actor path's methods do not take it)."""
+    return {"head": heads[s]} if heads is not None and heads[s] is not None else {}
 
 
 def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list[Any], wait: Any

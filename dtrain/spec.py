@@ -428,6 +428,10 @@ class TrainingSpec(_Strict):
     wire_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of parameters and gradients on the wire: bfloat16 halves the bytes moved "
         "(transport: socket only; the ps keeps and applies float32).")
+    bucket_mb: float = Field(
+        1.0, ge=0, description="transport: socket without shared memory: send the gradient in buckets of about "
+        "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
+        "after backward sends only the rest. 0 sends it whole after backward.")
     shared_memory: bool = Field(
         True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
         "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "

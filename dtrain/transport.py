@@ -22,7 +22,10 @@ Protocol (little-endian):
   the file starts with; the server answers one byte (0: refused, 1: accepted, use the socket's
   bytes, 2: accepted and the file is mapped).
 - request: header ``<B op, B flags, H pad, I replica, q version, q local_step, d loss, I samples,
-  Q nbytes>`` then ``nbytes`` of gradient in the wire dtype (op push_pull / push_sync / pull).
+  Q offset, Q nbytes>`` then ``nbytes`` of gradient in the wire dtype, to be stored at byte
+  ``offset`` of the shard's gradient (op push_pull / push_sync / pull / part). ``part`` has no
+  reply: it is a bucket sent while backward is still running (``training.bucket_mb``); the push
+  that follows carries the rest of the gradient, usually its head, and applies the whole.
   ``flags``: bit 0 shared memory (``nbytes`` 0), bit 1 the gradient slot, bit 2 the reply slot.
 - reply: header ``<q step, B stop, B error, H pad, I generation, Q nbytes>`` then the parameters
   (none with shared memory: they are in the reply slot); ``error`` replies carry a UTF-8
@@ -56,9 +59,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DTRN2"
-REQ = struct.Struct("<BBHIqqdIQ")
+REQ = struct.Struct("<BBHIqqdIQQ")
 REP = struct.Struct("<qBBHIQ")
-OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL = 1, 2, 3
+OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4
 _OPS = {OP_PUSH_PULL: "push_pull", OP_PUSH_SYNC: "push_sync"}
 
 
@@ -283,7 +286,7 @@ class ShardServer:
                     _recv_exact(conn, memoryview(header))
                 except (DataPlaneError, OSError):
                     return
-                op, flags, _pad, replica, version, local_step, loss, samples, nbytes = REQ.unpack(header)
+                op, flags, _pad, replica, version, local_step, loss, samples, offset, nbytes = REQ.unpack(header)
                 if flags & F_SHM:
                     if shm is None:
                         raise DataPlaneError("a shared-memory request on a connection without shared memory")
@@ -296,11 +299,14 @@ class ShardServer:
                                  narrow_into=None if f32 else out, send=False)
                     continue
                 if nbytes:
-                    if nbytes != len(gview):
-                        raise DataPlaneError(f"gradient of {nbytes} bytes for a shard of {len(gview)}")
-                    _recv_exact(conn, gview)
-                    if wire_in is not grad:
-                        grad.copy_(wire_in)
+                    if offset + nbytes > len(gview) or offset % gview.itemsize:
+                        raise DataPlaneError(f"gradient bytes [{offset}, {offset + nbytes}) outside a shard of "
+                                             f"{len(gview)} bytes")
+                    _recv_exact(conn, gview[offset:offset + nbytes])
+                if op == OP_PART:
+                    continue  # a bucket: the push that completes the gradient follows
+                if wire_in is not grad:
+                    grad.copy_(wire_in)
                 self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
                              narrow_into=wire_out, send=True)
         except Exception as exc:  # one replica's broken connection must not take the ps down
@@ -411,6 +417,7 @@ class SocketShard:
         self._bufs = [] if self.shm is not None and f32 else [torch.empty(numel, dtype=torch.float32)
                                                               for _ in range(2)]
         self._next = 0
+        self._part_error: DataPlaneError | None = None
         self._header = bytearray(REP.size)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dtrain-dp-r{replica}")
 
@@ -430,23 +437,28 @@ class SocketShard:
         return 0
 
     def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                   local_step: int) -> tuple[torch.Tensor, int, bool, int]:
+                   local_step: int, head: int | None = None) -> tuple[torch.Tensor, int, bool, int]:
         try:
+            if self._part_error is not None:
+                raise self._part_error
             loss_f = float("nan") if loss is None else loss
             slot = self._next
             self._next ^= 1
             if self.shm is not None:
                 gslot = self._grad_slot(grad) if grad is not None else 0
                 self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2, 0, self.replica, version,
-                                            local_step, loss_f, samples, 0))
+                                            local_step, loss_f, samples, 0, 0))
             else:
-                if grad is not None and self._wire_out is not None:
-                    self._wire_out.copy_(grad)  # narrowed here, on this thread, off the compute path
-                    grad = self._wire_out
-                payload = _tensor_view(grad) if grad is not None else None
-                self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss_f, samples,
+                payload = None
+                if grad is not None:
+                    n = grad.numel() if head is None else head
+                    if self._wire_out is not None:
+                        self._wire_out[:n].copy_(grad[:n])  # narrowed here, on this thread, off the compute path
+                        grad = self._wire_out
+                    payload = _tensor_view(grad[:n])
+                self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss_f, samples, 0,
                                             len(payload) if payload else 0))
-                if payload is not None:
+                if payload:
                     self._sock.sendall(payload)
             _recv_exact(self._sock, memoryview(self._header))
             step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
@@ -474,13 +486,36 @@ class SocketShard:
         except OSError as exc:
             raise DataPlaneError(f"data-plane connection failed: {exc}") from None
 
+    @property
+    def sends_parts(self) -> bool:
+        """Whether buckets are worth sending early: the bytes cross the socket (no shared memory)."""
+        return self.shm is None
+
+    def _send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
+        try:
+            if self._wire_out is not None:
+                self._wire_out[start:end].copy_(grad[start:end])
+                grad = self._wire_out
+            payload = _tensor_view(grad[start:end])
+            self._sock.sendall(REQ.pack(OP_PART, 0, 0, self.replica, 0, 0, 0.0, 0, start * grad.element_size(),
+                                        len(payload)))
+            self._sock.sendall(payload)
+        except OSError as exc:
+            self._part_error = DataPlaneError(f"data-plane connection failed: {exc}")
+
+    def send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
+        """Send ``grad[start:end]`` now (a bucket whose gradients backward has finished), in order
+        with the requests; the push that follows passes ``head`` and sends only ``grad[:head]``."""
+        self._pool.submit(self._send_part, grad, start, end)
+
     def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step)
+                  local_step: int = 0, head: int | None = None) -> Future:
+        """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`)."""
+        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step, head)
 
     def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step)
+                  local_step: int = 0, head: int | None = None) -> Future:
+        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step, head)
 
     def pull(self, min_step: int = 0) -> Future:
         return self._pool.submit(self._roundtrip, OP_PULL, None, min_step, None, 0, 0)

@@ -156,20 +156,28 @@ def test_dask_actor_data_plane(inproc_client, run_dir, mode):
     assert result.summary["final_loss"] < 2.3
 
 
-def test_shared_memory_and_socket_bytes_train_identically(inproc_client, tmp_path):
-    """Sync between-graph is deterministic: the same pipeline through the shared-memory slots and
-    through the socket's bytes ends on the same parameters, and the summary says which was used."""
+def test_shared_memory_socket_bytes_and_buckets_train_identically(inproc_client, tmp_path):
+    """Sync between-graph is deterministic: the same pipeline through the shared-memory slots,
+    through the socket's bytes pushed whole, and through the socket's bytes pushed in buckets
+    during backward ends on the same parameters; the summary says which data plane was used."""
+    variants = {"shm": (True, 0.0), "tcp": (False, 0.0), "tcp-buckets": (False, 0.0005)}
     results = {}
-    for shm in (True, False):
+    for name, (shm, bucket_mb) in variants.items():
         spec = tiny("").model_copy(deep=True)
         spec.training.mode = "sync"
         spec.training.shared_memory = shm
-        results[shm] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / f"shm-{shm}")
-    for shm, result in results.items():
+        spec.training.bucket_mb = bucket_mb
+        results[name] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / name)
+    for name, result in results.items():
         dp = result.summary["data_plane"]
         assert dp["transport"] == "socket" and dp["connections"] == 4  # 2 replicas x 2 shards
-        assert dp["shared_memory_connections"] == (4 if shm and os.path.isdir("/dev/shm") else 0)
-    a, b = results[True].model.state_dict(), results[False].model.state_dict()
-    assert results[True].summary["global_step"] == results[False].summary["global_step"] == 60
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+        shared = name == "shm" and os.path.isdir("/dev/shm")
+        assert dp["shared_memory_connections"] == (4 if shared else 0)
+        parts = [st["extra"].get("parts_sent", 0) for st in result.replica_stats]
+        # 0.0005 MB = 131 floats: the 32x10 and 64x32 weights are buckets of their own
+        assert all(p >= 60 for p in parts) if name == "tcp-buckets" else parts == [0, 0]
+        assert result.summary["global_step"] == 60
+    reference = results["shm"].model.state_dict()
+    for name in ("tcp", "tcp-buckets"):
+        for key, value in results[name].model.state_dict().items():
+            assert torch.equal(value, reference[key]), (name, key)

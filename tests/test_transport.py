@@ -211,3 +211,38 @@ def test_attach_checks_name_size_and_token():
     finally:
         slots.close()
         transport._unlink(path)
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_parts_then_head_deliver_the_whole_gradient(loop, wire):
+    """Buckets sent during backward (send_part) plus the head sent by the push are one gradient."""
+    shard = make_shard(n=1000)
+    server = ShardServer(shard, loop, b"p" * 32, wire_dtype=wire)
+    client = SocketShard(server.host, server.port, b"p" * 32, replica=0, numel=1000, timeout=5,
+                         wire_dtype=wire, shared_memory=False)
+    try:
+        assert client.sends_parts
+        grad = torch.linspace(-1, 1, 1000)
+        client.send_part(grad, 600, 1000)
+        client.send_part(grad, 250, 600)
+        params, step, *_ = client.push_pull(grad, 0, 0, 0.1, 8, 1, head=250).result(timeout=5)
+        sent = grad if wire == "float32" else grad.to(torch.bfloat16).float()
+        assert step == 1 and torch.equal(shard.param, torch.ones(1000) - 0.5 * sent)
+        # the next push without parts sends all of it again
+        client.push_pull(torch.zeros(1000), 0, 1, 0.1, 8, 2).result(timeout=5)
+        assert torch.equal(shard.param, torch.ones(1000) - 0.5 * sent)
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.skipif(not HAS_SHM, reason="no /dev/shm on this machine")
+def test_shared_memory_connections_send_no_parts(loop):
+    shard = make_shard(n=10)
+    server = ShardServer(shard, loop, b"q" * 32)
+    client = SocketShard(server.host, server.port, b"q" * 32, replica=0, numel=10, timeout=5)
+    try:
+        assert client.shm is not None and not client.sends_parts
+    finally:
+        client.close()
+        server.close()
