@@ -27,7 +27,11 @@ and one torch thread per process, on synthetic data held in memory:
   ``ingraph_1ps_2w``: ``dtrain.run`` on an embedded cluster of real worker processes (one per
   task), each in a fresh subprocess. The cluster is started by the benchmark with
   ``dtrain.cluster.connect(spec)`` and handed to ``dtrain.run(spec, client=...)`` so that the
-  workers' memory can be read before and after the run.
+  workers' memory can be read before and after the run. All on one machine, so the data plane
+  uses its shared-memory slots (``training.shared_memory``, the default).
+- ``sync_1ps_2w_tcp`` and ``sync_1ps_2w_tcp_buckets``: sync 1 ps + 2 workers with
+  ``training.shared_memory: false`` (the bytes cross the socket, as between machines), the
+  gradient pushed whole after backward (``bucket_mb: 0``) or in 1 MB buckets during backward.
 
 dtrain's steady-state throughput is derived from ``metrics.jsonl`` (records every
 ``summary.every_steps`` global steps, each with the ps task's wall-clock ``time``), using the
@@ -131,6 +135,7 @@ class Config:
     overlap: bool = False
     placement: str = "round_robin"
     optional: bool = False  # a failure is reported as "not available" and does not fail the benchmark
+    sets: tuple[str, ...] = ()  # spec overrides of this configuration (before --set's)
 
 
 def main_configs(tiny: bool) -> list[Config]:
@@ -140,10 +145,17 @@ def main_configs(tiny: bool) -> list[Config]:
     s2 = Config("sync_1ps_2w", "dtrain sync 1 ps + 2 workers", "dtrain", workers=2, mode="sync")
     g2 = Config("ingraph_1ps_2w", "dtrain in_graph 1 ps + 2 workers", "dtrain", workers=2, mode="sync",
                 replication="in_graph", optional=True)
+    # The socket's bytes instead of shared memory (as between machines), with and without gradient
+    # buckets sent during backward.
+    tcp = ("training.shared_memory=false",)
+    s2t = Config("sync_1ps_2w_tcp", "dtrain sync 1+2, socket bytes, whole", "dtrain", workers=2, mode="sync",
+                 sets=(*tcp, "training.bucket_mb=0"))
+    s2b = Config("sync_1ps_2w_tcp_buckets", "dtrain sync 1+2, socket bytes, buckets", "dtrain", workers=2,
+                 mode="sync", sets=(*tcp, "training.bucket_mb=1"))
     if tiny:
         return [plain, a1, s2]
     return [plain, Config("plain_x2", "plain PyTorch, 2 processes (ceiling)", "plain_x2"),
-            Config("ddp_gloo_2", "torch DDP gloo, 2 processes", "ddp", workers=2), a1, a2, s2, g2]
+            Config("ddp_gloo_2", "torch DDP gloo, 2 processes", "ddp", workers=2), a1, a2, s2, s2t, s2b, g2]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -680,7 +692,7 @@ class Runner:
         res = self.child("dtrain", {**p, "mode": cfg.mode, "replication": cfg.replication, "overlap": cfg.overlap,
                                     "ps": cfg.ps, "workers": cfg.workers, "placement": cfg.placement,
                                     "warmup": warmup, "steps": steps, "every": every, "run_dir": str(run_dir),
-                                    "overrides": a.set or None})
+                                    "overrides": [*cfg.sets, *a.set] or None})
         if not a.keep_runs:
             shutil.rmtree(run_dir, ignore_errors=True)
         return res

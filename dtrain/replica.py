@@ -10,6 +10,7 @@ the replica's deterministic slice of the data.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -147,6 +148,18 @@ class ReplicaModel:
                 self.bound.load_params(s, buf)
 
 
+def pin_compute_thread(local_rank: int, threads: int) -> list[int] | None:
+    """Pin the calling thread (a replica's compute thread) to ``threads`` of the CPUs this process
+    may use: the ``local_rank``-th group, wrapping around (``training.pin_cpus``). Returns the CPUs
+    and the previous set, so the caller can restore it; None where affinity is unsupported."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = sorted({allowed[(local_rank * threads + j) % len(allowed)] for j in range(threads)})
+    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread only (Linux)
+    return cpus
+
+
 class GradBuckets:
     """DDP-style gradient bucketing for pushes whose bytes cross a socket (``training.bucket_mb``).
 
@@ -219,9 +232,25 @@ class GradBuckets:
 
 
 def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,
-                owns_replies: bool = False) -> ReplicaStats:
+                owns_replies: bool = False, local_rank: int | None = None) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
-    handles' reply buffers stay valid until their next reply (enables zero-copy)."""
+    handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
+    this replica's rank among the replicas on its machine; with ``training.pin_cpus`` its compute
+    thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends)."""
+    if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
+        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+    before = os.sched_getaffinity(0)
+    cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
+    try:
+        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+        stats.extra["cpus"] = cpus
+        return stats
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any], start_local_step: int,
+                 owns_replies: bool) -> ReplicaStats:
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
     slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
     if rep.zero_copy and all(s is not None for s in slots):

@@ -234,8 +234,17 @@ class Session:
             addr = self.conn.tasks[r.task]
             self.replica_futures[r.index] = self.client.submit(
                 replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
-                self.data_plane, workers=[addr], allow_other_workers=False, pure=False,
+                self.data_plane, self._local_rank(r.index), workers=[addr], allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
+
+    def _local_rank(self, index: int) -> int:
+        """Replica ``index``'s rank among the replicas whose workers share its machine (by address
+        host), for ``training.pin_cpus``."""
+        def host(r: Any) -> str:
+            return self.conn.tasks[r.task].split("://")[-1].rsplit(":", 1)[0]
+
+        mine = host(self.plan.replicas[index])
+        return [r.index for r in self.plan.replicas if host(r) == mine].index(index)
 
     def _start_local_step(self, index: int) -> int:
         """Where replica ``index`` resumes in its data order: in sync mode without backups every

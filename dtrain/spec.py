@@ -432,6 +432,9 @@ class TrainingSpec(_Strict):
         1.0, ge=0, description="transport: socket without shared memory: send the gradient in buckets of about "
         "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
         "after backward sends only the rest. 0 sends it whole after backward.")
+    pin_cpus: bool = Field(
+        False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
+        "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")
     shared_memory: bool = Field(
         True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
         "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "

@@ -43,7 +43,8 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any])
 
 
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
-                 start_local_step: int = 0, data_plane: dict[str, Any] | None = None) -> dict[str, Any]:
+                 start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
+                 local_rank: int | None = None) -> dict[str, Any]:
     """One long-running replica: trains until the ps says stop, returns its counters.
 
     With ``data_plane`` (endpoints, secret, tls) the flat buffers travel over the socket data
@@ -52,7 +53,7 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     shards = socket_handles(spec, plan, index, data_plane) if data_plane else shard_handles(refs)
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
-                            owns_replies=bool(data_plane))
+                            owns_replies=bool(data_plane), local_rank=local_rank)
     finally:
         for s in shards:
             close = getattr(s, "close", None)
