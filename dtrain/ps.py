@@ -72,6 +72,7 @@ class ParameterShard:
         self.records: list[dict[str, Any]] = []
         self.local_steps: dict[int, int] = {}
         self.last_apply_time = 0.0
+        self._grace_until = 0.0  # monotonic time until which barrier waits may exceed their timeout
         # Checkpoint snapshots: applies pause once the step reaches hold_at, until release().
         self.hold_at: int | None = None
 
@@ -228,11 +229,24 @@ class ParameterShard:
         return self._reply(out)
 
     async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
-        try:
-            await asyncio.wait_for(cond.wait_for(predicate), self.barrier_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise BarrierTimeout(f"{what} for {self.barrier_timeout_s:.0f} s (training.barrier_timeout_s); "
-                                 "a replica is probably lost") from None
+        """Wait for ``predicate`` for barrier_timeout_s, or longer while a grace granted by the
+        session (:meth:`barrier_grace`: a lost replica is being restarted) has not run out."""
+        t0 = time.monotonic()
+        while True:
+            remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
+            if remaining <= 0:
+                raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
+                                     f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
+            try:
+                await asyncio.wait_for(cond.wait_for(predicate), remaining)
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                continue  # a grace may have been granted meanwhile: check again
+
+    async def barrier_grace(self, seconds: float) -> None:
+        """Let waits go on for ``seconds`` from now beyond their barrier timeout: the session calls
+        this when it restarts a lost replica, whose gradients the others' barrier needs."""
+        self._grace_until = max(self._grace_until, time.monotonic() + seconds)
 
     async def stats(self) -> dict[str, Any]:
         """Progress for the session: drains the summary records collected since the last call."""

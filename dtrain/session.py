@@ -482,6 +482,8 @@ class Session:
         logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), self.global_step,
                        self.recoveries, limit)
         stale = [f for i, f in enumerate(self.replica_futures) if lost_shards or i in lost_replicas]
+        if lost_replicas and not lost_shards:
+            self._grant_barrier_grace()
         if lost_shards:
             # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
             # checkpoint, so that all shards agree on one step.
@@ -508,6 +510,21 @@ class Session:
                 self.submit_replicas(only=i)
         self.recovery_log.append({"lost": lost, "step": self.global_step, "time": t_lost,
                                   "restored_step": self.global_step, "recovered_s": time.time() - t_lost})
+
+    def _grant_barrier_grace(self) -> None:
+        """A lost replica's replacement needs a worker restart, imports and data loading before its
+        first push, and sync barriers (and the staleness gate) wait for it: let the surviving
+        replicas' waits outlast barrier_timeout_s by up to call_timeout_s - 5 s (their own calls
+        give up at call_timeout_s + barrier_timeout_s)."""
+        t = self.spec.training
+        if t.mode != "sync" and t.max_staleness is None:
+            return
+        grace = max(0.0, t.call_timeout_s - 5.0)
+        for s in self.shards:
+            try:
+                self._call(s.barrier_grace(grace), timeout=5)
+            except Exception as exc:  # a shard that does not answer is handled as lost next
+                logger.debug("barrier_grace failed: %s", exc)
 
     def _open_sinks(self) -> None:
         self.sinks = [JsonlSink(self.run_dir / "metrics.jsonl", append=self.resume)]

@@ -96,9 +96,11 @@ def test_ps_killed_run_recovers_from_checkpoint(tmp_path, mode):
 def test_worker_killed_sync_does_not_hang(tmp_path):
     run_dir = tmp_path / "run"
     # The surviving replica waits at the barrier while the killed worker's process restarts and
-    # its replacement replica imports torch and loads data: well over 30 s on a busy 2-core machine.
+    # its replacement replica imports torch and loads data, which can take over 30 s on a busy
+    # 2-core machine: the session grants the barrier a grace of call_timeout_s - 5 s beyond it.
     proc = start_run("pipelines/digits_sync.yaml", run_dir, "--set", "summary.every_steps=25",
-                     "--set", "training.barrier_timeout_s=120", "--set", "checkpoint=null")
+                     "--set", "training.barrier_timeout_s=30", "--set", "training.call_timeout_s=90",
+                     "--set", "checkpoint=null")
     wait_for_step(proc, run_dir, random.Random("worker").randint(200, 400))
     kill_pid(task_pid(run_dir, "/job:worker/task:1"))
     code, out, err = finish(proc)

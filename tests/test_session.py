@@ -181,3 +181,15 @@ def test_shared_memory_socket_bytes_and_buckets_train_identically(inproc_client,
     for name in ("tcp", "tcp-buckets"):
         for key, value in results[name].model.state_dict().items():
             assert torch.equal(value, reference[key]), (name, key)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_pin_cpus_spreads_the_replicas_of_one_machine(inproc_client, run_dir):
+    spec = tiny("").model_copy(deep=True)
+    spec.training.pin_cpus = True
+    result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+    assert result.summary["status"] == "completed"
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = {st["replica"]: st["extra"]["cpus"] for st in result.replica_stats}
+    # both workers are on 127.0.0.1: local ranks 0 and 1, each on its own CPU (wrapping around)
+    assert cpus == {0: [allowed[0]], 1: [allowed[1 % len(allowed)]]}
