@@ -924,6 +924,7 @@ def run_scaling(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
                       "samples_per_sec": res.get("samples_per_sec"), "shard_bytes": res.get("shard_bytes"),
                       "bytes_per_step": res.get("bytes_per_step_protocol"),
                       "lo_bytes_per_step": res.get("lo_bytes_per_step"),
+                      "data_plane": ((res.get("summary") or {}).get("data_plane")),
                       "memory": res.get("memory")}
                 dtrain_points.append(pt)
             after = runner.child("plain", plain_p)
@@ -951,7 +952,9 @@ def run_scaling(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
     _progress("loopback TCP round trip: " + ", ".join(f"{x['bytes'] / 2**20:.1f} MiB {x['gb_per_s']:.2f} GB/s"
                                                       for x in loop))
     agg = aggregate_scaling(points)
-    return {"points": points, "aggregated": agg, "loopback": loop,
+    shared = {bool((p.get("data_plane") or {}).get("shared_memory_connections")) for p in points if p["status"] == "ok"}
+    plane = {frozenset({True}): "shared memory", frozenset({False}): "socket bytes"}.get(frozenset(shared), "mixed")
+    return {"points": points, "aggregated": agg, "loopback": loop, "data_plane": plane,
             "method": "dtrain async, 1 worker, overlap false; exchange = dtrain step - plain step; "
                       "bytes per step = 2 x parameter bytes (fp32 push + reply)"}
 
@@ -977,7 +980,7 @@ def aggregate_scaling(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_scaling(sc: dict[str, Any]) -> None:
     print()
     print("scaling: dtrain async, 1 worker, overlap false (exchange on the critical path), MLP 784-H-H-10, "
-          "batch per replica as above")
+          f"batch per replica as above; data plane: {sc.get('data_plane', '?')}")
     head = (f"{'hidden':>6} {'shards':>6} {'params':>10} {'MB/step':>8} {'lo MB/step':>10} {'plain ms':>9} "
             f"{'dtrain ms':>10} {'exch ms':>8} {'exch GB/s':>10} {'largest shard MB':>17}")
     print(head)
@@ -1049,7 +1052,7 @@ def plot_scaling(sc: dict[str, Any], path: Path) -> None:
         lo, hi = ax.get_ylim()
         # Label the minor ticks only when the axis spans less than a decade (else they crowd).
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if hi < 10 * lo else NullFormatter())
-    fig.suptitle("dtrain scaling (async, 1 worker, overlap off)")
+    fig.suptitle(f"dtrain scaling (async, 1 worker, overlap off; data plane: {sc.get('data_plane', '?')})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -50,6 +50,10 @@ class ParameterShard:
         self.summary_every: int = config.get("summary_every", 100)
         self.nan_guard: bool = config.get("nan_guard", False)
         num_replicas = config.get("num_replicas", 1)
+        if config.get("torch_threads"):
+            # The apply's intra-op threads (else torch takes every core of the ps's machine, which
+            # its replicas are using; dtrain worker processes get no OMP_NUM_THREADS).
+            torch.set_num_threads(config["torch_threads"])
         # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
         self.param = init.detach().to(torch.float32).clone()
         self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])

@@ -135,6 +135,7 @@ class Session:
             "nan_guard": any(isinstance(h, NanGuardHook) for h in self.hooks),
             "num_replicas": self.plan.num_replicas, "replicas_to_aggregate": self.plan.replicas_to_aggregate,
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
+            "torch_threads": t.torch_threads,
         }
 
     def create_shards(self, init: list[torch.Tensor]) -> None:
