@@ -247,6 +247,28 @@ class ParameterShard:
             except (asyncio.TimeoutError, TimeoutError):
                 continue  # a grace may have been granted meanwhile: check again
 
+    async def current_step(self) -> int:
+        return self.step
+
+    async def excuse(self, replica: int, at_step: int) -> int:
+        """Sync: lost ``replica`` will not push for step ``at_step`` (see ``SyncAggregator.excuse``);
+        if the gradients already accumulated now make the quorum, apply their mean and release
+        the replicas waiting for it. No-op unless this shard is still at ``at_step``. Returns the
+        shard's step."""
+        if self.mode != "sync":
+            return self.step
+        await self._wait_unheld(at_step)
+        cond = self._condition()
+        async with cond:
+            if self.sync.step != at_step or self.stop or self.error is not None:
+                return self.step
+            decision = self.sync.excuse(replica)
+            if isinstance(decision, Apply):
+                self._apply(self.acc, 1.0 / decision.count)
+                self._after_apply()
+                cond.notify_all()
+        return self.step
+
     async def barrier_grace(self, seconds: float) -> None:
         """Let waits go on for ``seconds`` from now beyond their barrier timeout: the session calls
         this when it restarts a lost replica, whose gradients the others' barrier needs."""

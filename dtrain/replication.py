@@ -58,6 +58,8 @@ class SyncAggregator:
     step: int = 0
     contributors: set[int] = field(default_factory=set)
     dropped_stale: int = 0
+    # Lost replicas excused from the current step's quorum (see excuse()).
+    excused: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas_to_aggregate <= self.total_num_replicas:
@@ -79,12 +81,32 @@ class SyncAggregator:
             self.dropped_stale += 1
             return Drop("duplicate", self.step)
         self.contributors.add(replica)
-        if len(self.contributors) >= self.replicas_to_aggregate:
-            count = len(self.contributors)
-            self.contributors.clear()
-            self.step += 1
-            return Apply(self.step, count)
+        if len(self.contributors) >= self._quorum():
+            return self._advance()
         return Accumulate(self.step, len(self.contributors))
+
+    def _quorum(self) -> int:
+        return min(self.replicas_to_aggregate, self.total_num_replicas - len(self.excused - self.contributors))
+
+    def _advance(self) -> Apply:
+        count = len(self.contributors)
+        self.contributors.clear()
+        self.excused.clear()
+        self.step += 1
+        return Apply(self.step, count)
+
+    def excuse(self, replica: int) -> Decision | None:
+        """``replica`` was lost and will never push for the current step (its replacement starts
+        from a fresh pull): leave it out of this step's quorum. Needed where a replica died between
+        its pushes to two shards: the shard it reached moved on, this one would wait for it forever.
+        Returns ``Apply`` when the gradients already in now make the quorum (else None); the next
+        step needs the full quorum again."""
+        if replica in self.contributors:
+            return None
+        self.excused.add(replica)
+        if self.contributors and len(self.contributors) >= self._quorum():
+            return self._advance()
+        return None
 
     def push_aggregated(self, step: int, count: int) -> Decision:
         """A mean of ``count`` gradients computed on the parameters of ``step`` and aggregated
@@ -96,6 +118,7 @@ class SyncAggregator:
             self.dropped_stale += 1
             return Drop("stale" if step < self.step else "ahead", self.step)
         self.contributors.clear()
+        self.excused.clear()
         self.step += 1
         return Apply(self.step, count)
 
@@ -103,6 +126,7 @@ class SyncAggregator:
         """Forget partial accumulation (after a restore or a lost replica's generation change)."""
         self.step = step
         self.contributors.clear()
+        self.excused.clear()
 
 
 @dataclass

@@ -485,6 +485,7 @@ class Session:
         stale = [f for i, f in enumerate(self.replica_futures) if lost_shards or i in lost_replicas]
         if lost_replicas and not lost_shards:
             self._grant_barrier_grace()
+            self._excuse_lost(lost_replicas)
         if lost_shards:
             # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
             # checkpoint, so that all shards agree on one step.
@@ -526,6 +527,22 @@ class Session:
                 self._call(s.barrier_grace(grace), timeout=5)
             except Exception as exc:  # a shard that does not answer is handled as lost next
                 logger.debug("barrier_grace failed: %s", exc)
+
+    def _excuse_lost(self, lost_replicas: list[int]) -> None:
+        """Sync: a replica killed between its pushes to two shards left the shard it did not reach
+        one step behind, waiting for a gradient that will never come (its replacement starts from a
+        fresh pull, at the leading step), while the others cannot compute on mixed steps: every
+        shard behind the leading one completes its step without the lost replicas' gradients."""
+        if self.spec.training.mode != "sync" or self.driver is not None:
+            return
+        try:
+            steps = [self._call(s.current_step(), timeout=5) for s in self.shards]
+            top = max(steps)
+            for s, step in zip(self.shards, steps, strict=True):
+                for i in lost_replicas if step < top else []:
+                    self._call(s.excuse(i, step), timeout=self.spec.training.barrier_timeout_s + 5)
+        except Exception as exc:  # a shard that does not answer is handled as lost next
+            logger.debug("excuse failed: %s", exc)
 
     def _open_sinks(self) -> None:
         self.sinks = [JsonlSink(self.run_dir / "metrics.jsonl", append=self.resume)]

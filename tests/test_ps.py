@@ -61,3 +61,21 @@ def test_replies_go_into_the_callers_buffer_else_a_lazy_ring():
         assert a.data_ptr() != shard.param.data_ptr()
 
     asyncio.run(main())
+
+
+def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
+    """The session excuses a lost replica on a shard that is behind the others: the survivor's
+    waiting push completes with its own gradient as the step's mean."""
+    async def main():
+        shard = sync_shard(barrier_s=5.0)
+        waiting = asyncio.create_task(shard.push_sync(torch.full((8,), 2.0), 0, 0))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        assert await shard.excuse(1, at_step=5) == 0  # not this shard's step: no-op
+        assert not waiting.done()
+        assert await shard.excuse(1, at_step=0) == 1
+        params, step, *_ = await asyncio.wait_for(waiting, 2)
+        return params, step, shard.sync.excused
+
+    params, step, excused = asyncio.run(main())
+    assert step == 1 and torch.equal(params, torch.full((8,), -2.0)) and excused == set()

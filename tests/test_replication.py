@@ -223,3 +223,32 @@ def test_gate_reset_forgets_local_steps():
 def test_gate_with_one_replica_never_waits():
     gate = StalenessGate(1, 0)
     assert gate.may_proceed(0, 1000)
+
+
+def test_sync_excuse_completes_a_step_a_lost_replica_will_never_push():
+    """Replica 1 died after pushing step 0 to another shard but not to this one: excusing it lets
+    the gradient already here make the quorum; the next step needs every replica again."""
+    agg = SyncAggregator(replicas_to_aggregate=2, total_num_replicas=2)
+    assert agg.push(0, 0) == Accumulate(0, 1)
+    assert agg.excuse(1) == Apply(1, 1)
+    assert agg.push(0, 1) == Accumulate(1, 1)  # full quorum again
+    assert agg.push(1, 1) == Apply(2, 2)
+
+
+def test_sync_excuse_before_the_survivors_push_lowers_the_quorum_of_that_step_only():
+    agg = SyncAggregator(replicas_to_aggregate=3, total_num_replicas=3)
+    assert agg.excuse(2) is None  # nothing accumulated yet: nothing to apply
+    assert agg.push(0, 0) == Accumulate(0, 1)
+    assert agg.push(1, 0) == Apply(1, 2)
+    assert agg.push(0, 1) == Accumulate(1, 1) and agg.push(1, 1) == Accumulate(1, 2)
+
+
+def test_sync_excuse_of_a_contributor_or_with_backups_to_spare_changes_nothing():
+    agg = SyncAggregator(replicas_to_aggregate=2, total_num_replicas=2)
+    agg.push(1, 0)
+    assert agg.excuse(1) is None  # its gradient for this step is already in
+    assert agg.push(0, 0) == Apply(1, 2)
+    backups = SyncAggregator(replicas_to_aggregate=2, total_num_replicas=3)
+    backups.push(0, 0)
+    assert backups.excuse(2) is None  # two replicas are still alive for a quorum of two
+    assert backups.push(1, 0) == Apply(1, 2)
