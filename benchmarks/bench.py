@@ -403,22 +403,48 @@ def _worker_mem(preload: bool = False) -> dict[str, Any]:
 
 
 class LoopbackSampler(threading.Thread):
-    """Samples the loopback interface's byte counter (machine-wide) every 20 ms."""
+    """Samples the loopback interface's byte counter (machine-wide) every 20 ms, and the CPU time
+    (user + system) of the given worker processes every 100 ms."""
 
-    def __init__(self) -> None:
+    def __init__(self, pids: dict[str, int] | None = None) -> None:
         super().__init__(daemon=True, name="bench-lo-sampler")
         self.samples: list[tuple[float, int]] = []
+        self.cpu_samples: list[tuple[float, dict[str, float]]] = []
+        self.pids = pids or {}
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         import psutil
 
+        procs = {}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(psutil.Error):
+                procs[name] = psutil.Process(pid)
+        n = 0
         while not self._stop_event.is_set():
             lo = psutil.net_io_counters(pernic=True).get("lo")
             if lo is None:
                 return
             self.samples.append((time.time(), lo.bytes_sent))
+            if procs and n % 5 == 0:
+                cpu = {}
+                for name, proc in procs.items():
+                    with contextlib.suppress(psutil.Error):
+                        cpu[name] = sum(proc.cpu_times()[:2])
+                self.cpu_samples.append((time.time(), cpu))
+            n += 1
             self._stop_event.wait(0.02)
+
+    def cpu_between(self, ta: float, tb: float) -> dict[str, float] | None:
+        """CPU seconds each process used between the samples nearest ``ta`` and ``tb``."""
+        s = self.cpu_samples
+        if len(s) < 2:
+            return None
+        a = min(s, key=lambda x: abs(x[0] - ta))
+        b = min(s, key=lambda x: abs(x[0] - tb))
+        if b[0] <= a[0]:
+            return None
+        return {n: (b[1][n] - a[1][n]) * (tb - ta) / (b[0] - a[0]) for n in a[1] if n in b[1]}
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -499,6 +525,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         t0 = time.time()
         idle = {names.get(a, a): v for a, v in client.run(_worker_mem, True).items()}
         phases["worker_preload"] = round(time.time() - t0, 2)
+        sampler.pids = {n: v["pid"] for n, v in idle.items()}
         sampler.start()
         t0 = time.time()
         try:
@@ -545,6 +572,13 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
                 per.append((lb - la) / (b["step"] - a["step"]))
         if per:
             out["lo_bytes_per_step"] = statistics.median(per)
+        # CPU per replica step in the timed window: the ps's and each replica's, in ms (a replica
+        # takes replicas / k of its own steps per global step).
+        cpu = sampler.cpu_between(ta, tb)
+        if cpu and steps:
+            own = plan.num_replicas / k
+            out["cpu_ms_per_global_step"] = {n: 1e3 * c / steps for n, c in cpu.items()}
+            out["cpu_ms_per_replica_step"] = {n: 1e3 * c / steps * own for n, c in cpu.items()}
     else:
         out.update(method="summary", samples_per_sec=summary.get("samples_per_sec"))
     if out.get("samples_per_sec"):
@@ -789,10 +823,26 @@ def summarize(configs: list[Config], runs: list[dict[str, Any]], reps: int) -> d
             entry["memory"] = memory_summary(ok)
             entry["bytes_per_step_protocol"] = ok[0].get("bytes_per_step_protocol") if ok else None
             entry["lo_bytes_per_step"] = median([r.get("lo_bytes_per_step") for r in ok])
+            entry["cpu_ms_per_replica_step"] = cpu_summary(ok)
         elif ok and ok[0].get("peak_rss"):
             entry["memory"] = {"process_peak_rss": median([r.get("peak_rss") for r in ok])}
         out[cfg.name] = entry
     return out
+
+
+def cpu_summary(ok: list[dict[str, Any]]) -> dict[str, float | None] | None:
+    """Medians over repetitions: the ps tasks' CPU and a replica's own (mean of the worker tasks),
+    in ms per replica step."""
+    rows = [r["cpu_ms_per_replica_step"] for r in ok if r.get("cpu_ms_per_replica_step")]
+    if not rows:
+        return None
+
+    def mean(row: dict[str, float], prefix: str) -> float | None:
+        xs = [v for n, v in row.items() if n.startswith(prefix)]
+        return sum(xs) / len(xs) if xs else None
+
+    return {"ps_total": median([sum(v for n, v in row.items() if n.startswith("ps-")) for row in rows]),
+            "replica_mean": median([mean(row, "worker-") for row in rows])}
 
 
 def memory_summary(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -869,6 +919,20 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
     print()
     print("step ms: per-replica step time (replicas x batch / samples/s); fixed ms: step ms minus the plain loop's "
           "step ms in the same repetition (with 2 replicas on 2 cores it includes core sharing).")
+
+    cpu_rows = [r for r in results.values() if r["kind"] == "dtrain" and r.get("cpu_ms_per_replica_step")]
+    if cpu_rows:
+        plain_ms = results.get("plain", {}).get("step_ms")
+        print()
+        ch = f"{'CPU ms per replica step':<38} {'replica':>8} {'ps':>8}"
+        print(ch)
+        print("-" * len(ch))
+        for r in cpu_rows:
+            c = r["cpu_ms_per_replica_step"]
+            print(f"{r['label']:<38} {fmt_num(c['replica_mean'], '.2f'):>8} {fmt_num(c['ps_total'], '.2f'):>8}")
+        print("CPU (user + system) of each worker process over the timed window, per step of one replica (replica: "
+              "the mean of the worker tasks; ps: all ps tasks together)"
+              + (f"; the plain loop's whole step takes {plain_ms:.2f} ms." if plain_ms else "."))
 
     mem_rows = [(n, r) for n, r in results.items() if r["kind"] == "dtrain" and r.get("memory")]
 
