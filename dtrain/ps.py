@@ -107,10 +107,12 @@ class ParameterShard:
         return self._snapshot(out), self.step, self.stop or self.error is not None, self.generation
 
     def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """One update: the optimizer step, then the step's bookkeeping (records, stop at the end)."""
         if scale != 1.0:
             grad.mul_(scale)
         self.optimizer.step(self.param, grad)
         self.last_apply_time = time.time()
+        self._after_apply()
 
     def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
         if not self.holds_global_step:
@@ -179,7 +181,6 @@ class ParameterShard:
             decision = self.policy.push(version)
             if isinstance(decision, Apply):
                 self._apply(grad)
-                self._after_apply()
         if self.gate is not None:
             self.gate.report(replica, local_step)
             cond = self._condition()
@@ -215,7 +216,6 @@ class ParameterShard:
                 # The optimizer reads the gradient only inside step(), so the accumulator is
                 # reused and refilled next step (no fresh buffer per step).
                 self._apply(self.acc, 1.0 / decision.count)
-                self._after_apply()
                 cond.notify_all()
             elif isinstance(decision, Accumulate):
                 await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
@@ -265,7 +265,6 @@ class ParameterShard:
             decision = self.sync.excuse(replica)
             if isinstance(decision, Apply):
                 self._apply(self.acc, 1.0 / decision.count)
-                self._after_apply()
                 cond.notify_all()
         return self.step
 
@@ -361,7 +360,6 @@ class ParameterShard:
             decision = self.sync.push_aggregated(version, count)
             if isinstance(decision, Apply):
                 self._apply(grad_sum, 1.0 / count)
-                self._after_apply()
                 cond.notify_all()
             return self.step
 

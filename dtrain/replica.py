@@ -148,12 +148,10 @@ class ReplicaModel:
                 self.bound.load_params(s, buf)
 
 
-def pin_compute_thread(local_rank: int, threads: int) -> list[int] | None:
+def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
     """Pin the calling thread (a replica's compute thread) to ``threads`` of the CPUs this process
-    may use: the ``local_rank``-th group, wrapping around (``training.pin_cpus``). Returns the CPUs
-    and the previous set, so the caller can restore it; None where affinity is unsupported."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
+    may use: the ``local_rank``-th group, wrapping around (``training.pin_cpus``; Linux only, the
+    caller checks). Returns the CPUs."""
     allowed = sorted(os.sched_getaffinity(0))
     cpus = sorted({allowed[(local_rank * threads + j) % len(allowed)] for j in range(threads)})
     os.sched_setaffinity(0, cpus)  # pid 0: the calling thread only (Linux)
@@ -224,7 +222,7 @@ class GradBuckets:
     def end(self) -> list[int | None]:
         """After backward: per shard, the head still to send (None: the whole gradient)."""
         self._grads = None
-        return [self._cut.get(s) if s in self._cut else None for s in range(len(self.shards))]
+        return [self._cut.get(s) for s in range(len(self.shards))]
 
     def remove(self) -> None:
         for h in self._handles:

@@ -82,14 +82,14 @@ class SyncAggregator:
             return Drop("duplicate", self.step)
         self.contributors.add(replica)
         if len(self.contributors) >= self._quorum():
-            return self._advance()
+            return self._advance(len(self.contributors))
         return Accumulate(self.step, len(self.contributors))
 
     def _quorum(self) -> int:
         return min(self.replicas_to_aggregate, self.total_num_replicas - len(self.excused - self.contributors))
 
-    def _advance(self) -> Apply:
-        count = len(self.contributors)
+    def _advance(self, count: int) -> Apply:
+        """The current step is complete (``count`` gradients): start the next one."""
         self.contributors.clear()
         self.excused.clear()
         self.step += 1
@@ -105,7 +105,7 @@ class SyncAggregator:
             return None
         self.excused.add(replica)
         if self.contributors and len(self.contributors) >= self._quorum():
-            return self._advance()
+            return self._advance(len(self.contributors))
         return None
 
     def push_aggregated(self, step: int, count: int) -> Decision:
@@ -117,10 +117,7 @@ class SyncAggregator:
         if step != self.step:
             self.dropped_stale += 1
             return Drop("stale" if step < self.step else "ahead", self.step)
-        self.contributors.clear()
-        self.excused.clear()
-        self.step += 1
-        return Apply(self.step, count)
+        return self._advance(count)
 
     def reset(self, step: int) -> None:
         """Forget partial accumulation (after a restore or a lost replica's generation change)."""

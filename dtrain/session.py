@@ -170,7 +170,7 @@ class Session:
         self._secret = secret
         endpoints = []
         for shard, handle in zip(self.plan.shards, self.shards, strict=True):
-            host = self.conn.tasks[shard.task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
+            host = self._task_host(shard.task)
             endpoints.append(tuple(self._call(handle.open_data_plane(secret, host, tls,
                                                                      self.spec.training.wire_dtype))))
         return {"endpoints": endpoints, "secret": secret, "tls": tls, "wire_dtype": self.spec.training.wire_dtype,
@@ -238,14 +238,15 @@ class Session:
                 self.data_plane, self._local_rank(r.index), workers=[addr], allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
 
+    def _task_host(self, task: str) -> str:
+        """The host of ``task``'s worker address (``tcp://[::1]:4000`` -> ``::1``)."""
+        return self.conn.tasks[task].split("://")[-1].rsplit(":", 1)[0].strip("[]")
+
     def _local_rank(self, index: int) -> int:
         """Replica ``index``'s rank among the replicas whose workers share its machine (by address
         host), for ``training.pin_cpus``."""
-        def host(r: Any) -> str:
-            return self.conn.tasks[r.task].split("://")[-1].rsplit(":", 1)[0]
-
-        mine = host(self.plan.replicas[index])
-        return [r.index for r in self.plan.replicas if host(r) == mine].index(index)
+        mine = self._task_host(self.plan.replicas[index].task)
+        return [r.index for r in self.plan.replicas if self._task_host(r.task) == mine].index(index)
 
     def _start_local_step(self, index: int) -> int:
         """Where replica ``index`` resumes in its data order: in sync mode without backups every

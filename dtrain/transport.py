@@ -449,17 +449,8 @@ class SocketShard:
                 self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2, 0, self.replica, version,
                                             local_step, loss_f, samples, 0, 0))
             else:
-                payload = None
-                if grad is not None:
-                    n = grad.numel() if head is None else head
-                    if self._wire_out is not None:
-                        self._wire_out[:n].copy_(grad[:n])  # narrowed here, on this thread, off the compute path
-                        grad = self._wire_out
-                    payload = _tensor_view(grad[:n])
-                self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss_f, samples, 0,
-                                            len(payload) if payload else 0))
-                if payload:
-                    self._sock.sendall(payload)
+                end = 0 if grad is None else grad.numel() if head is None else head
+                self._send(op, grad, 0, end, version, local_step, loss_f, samples)
             _recv_exact(self._sock, memoryview(self._header))
             step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
             if error:
@@ -491,15 +482,24 @@ class SocketShard:
         """Whether buckets are worth sending early: the bytes cross the socket (no shared memory)."""
         return self.shm is None
 
-    def _send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
-        try:
+    def _send(self, op: int, grad: torch.Tensor | None, start: int, end: int, version: int = 0,
+              local_step: int = 0, loss: float = 0.0, samples: int = 0) -> None:
+        """A request header and ``grad[start:end]`` in the wire dtype (narrowed here, on this
+        thread, off the compute path), to be stored at that offset of the ps's gradient."""
+        payload, offset = b"", 0
+        if grad is not None and end > start:
             if self._wire_out is not None:
                 self._wire_out[start:end].copy_(grad[start:end])
                 grad = self._wire_out
-            payload = _tensor_view(grad[start:end])
-            self._sock.sendall(REQ.pack(OP_PART, 0, 0, self.replica, 0, 0, 0.0, 0, start * grad.element_size(),
-                                        len(payload)))
+            payload, offset = _tensor_view(grad[start:end]), start * grad.element_size()
+        self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss, samples, offset,
+                                    len(payload)))
+        if payload:
             self._sock.sendall(payload)
+
+    def _send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
+        try:
+            self._send(OP_PART, grad, start, end)
         except OSError as exc:
             self._part_error = DataPlaneError(f"data-plane connection failed: {exc}")
 
