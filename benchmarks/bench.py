@@ -26,7 +26,7 @@ and one torch thread per process, on synthetic data held in memory:
 - ``async_1ps_1w``, ``async_1ps_2w`` (``training.overlap: true``), ``sync_1ps_2w``,
   ``ingraph_1ps_2w``: ``dtrain.run`` on an embedded cluster of real worker processes (one per
   task), each in a fresh subprocess. The cluster is started by the benchmark with
-  ``dtrain.cluster.connect(spec)`` and handed to ``dtrain.run(spec, client=...)`` so that the
+  ``dtrain.deploy.cluster.connect(spec)`` and handed to ``dtrain.run(spec, client=...)`` so that the
   workers' memory can be read before and after the run. All on one machine, so the data plane
   uses its shared-memory slots (``training.shared_memory``, the default).
 - ``sync_1ps_2w_tcp`` and ``sync_1ps_2w_tcp_buckets``: sync 1 ps + 2 workers with
@@ -392,9 +392,9 @@ def _worker_mem(preload: bool = False) -> dict[str, Any]:
     if preload:  # what every dtrain worker loads anyway: the "idle dtrain worker" baseline
         import torch  # noqa: F401
 
-        import dtrain.ps  # noqa: F401
-        import dtrain.replica  # noqa: F401
-        import dtrain.tasks  # noqa: F401
+        import dtrain.ps.shard  # noqa: F401
+        import dtrain.worker.replica  # noqa: F401
+        import dtrain.worker.tasks  # noqa: F401
 
         gc.collect()
     return {"pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "fresh_rss": fresh_rss,
@@ -500,7 +500,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
     import yaml
 
     import dtrain
-    from dtrain.cluster import connect
+    from dtrain.deploy.cluster import connect
 
     text = yaml.safe_dump(dtrain_spec_dict(p), sort_keys=False)
     spec = dtrain.loads(text, filename=f"<bench {p['name']}>", base_dir=str(ROOT), overrides=p.get("overrides"))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .device import DeviceSpec
-from .errors import RunError, SpecError
-from .loading import load, loads
-from .spec import PipelineSpec
+from .spec.device import DeviceSpec
+from .spec.errors import RunError, SpecError
+from .spec.loading import load, loads
+from .spec.pipeline import PipelineSpec
 
 __version__ = "0.1.0"
 
@@ -21,17 +21,17 @@ __all__ = [
 ]
 
 _LAZY = {
-    "compile": ("dtrain.compiler", "compile"),
-    "build_model": ("dtrain.model", "build_model"),
-    "run": ("dtrain.session", "run"),
-    "Hook": ("dtrain.hooks", "Hook"),
+    "compile": ("dtrain.plan.compiler", "compile"),
+    "build_model": ("dtrain.model.layers", "build_model"),
+    "run": ("dtrain.chief.session", "run"),
+    "Hook": ("dtrain.chief.hooks", "Hook"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .compiler import compile
-    from .hooks import Hook
-    from .model import build_model
-    from .session import run
+    from .chief.hooks import Hook
+    from .chief.session import run
+    from .model.layers import build_model
+    from .plan.compiler import compile
 
 
 def __getattr__(name: str) -> Any:

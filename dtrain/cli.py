@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import RunDirError, RunError, SpecError, Terminated
+from .spec.errors import RunDirError, RunError, SpecError, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .loading import load
+    from .spec.loading import load
 
     code = EXIT_OK
     for path in args.pipeline:
@@ -127,7 +127,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from .spec import PipelineSpec
+    from .spec.pipeline import PipelineSpec
 
     schema = PipelineSpec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
@@ -137,7 +137,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import render
+    from .chief.report import render
 
     try:
         png, table = render(Path(args.run_dir), Path(args.out) if args.out else None)
@@ -150,8 +150,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .compiler import compile
-    from .loading import load
+    from .plan.compiler import compile
+    from .spec.loading import load
 
     plan = compile(load(args.pipeline, overrides=args.overrides))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())
@@ -159,11 +159,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .loading import load
+    from .spec.loading import load
 
     spec = load(args.pipeline, overrides=args.overrides)
     _setup_logging(quiet=args.quiet)
-    from .session import check_run_dir, default_run_dir, run
+    from .chief.session import check_run_dir, default_run_dir, run
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
     check_run_dir(run_dir, args.resume)
@@ -251,7 +251,7 @@ def _setup_logging(quiet: bool = False) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     """`dtrain worker`: check the arguments and that the scheduler answers, then become `dask worker`.
 
-    The process execs ``python -m dtrain._dask_worker`` (``dask worker`` with dtrain's Dask
+    The process execs ``python -m dtrain.deploy.dask_worker`` (``dask worker`` with dtrain's Dask
     settings; same pid), so a process manager's
     signals reach Dask directly. Exit 2 for bad arguments (nothing started); exit 1 when the scheduler
     cannot be reached within ``--wait-s`` or refuses this worker's TLS certificate.
@@ -293,11 +293,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
                 return usage(f"{flag} {value}: no such readable file")
 
-    from .cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
+    from .deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
-    # Keep torch's per-step buffers on the heap (see dtrain.cluster.dask_config): for this process
-    # itself when it runs without a nanny (dtrain._dask_worker sets them for a nanny's worker).
+    # Keep torch's per-step buffers on the heap (see dtrain.deploy.cluster.dask_config): for this process
+    # itself when it runs without a nanny (dtrain.deploy.dask_worker sets them for a nanny's worker).
     for var, value in (("MALLOC_TRIM_THRESHOLD_", MALLOC_TRIM_THRESHOLD),
                        ("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)):
         env.setdefault(var, str(value))
@@ -379,7 +379,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                   f"machine?", file=sys.stderr)
             return EXIT_FAILED
 
-    cmd = [sys.executable, "-m", "dtrain._dask_worker"]
+    cmd = [sys.executable, "-m", "dtrain.deploy.dask_worker"]
     cmd += ["--scheduler-file", args.scheduler_file] if args.scheduler_file else [str(address)]
     cmd += ["--name", name, "--resources", ",".join(f"{k}={v}" for k, v in resources.items()),
             "--nthreads", str(args.nthreads), "--memory-limit", args.memory_limit, "--no-dashboard"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT
 
 
 def dtrain(*args: str, timeout: float = 240, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "dtrain"
-MATH = ["model.py", "data.py", "layout.py", "ps.py", "replica.py", "replication.py", "device.py", "placement.py",
-        "compiler.py", "spec.py", "loading.py", "checkpoint.py", "metrics.py"]
+from tests.helpers.paths import PKG
+
+MATH = ["model/layers.py", "data/sources.py", "plan/layout.py", "ps/shard.py", "worker/replica.py",
+        "ps/replication.py", "spec/device.py", "plan/placement.py", "plan/compiler.py", "spec/pipeline.py",
+        "spec/loading.py", "chief/checkpoint.py", "chief/metrics.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -34,4 +36,4 @@ def test_math_modules_do_not_import_dask(name):
 
 
 def test_replication_rules_are_pure():
-    assert imported_modules(PKG / "replication.py") <= {"__future__", "dataclasses"}
+    assert imported_modules(PKG / "ps/replication.py") <= {"__future__", "dataclasses"}

@@ -4,13 +4,11 @@ features they exercise (test_session, test_sync, test_cli)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import dtrain
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 
 

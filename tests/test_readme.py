@@ -4,13 +4,12 @@ what `dtrain plan` prints."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 import dtrain
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 YAML_BLOCKS = re.findall(r"```yaml\n(.*?)```", README, flags=re.S)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.hooks import Hook, StepContext
+from dtrain.chief.hooks import Hook, StepContext
 
 CALLS: list[tuple[str, Any]] = []
 

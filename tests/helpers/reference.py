@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 import dtrain
-from dtrain.data import ShardIterator
-from dtrain.replica import dataset_for
+from dtrain.data.sources import ShardIterator
+from dtrain.worker.replica import dataset_for
 
 LOSSES = {"cross_entropy": torch.nn.CrossEntropyLoss, "mse": torch.nn.MSELoss,
           "bce_with_logits": torch.nn.BCEWithLogitsLoss}

@@ -1,0 +1,404 @@
+"""In-graph replication: the coordinator builds one Dask graph per step.
+
+Each global step ``v`` is one graph (TensorFlow's in-graph replication, with Dask tasks for ops):
+
+- per shard ``s``, a **read** pinned to shard ``s``'s ps worker: the shard's flat parameters at
+  step ``v`` (it depends on that shard's apply of step ``v - 1``, so it never reads early);
+- per replica ``r``, a **gradient** task pinned to worker task ``r``: it takes every shard's read,
+  checks they are of one step, loads them into a model cached in that process under
+  ``(token, r)`` (model, buffers and data iterator live across steps) and returns one flat
+  gradient per shard, its loss and its sample count;
+- per shard ``s``, a **reduce+apply** pinned to shard ``s``'s ps worker: it sums the N gradients
+  into a persistent buffer and applies their mean through the shard actor
+  (``ParameterShard.apply_mean``), which advances the shard's step.
+
+Tasks are pinned by worker address with ``allow_other_workers=False``, never by resource: the ps
+actor already holds its worker's ``ps`` resource. The reduce and apply tasks find the actor object
+in their worker's state and run its coroutine on that worker's event loop, so no actor call
+crosses the network on this path and the tasks do not depend on the actor's key (a lost ps fails
+the step's tasks, not a hidden dependency). Up to two steps are in flight: step ``v + 1``'s graph is
+submitted before step ``v`` finishes, its reads waiting on step ``v``'s applies, so the scheduler
+never waits for a client round trip between steps.
+
+In every step every replica contributes, so a replica's local step equals the global step and its
+batch is its slice of the single-process batch of that step (``ShardIterator``): N replicas of
+batch b give the same updates as one process with batch N*b, and a restore resumes the data order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import CancelledError
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from distributed import Client, Future, get_worker, wait
+from distributed.utils import sync
+
+from dtrain.worker.replica import ReplicaModel, ReplicaStats, model_buffers
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 2  # steps in flight
+POLL_S = 0.2  # how often a waiting driver looks at its stop flag
+
+# Per-process state of the tasks, keyed by (run token, replica or shard index). The gradient
+# tasks of one replica always run on the same worker, so its model persists between steps.
+_MODELS: dict[tuple[str, int], ReplicaModel] = {}
+_SUMS: dict[tuple[str, int], torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+class _StepError(RuntimeError):
+    """A step of the in-graph loop failed; the message says which task and why."""
+
+
+class _Aborted(Exception):
+    """:meth:`InGraphDriver.abort` was called."""
+
+
+# ---------------------------------------------------------------------------- tasks (on workers)
+
+
+def _local_shard(actor_key: str) -> tuple[Any, Any]:
+    worker = get_worker()
+    shard = worker.state.actors.get(actor_key)
+    if shard is None:
+        raise RuntimeError(f"worker {worker.name} ({worker.address}) holds no ps shard {actor_key!r}; "
+                           "was its ps task restarted?")
+    return worker, shard
+
+
+def shard_state(actor_key: str) -> tuple[int, bool]:
+    """(step, stopped) of the shard actor living on this worker."""
+    _, shard = _local_shard(actor_key)
+    return shard.step, bool(shard.stop or shard.error is not None)
+
+
+def read_shard(actor_key: str, timeout: float, *after: Any) -> tuple[torch.Tensor, int, bool]:
+    """The shard's parameters (a snapshot buffer), its step and its stop flag. ``after`` are the
+    tasks this read must follow (the shard's previous apply); their values are unused."""
+    worker, shard = _local_shard(actor_key)
+    params, step, stop, _generation = sync(worker.loop, shard.pull, 0, callback_timeout=timeout)
+    return params, step, stop
+
+
+def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: tuple[torch.Tensor, int, bool]
+                      ) -> dict[str, Any]:
+    """Replica ``index``'s gradient on the parameters of one step (one flat buffer per shard)."""
+    steps = sorted({r[1] for r in reads})
+    if len(steps) != 1:
+        raise RuntimeError(f"replica {index}: the shards' parameters are of different steps {steps}; "
+                           "a replica never mixes steps")
+    version = steps[0]
+    with _LOCK:
+        rep = _MODELS.get((token, index))
+    if rep is None:
+        spec, plan = config
+        rep = ReplicaModel(spec, plan, index)
+        with _LOCK:
+            _MODELS[(token, index)] = rep
+    # Every replica contributes to every step: its local step is the global step (this also
+    # puts the data order where a restored checkpoint left it).
+    if rep.batches.local_step != version:
+        rep.batches.seek(version)
+    t0 = time.perf_counter()
+    rep.load([r[0] for r in reads])
+    # Two alternating buffer sets: this step's result may still be referenced by Dask while the
+    # next step fills the other one (step v+2 starts only after step v's transfers are done).
+    grads = rep.grad_bufs[version % 2]
+    loss, n = rep.step(grads)
+    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
+            "step": version, "device": str(rep.device)}
+
+
+def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: tuple[torch.Tensor, int, bool],
+                 *results: dict[str, Any]) -> dict[str, Any]:
+    """Sum the replicas' gradients for ``shard`` and apply their mean through the local actor."""
+    worker, ps = _local_shard(actor_key)
+    version = read[1]
+    first = results[0]["grads"][shard]
+    with _LOCK:
+        total = _SUMS.get((token, shard))
+        if total is None or total.shape != first.shape:
+            total = _SUMS[(token, shard)] = torch.empty_like(first)
+    total.copy_(first)
+    for res in results[1:]:
+        total.add_(res["grads"][shard])
+    losses = [res["loss"] for res in results]
+    samples = sum(res["samples"] for res in results)
+    step = sync(worker.loop, ps.apply_mean, total, len(results), version, sum(losses) / len(losses), samples,
+                callback_timeout=timeout)
+    out: dict[str, Any] = {"shard": shard, "version": version, "step": step,
+                           "stop": bool(ps.stop or ps.error is not None)}
+    if shard == 0:
+        out["replicas"] = [{"loss": r["loss"], "samples": r["samples"], "compute_s": r["compute_s"],
+                            "device": r["device"]} for r in results]
+    return out
+
+
+def release(token: str, replica: int | None = None, shard: int | None = None) -> dict[str, Any]:
+    """Drop this process's cached model (``replica``) or sum buffer (``shard``) of a run; for a
+    replica, return what its stats need (replica 0 also returns the model's non-parameter buffers)."""
+    worker = get_worker()
+    out: dict[str, Any] = {"worker": worker.name, "pid": os.getpid()}
+    with _LOCK:
+        rep = _MODELS.pop((token, replica), None) if replica is not None else None
+        if shard is not None:
+            _SUMS.pop((token, shard), None)
+    if rep is not None:
+        out["device"] = str(rep.device)
+        if replica == 0:
+            out["buffers"] = model_buffers(rep.model)
+    return out
+
+
+# --------------------------------------------------------------------------------- the driver
+
+
+class InGraphDriver:
+    """Runs in-graph replication from the client: one Dask graph per global step, in a
+    background thread, until shard 0 reaches ``spec.training.steps``, a shard says stop (the
+    session's ``request_stop``, nan_guard) or :meth:`stop` is called.
+
+    ``shard_refs`` are ``(worker address, actor key)`` per shard, in plan order (what
+    ``Session.shard_refs()`` returns); ``tasks`` maps task keys (``/job:worker/task:0``) to worker
+    addresses; ``token`` names the run (cached models are keyed by it).
+    """
+
+    def __init__(self, client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]],
+                 tasks: dict[str, str], token: str):
+        if len(shard_refs) != len(plan.shards):
+            raise ValueError(f"{len(shard_refs)} shard reference(s) for the plan's {len(plan.shards)} shard(s)")
+        self.client = client
+        self.spec = spec
+        self.plan = plan
+        self.shard_refs = list(shard_refs)
+        self.replica_addresses = [tasks[r.task] for r in plan.replicas]
+        self.token = token
+        self._nonce = uuid.uuid4().hex[:6]  # task keys stay unique if a recovery starts a new driver
+        t = spec.training
+        self.timeout = t.call_timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._finished = False
+        self.global_step = 0
+        self._stats = [ReplicaStats(r.index) for r in plan.replicas]
+        self._held: dict[int, list[Future]] = {}
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> None:
+        """Start the step loop in a background thread (returns at once)."""
+        if self._thread is not None:
+            raise RuntimeError("InGraphDriver.start() was already called")
+        self._thread = threading.Thread(target=self._main, name=f"dtrain-ingraph-{self.token}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """The loop has ended (steps reached, stopped, or failed: see :meth:`error`)."""
+        return self._finished
+
+    def error(self) -> str | None:
+        """Why the loop failed, or None."""
+        return self._error
+
+    def stop(self) -> None:
+        """Ask the loop to end after the steps in flight (so every shard ends at one step); does
+        not wait (see :meth:`join`)."""
+        self._stop.set()
+
+    def abort(self) -> None:
+        """End now, cancelling the steps in flight: for a recovery, before the shards are restored
+        (a late apply of this driver must not land on a restored shard). Does not wait."""
+        self._aborted = True
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the loop to end; True when it has."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._finished
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """One dict per replica, shaped like ``dataclasses.asdict(ReplicaStats)`` (plus ``worker``
+        and ``pid`` once the loop has ended, like between-graph replica results)."""
+        with self._lock:
+            return [self._stat_dict(s) for s in self._stats]
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _stat_dict(stats: ReplicaStats) -> dict[str, Any]:
+        out = asdict(stats)
+        out.update(out["extra"].pop("where", {}))
+        return out
+
+    def _key(self, version: int, what: str) -> str:
+        return f"dtrain-ig-{what}-{version}-{self.token}-{self._nonce}"
+
+    def _pin(self, address: str) -> dict[str, Any]:
+        return {"workers": [address], "allow_other_workers": False, "pure": False}
+
+    def _submit_step(self, version: int, config: list[Future], previous: list[Future | None]
+                     ) -> tuple[list[Future], dict[str, str]]:
+        """Submit step ``version``'s graph; returns its apply futures and a label per task key."""
+        c = self.client
+        labels: dict[str, str] = {}
+        reads = []
+        for s, (addr, key) in enumerate(self.shard_refs):
+            after = [previous[s]] if previous[s] is not None else []
+            reads.append(c.submit(read_shard, key, self.timeout, *after, key=self._key(version, f"read{s}"),
+                                  **self._pin(addr)))
+            labels[reads[-1].key] = f"the read of shard {s}"
+        grads = []
+        for r, addr in enumerate(self.replica_addresses):
+            grads.append(c.submit(replica_gradients, config[r], self.token, r, *reads,
+                                  key=self._key(version, f"grad{r}"), **self._pin(addr)))
+            labels[grads[-1].key] = f"replica {r}'s gradient task"
+        applies = []
+        for s, (addr, key) in enumerate(self.shard_refs):
+            applies.append(c.submit(reduce_apply, key, self.token, s, self.timeout, reads[s], *grads,
+                                    key=self._key(version, f"apply{s}"), **self._pin(addr)))
+            labels[applies[-1].key] = f"the reduce+apply of shard {s}"
+        # Keep the step's futures alive (and their errors inspectable) until it is booked.
+        self._held[version] = reads + grads
+        return applies, labels
+
+    def _wait(self, futures: list[Future], what: str, labels: dict[str, str] | None = None,
+              related: Sequence[Future] = ()) -> None:
+        """Wait for ``futures``, raising the first error (named after the task that failed first,
+        among ``related`` then ``futures``); gives up after call_timeout_s (a task pinned to a lost
+        worker's address would wait forever: ../shared/dask-notes.md §4)."""
+        deadline = time.monotonic() + self.timeout
+        labels = labels or {}
+        while True:
+            try:
+                wait(futures, timeout=POLL_S)
+            except (TimeoutError, CancelledError):  # (distributed's cancellations subclass it)
+                pass
+            if any(f.status in ("error", "cancelled") for f in futures):
+                for f in [*related, *futures]:
+                    label = labels.get(f.key, f"task {f.key}")
+                    if f.status == "error":
+                        exc = f.exception()
+                        raise _StepError(f"{what}: {label} failed: {type(exc).__name__}: {exc}")
+                    if f.status == "cancelled":
+                        raise _StepError(f"{what}: {label} was cancelled (its worker was lost?)")
+            if all(f.status == "finished" for f in futures):
+                return
+            if self._aborted:
+                raise _Aborted
+            if time.monotonic() > deadline:
+                raise _StepError(f"{what} did not finish in {self.timeout:.0f} s (training.call_timeout_s); "
+                                 "is a ps or worker task lost?")
+
+    def _main(self) -> None:
+        # distributed.wait and futures find their client through the "current client", which is
+        # per thread (a contextvar): make it ours here, never the process-wide default.
+        with self.client.as_current():
+            self._run()
+
+    def _run(self) -> None:
+        t_start = time.perf_counter()
+        c = self.client
+        config: list[Future] = []
+        pending: deque[tuple[int, list[Future], dict[str, str]]] = deque()
+        try:
+            addr0, key0 = self.shard_refs[0]
+            first = c.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
+            self._wait([first], "reading shard 0's step")
+            start, stopped = first.result()
+            self.global_step = start
+            steps = self.spec.training.steps
+            # The spec and plan go to each replica's worker once; every step's gradient task
+            # refers to them by key.
+            for addr in self.replica_addresses:
+                config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
+            previous: list[Future | None] = [None] * len(self.shard_refs)
+            version = start
+            ending = stopped
+            while True:
+                while not ending and not self._stop.is_set() and len(pending) < WINDOW and version < steps:
+                    applies, labels = self._submit_step(version, config, previous)
+                    pending.append((version, applies, labels))
+                    previous = list(applies)
+                    version += 1
+                if not pending:
+                    break
+                v, applies, labels = pending.popleft()
+                self._wait(applies, f"in-graph step {v}", labels, self._held[v])
+                results = [f.result() for f in applies]
+                ending = self._record(v, results) or ending
+                del self._held[v], applies, results
+        except Exception as exc:
+            if not isinstance(exc, _Aborted):
+                self._error = f"in-graph replication: {exc}" if isinstance(exc, _StepError) \
+                    else f"in-graph replication: {type(exc).__name__}: {exc}"
+                logger.debug("in-graph driver failed", exc_info=True)
+            # Steps still in flight would only recreate the models that _release drops.
+            outstanding = [f for held in self._held.values() for f in held]
+            outstanding += [f for _v, applies, _labels in pending for f in applies]
+            with contextlib.suppress(Exception):
+                c.cancel(outstanding, force=True)
+        finally:
+            self._held.clear()
+            self._release(t_start)
+            del config
+            self._finished = True
+
+    def _record(self, version: int, results: list[dict[str, Any]]) -> bool:
+        """Book one finished step; True when the loop should end."""
+        stop = any(r["stop"] for r in results)
+        refused = [r for r in results if r["step"] != version + 1]
+        if refused and not stop:
+            r = refused[0]
+            raise _StepError(f"shard {r['shard']} did not apply step {version} (it is at step {r['step']})")
+        self.global_step = results[0]["step"]
+        if refused:
+            return True  # stopped before this step (a shard refused it): not a step of the replicas
+        with self._lock:
+            for stats, rep in zip(self._stats, results[0]["replicas"], strict=True):
+                stats.local_steps += 1
+                stats.samples += rep["samples"]
+                stats.compute_s += rep["compute_s"]
+                stats.device = rep["device"]
+                stats.final_step = self.global_step
+        return stop or self.global_step >= self.spec.training.steps
+
+    def _release(self, t_start: float) -> None:
+        """Free the per-run state on the workers and finish the replicas' stats."""
+        futures = [self.client.submit(release, self.token, replica=r, key=self._key(-1, f"release-r{r}"),
+                                      **self._pin(addr))
+                   for r, addr in enumerate(self.replica_addresses)]
+        futures += [self.client.submit(release, self.token, shard=s, key=self._key(-1, f"release-s{s}"),
+                                       **self._pin(addr))
+                    for s, (addr, _key) in enumerate(self.shard_refs)]
+        infos: list[dict[str, Any] | None] = [None] * len(self.replica_addresses)
+        try:
+            with contextlib.suppress(TimeoutError, CancelledError):
+                wait(futures, timeout=min(self.timeout, 30.0))
+            for r, f in enumerate(futures[:len(infos)]):
+                if f.status == "finished":
+                    infos[r] = f.result()
+        except Exception as exc:  # a lost worker keeps its cache; nothing else to free
+            logger.debug("in-graph release failed: %s", exc)
+        wall = time.perf_counter() - t_start
+        with self._lock:
+            for stats, info in zip(self._stats, infos, strict=True):
+                stats.wall_s = wall
+                stats.wait_s = max(wall - stats.compute_s, 0.0)
+                if info is None:
+                    continue
+                if "buffers" in info:
+                    stats.extra["buffers"] = info["buffers"]
+                stats.extra["where"] = {"worker": info["worker"], "pid": info["pid"]}

@@ -1,0 +1,246 @@
+"""Where the tasks run: an embedded Dask cluster, or a running scheduler's workers.
+
+The embedded default is a ``distributed.SpecCluster`` (LocalCluster cannot name heterogeneous
+workers) with one worker per task, named ``<job>-<index>`` and tagged with the resource
+``<job>=1``, everything bound to 127.0.0.1 (the dashboard included). Workers get a death timeout
+so that a worker orphaned by a killed client exits by itself, and the scheduler a short
+worker-ttl so that a hung worker is dropped in seconds rather than Dask's default 5 minutes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+
+from dtrain.plan.compiler import resolve_workers
+from dtrain.spec.device import DeviceSpec
+from dtrain.spec.errors import RunError
+from dtrain.spec.pipeline import PipelineSpec
+
+logger = logging.getLogger(__name__)
+
+DEATH_TIMEOUT_S = 15
+MALLOC_TRIM_THRESHOLD = 256 << 20
+MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit
+
+
+def dask_config(spec: PipelineSpec) -> dict[str, Any]:
+    """Dask settings dtrain runs with (see ../shared/dask-notes.md §6)."""
+    return {
+        "distributed.scheduler.worker-ttl": f"{spec.cluster.worker_ttl_s}s",
+        # DataLoader workers and other children need non-daemonic worker processes.
+        "distributed.worker.daemon": False,
+        # Replicas are long tasks on purpose; do not warn every few seconds about them.
+        "distributed.admin.tick.limit": "60s",
+        "distributed.worker.profile.enabled": False,
+        "distributed.scheduler.work-stealing": False,
+        "distributed.admin.system-monitor.gil.enabled": False,
+        # Dask sets MALLOC_TRIM_THRESHOLD_=65536 for nanny-spawned workers, which also turns off
+        # glibc's dynamic mmap threshold: every activation and buffer over 128 KB is then mmapped and
+        # unmapped each step (page faults: torch compute measured ~45% slower in such a worker).
+        # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
+        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
+        "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
+        # Embedded workers share the terminal: only their warnings and errors (read at import).
+        "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning",
+    }
+
+
+def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
+    """The SpecCluster worker entries: one per task of every job."""
+    out: dict[str, dict[str, Any]] = {}
+    for job in spec.cluster.jobs:
+        for i in range(spec.cluster.num_tasks(job)):
+            name = f"{job}-{i}"
+            options: dict[str, Any] = {
+                "name": name, "nthreads": spec.cluster.nthreads, "resources": {job: 1},
+                "host": "127.0.0.1", "memory_limit": spec.cluster.memory_limit, "death_timeout": DEATH_TIMEOUT_S,
+            }
+            if processes:
+                options["dashboard_address"] = None
+                options["env"] = {
+                    "OMP_NUM_THREADS": str(spec.training.torch_threads),
+                    "MKL_NUM_THREADS": str(spec.training.torch_threads),
+                    "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+                }
+                out[name] = {"cls": Nanny, "options": options}
+            else:
+                options["dashboard"] = False
+                out[name] = {"cls": Worker, "options": options}
+    return out
+
+
+def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
+    """Start the embedded cluster (blocking until every worker has joined)."""
+    scheduler = {"cls": Scheduler, "options": {
+        "host": "127.0.0.1", "port": 0,
+        "dashboard_address": "127.0.0.1:0",
+        "dashboard": spec.cluster.dashboard,
+    }}
+    with dask.config.set(dask_config(spec)):
+        return SpecCluster(workers=worker_specs(spec, processes), scheduler=scheduler, name=spec.name,
+                           shutdown_on_close=True)
+
+
+@dataclass
+class Connection:
+    """A client, the cluster it belongs to when dtrain started it, and the task -> address map."""
+
+    client: Client
+    cluster: SpecCluster | None = None
+    owns_client: bool = False
+    tasks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        try:
+            return self.client.dashboard_link if self.cluster is None or self.cluster.scheduler_info else None
+        except Exception:  # no dashboard (bokeh missing or disabled)
+            return None
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        """The scheduler's current workers, asked of the scheduler itself: the client's cached
+        ``scheduler_info`` is periodically refreshed and can briefly list no workers, which would
+        look like lost tasks."""
+        return self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
+
+    def close(self) -> None:
+        if self.owns_client:
+            with contextlib.suppress(Exception):
+                self.client.close(timeout=10)
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.close(timeout=20)
+
+
+def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict[str, str]:
+    """Block until a worker serves every task; RunError naming the missing tasks otherwise."""
+    from dtrain.plan.compiler import compile
+
+    plan = compile(spec)
+    used = {s.task for s in plan.shards} | {r.task for r in plan.replicas}
+    used |= {DeviceSpec.from_string(o.device).task_key() for o in plan.ops}
+    deadline = time.monotonic() + timeout
+    while True:
+        addresses, missing = resolve_workers(spec, conn.workers())
+        missing = [m for m in missing if m in used]
+        if not missing:
+            conn.tasks = {k: v for k, v in addresses.items() if v}
+            return conn.tasks
+        if time.monotonic() >= deadline:
+            have = sorted(str(w.get("name")) for w in conn.workers().values())
+            raise RunError(
+                f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s); "
+                f"workers present: {', '.join(have) or 'none'}. Start them with "
+                + "; ".join(f"`dtrain worker --job {m.split('/')[1][4:]} --task {m.split(':')[-1]} "
+                            f"--scheduler {conn.client.scheduler.address}`" for m in missing[:3]))
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | None = None,
+            processes: bool = True) -> Iterator[Connection]:
+    """The cluster for a run: the given client's, a running scheduler's, or an embedded one.
+
+    Whatever dtrain starts here it also stops, whether the run ends, fails or is interrupted.
+    """
+    address = scheduler or spec.cluster.scheduler
+    conn: Connection
+    with dask.config.set(dask_config(spec)):
+        if client is not None:
+            conn = Connection(client)
+        elif address:
+            import json
+            from pathlib import Path
+
+            from distributed.comm.core import CommClosedError, FatalCommClosedError
+
+            security = _security(spec)
+            if "://" not in address and address.endswith(".json"):
+                # a scheduler file written by `dask scheduler --scheduler-file` (a shared file system)
+                sched_file = Path(address).expanduser()
+                if scheduler is None and not sched_file.is_absolute():
+                    sched_file = spec.base_dir / sched_file  # cluster.scheduler: relative to the pipeline
+                try:
+                    address = str(json.loads(sched_file.read_text())["address"])
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise RunError(f"cannot read the scheduler address from {sched_file}: {exc}") from None
+            if security is not None and "://" not in address:
+                address = f"tls://{address}"
+            scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+            if scheme == "tls" and security is None:
+                raise RunError(f"the scheduler at {address} uses TLS: set cluster.security (ca_file, cert_file, "
+                               f"key_file) to a certificate signed by the scheduler's CA (docs/deployment.md)")
+            if security is not None and scheme != "tls":
+                raise RunError(f"cluster.security is set, so every connection must be encrypted, but the "
+                               f"scheduler address {address} is {scheme}://; use tls://")
+            try:
+                c = Client(address, timeout=spec.cluster.wait_s, direct_to_workers=True, security=security,
+                           set_as_default=False)
+            except FatalCommClosedError as exc:
+                raise RunError(f"the scheduler at {address} refused the TLS connection ({exc}); is "
+                               f"cluster.security.cert_file signed by the CA the scheduler trusts, and ca_file "
+                               f"the CA that signed the scheduler's certificate?") from None
+            except CommClosedError as exc:
+                hint = "; if it uses TLS, give its tls:// address and set cluster.security" if scheme == "tcp" else ""
+                raise RunError(f"the scheduler at {address} closed the connection ({exc}){hint}") from None
+            except OSError as exc:
+                raise RunError(f"cannot reach the scheduler at {address} within {spec.cluster.wait_s:g} s "
+                               f"(cluster.wait_s): {exc}. Is `dask scheduler` running there, and its port open "
+                               f"to this machine?") from None
+            except ValueError as exc:  # a malformed address
+                raise RunError(f"bad scheduler address {address!r}: {exc}") from None
+            conn = Connection(c, owns_client=True)
+        else:
+            cluster = embedded_cluster(spec, processes=processes)
+            try:
+                c = Client(cluster, direct_to_workers=True, set_as_default=False)
+            except BaseException:
+                cluster.close()
+                raise
+            conn = Connection(c, cluster=cluster, owns_client=True)
+        try:
+            wait_for_tasks(conn, spec, spec.cluster.wait_s)
+            yield conn
+        finally:
+            conn.close()
+
+
+def security_paths(spec: PipelineSpec) -> dict[str, str | None] | None:
+    """``cluster.security``'s files as absolute paths (relative ones are relative to the pipeline)."""
+    sec = spec.cluster.security
+    if sec is None:
+        return None
+
+    def path(p: str | None) -> str | None:
+        return None if p is None else str(p if p.startswith("/") else spec.base_dir / p)
+
+    return {"ca_file": path(sec.ca_file), "cert_file": path(sec.cert_file), "key_file": path(sec.key_file)}
+
+
+def _security(spec: PipelineSpec) -> Any:
+    """``cluster.security`` as a client-side ``distributed.Security`` that refuses unencrypted comms.
+
+    Relative paths are relative to the pipeline file (``security_paths``); a missing file is a
+    RunError naming the field, raised before any connection is tried.
+    """
+    import os
+
+    paths = security_paths(spec)
+    if paths is None:
+        return None
+    from distributed.security import Security
+
+    for key, p in paths.items():
+        if p is not None and not (os.path.isfile(p) and os.access(p, os.R_OK)):
+            raise RunError(f"cluster.security.{key}: no readable file {p} "
+                           f"(relative paths are relative to the pipeline file)")
+    return Security(tls_ca_file=paths["ca_file"], tls_client_cert=paths["cert_file"],
+                    tls_client_key=paths["key_file"], require_encryption=True)

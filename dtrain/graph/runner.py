@@ -1,0 +1,206 @@
+"""Graph pipelines: variables and ops evaluated as a Dask graph, one task per node.
+
+The op math (``OPS``, ``apply_op``) is pure torch on float32 tensors and never touches Dask.
+``build_graph`` turns a compiled Plan into ``client.submit`` calls: every variable and op is one
+task pinned to its task's worker by *address* (``workers=[address], allow_other_workers=False``);
+inputs that name nodes are passed as futures, so values move worker -> worker as Dask moves
+them, and number literals are constants. Like TF's ``Session.run(fetches)``, only the nodes the
+fetched names depend on are evaluated (every node when nothing is fetched).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dtrain.spec.errors import RunError
+from dtrain.spec.pipeline import GRAPH_OPS, PipelineSpec
+
+
+class OpError(ValueError):
+    """A graph node failed on its worker; the message names the node and its op."""
+
+
+def _matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0 or y.dim() == 0:
+        raise ValueError(f"matmul needs inputs of rank >= 1, got shapes {tuple(x.shape)} and {tuple(y.shape)}")
+    inner_x, inner_y = x.shape[-1], (y.shape[0] if y.dim() == 1 else y.shape[-2])
+    if inner_x != inner_y:
+        raise ValueError(f"matmul: shapes {tuple(x.shape)} and {tuple(y.shape)} are not aligned "
+                         f"({inner_x} != {inner_y})")
+    return torch.matmul(x, y)
+
+
+def _elementwise(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    def op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        try:
+            torch.broadcast_shapes(x.shape, y.shape)
+        except RuntimeError:
+            raise ValueError(f"{name}: shapes {tuple(x.shape)} and {tuple(y.shape)} do not broadcast") from None
+        return fn(x, y)
+
+    op.__name__ = name
+    return op
+
+
+OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "add": _elementwise("add", torch.add),
+    "sub": _elementwise("sub", torch.sub),
+    "mul": _elementwise("mul", torch.mul),
+    "div": _elementwise("div", torch.div),
+    "matmul": _matmul,
+    "neg": torch.neg,
+    "identity": lambda x: x.clone(),
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "square": torch.square,
+    "sqrt": torch.sqrt,
+    "relu": torch.relu,
+    "exp": torch.exp,
+    "maximum": _elementwise("maximum", torch.maximum),
+    "minimum": _elementwise("minimum", torch.minimum),
+    "pow": _elementwise("pow", torch.pow),
+}
+ARITY = {name: 2 if name in ("add", "sub", "mul", "div", "matmul", "maximum", "minimum", "pow") else 1
+         for name in GRAPH_OPS}
+assert set(OPS) == set(GRAPH_OPS), "every GRAPH_OPS name needs a function"
+
+
+def to_tensor(value: Any, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A float32 tensor from a number, a nested list or a tensor (ragged lists: ValueError)."""
+    try:
+        return torch.as_tensor(value, dtype=torch.float32, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"not a number or a rectangular nested list of numbers: {exc}") from None
+
+
+def apply_op(op: str, inputs: Sequence[Any], device: str | torch.device = "cpu") -> torch.Tensor:
+    """Evaluate one op on numbers, nested lists or tensors; ValueError naming the op otherwise."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(GRAPH_OPS)}")
+    if len(inputs) != ARITY[op]:
+        raise ValueError(f"{op} takes {ARITY[op]} input(s), got {len(inputs)}")
+    return OPS[op](*(to_tensor(v, device) for v in inputs))
+
+
+def to_python(value: torch.Tensor) -> float | list:
+    """A Python float (0-d) or nested list of floats."""
+    return value.detach().cpu().tolist()
+
+
+# ----------------------------------------------------------------------------------- Dask side
+
+
+def _torch_device(device: str, soft: bool) -> torch.device:
+    """The torch device of a DeviceSpec string; a missing GPU falls back to CPU when ``soft``."""
+    from dtrain.spec.device import DeviceSpec
+
+    dev = DeviceSpec.from_string(device)
+    if (dev.device_type or "CPU").upper() != "GPU":
+        return torch.device("cpu")
+    if torch.cuda.is_available() and (dev.device_index or 0) < torch.cuda.device_count():
+        return torch.device("cuda", dev.device_index or 0)
+    if soft:
+        return torch.device("cpu")
+    raise ValueError(f"{device} asks for a GPU this worker does not have (placement.soft is false)")
+
+
+def _node_task(name: str, op: str, args: list[Any], device: str, soft: bool) -> tuple[torch.Tensor, str]:
+    """Runs on the pinned worker. ``args``: the variable's value, or inputs where upstream nodes
+    arrive as (tensor, worker) tuples. Returns (value, name of the worker that ran it)."""
+    from distributed import get_worker
+
+    where = str(get_worker().name)
+    try:
+        dev = _torch_device(device, soft)
+        if op == "variable":
+            value = to_tensor(args[0], dev)
+        else:
+            value = apply_op(op, [a[0] if isinstance(a, tuple) else a for a in args], dev)
+    except Exception as exc:
+        raise OpError(f"{op} {name!r} failed on {where} ({device}): {exc}") from None
+    return value.cpu(), where
+
+
+def _worker_name(result: tuple[torch.Tensor, str]) -> str:
+    return result[1]
+
+
+def _needed(plan: Any) -> list[Any]:
+    """The nodes the fetched names depend on, in plan order (all of them when nothing is fetched)."""
+    by_name = {o.name: o for o in plan.ops}
+    if not plan.fetch:
+        return list(plan.ops)
+    need: set[str] = set()
+    stack = list(plan.fetch)
+    while stack:
+        name = stack.pop()
+        if name not in need:
+            need.add(name)
+            stack.extend(i for i in by_name[name].inputs if isinstance(i, str))
+    return [o for o in plan.ops if o.name in need]
+
+
+def build_graph(plan: Any, client: Any, soft: bool = True) -> dict[str, Any]:
+    """Submit one pinned task per needed node; returns node name -> Future of (tensor, worker)."""
+    token = uuid.uuid4().hex[:8]
+    futures: dict[str, Any] = {}
+    for node in _needed(plan):
+        if node.address is None:
+            raise RunError(f"no worker address for {node.name!r} ({node.device}); compile with the cluster's workers")
+        args = [node.value] if node.op == "variable" else \
+            [futures[i] if isinstance(i, str) else float(i) for i in node.inputs]
+        futures[node.name] = client.submit(
+            _node_task, node.name, node.op, args, node.device, soft,
+            key=f"dtrain-graph-{plan.name}-{node.name}-{token}", workers=[node.address],
+            allow_other_workers=False, pure=False)
+    return futures
+
+
+def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = None, processes: bool = True,
+              run_dir: Any = None) -> Any:
+    """Evaluate a graph pipeline on its cluster; Result with ``fetched`` and a placement record
+    (also written to ``run_dir/summary.json`` when a run directory is given)."""
+    from dtrain.chief.session import Result
+    from dtrain.deploy.cluster import connect
+    from dtrain.plan.compiler import compile
+
+    t0 = time.monotonic()
+    with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
+        plan = compile(spec, conn.workers())
+        if plan.missing_tasks:
+            raise RunError("no worker for task(s) " + ", ".join(plan.missing_tasks))
+        futures = build_graph(plan, conn.client, soft=spec.placement.soft)
+        # Fetched values come back to the client; the other nodes only report their worker name.
+        address = {o.name: o.address for o in plan.ops}
+        where = {name: conn.client.submit(_worker_name, fut, workers=[address[name]], allow_other_workers=False,
+                                          pure=False)
+                 for name, fut in futures.items() if name not in plan.fetch}
+        try:
+            got = conn.client.gather([futures[n] for n in plan.fetch])
+            names = dict(zip(where, conn.client.gather(list(where.values())), strict=True))
+        except OpError as exc:
+            raise RunError(f"graph {spec.name}: {exc}") from None
+        except Exception as exc:
+            raise RunError(f"graph {spec.name} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            conn.client.cancel(list(futures.values()) + list(where.values()))
+    fetched = {n: to_python(v) for n, (v, _) in zip(plan.fetch, got, strict=True)}
+    names.update({n: w for n, (_, w) in zip(plan.fetch, got, strict=True)})
+    placement = {o.name: names[o.name] for o in plan.ops if o.name in names}
+    summary = {"name": spec.name, "status": "completed", "fetched": fetched, "placement": placement,
+               "devices": {o.name: o.device for o in plan.ops if o.name in names},
+               "nodes": len(futures), "wall_s": round(time.monotonic() - t0, 3)}
+    if run_dir is not None:
+        from pathlib import Path
+
+        from dtrain.chief.session import _write_json
+
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        _write_json(Path(run_dir) / "summary.json", summary)
+    return Result(summary=summary, fetched=fetched, plan=plan, run_dir=run_dir)
+

@@ -1,0 +1,370 @@
+"""Spec -> Plan. Pure: no Dask calls, no files written, nothing allocated (models are built on
+torch's meta device to read their parameter layout).
+
+The Plan says where every variable lives (a shard on a task, at an offset in that shard's flat
+buffer), which task runs each replica and on what device, where each layer and graph op runs,
+and how many bytes each ps task holds. ``dtrain plan`` prints it; the session runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dtrain.spec.device import DeviceSpec
+from dtrain.spec.errors import Problem, SpecError
+from dtrain.spec.pipeline import PipelineSpec, worker_device_spec
+
+from .placement import VariableRequest, partition, place_variables
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    """One variable (or one part of a partitioned variable) on one shard."""
+
+    name: str  # torch's named_parameters() name; parts are "<name>/part_<i>"
+    shape: tuple[int, ...]
+    bytes: int
+    device: str  # canonical DeviceSpec string of the task holding it
+    shard: int  # index into Plan.shards
+    offset: int  # first element in the shard's flat buffer
+    numel: int
+    source: str  # the parameter it belongs to
+    start: int  # first element within the (flattened) parameter
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The variables one task holds, as one flat float32 buffer, served by one ps actor."""
+
+    index: int
+    task: str  # "/job:ps/task:0"
+    worker: str  # the Dask worker name serving the task ("ps-0") or its listed address
+    address: str | None  # resolved worker address (None until compiled against a cluster)
+    numel: int
+    bytes: int
+    holds_global_step: bool
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One training replica, pinned to one worker task."""
+
+    index: int
+    task: str  # "/job:worker/task:0"
+    worker: str
+    address: str | None
+    device: str  # e.g. "/job:worker/task:0/device:CPU:0"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    type: str
+    name: str
+    device: str
+    output_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """A graph-section node (variable or op) and where it is evaluated."""
+
+    name: str
+    op: str  # "variable" for variables
+    inputs: tuple[str | float, ...]
+    device: str
+    worker: str
+    address: str | None
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the session needs, as plain data (printable, diffable, JSON-able)."""
+
+    name: str
+    mode: str
+    replication: str
+    steps: int
+    replicas_to_aggregate: int
+    variables: tuple[VariablePlan, ...] = ()
+    shards: tuple[ShardPlan, ...] = ()
+    replicas: tuple[ReplicaPlan, ...] = ()
+    layers: tuple[LayerPlan, ...] = ()
+    ops: tuple[OpPlan, ...] = ()
+    fetch: tuple[str, ...] = ()
+    ps_bytes: Mapping[str, int] = field(default_factory=dict)
+    missing_tasks: tuple[str, ...] = ()
+    pipeline_hash: str = ""
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ps_bytes"] = dict(self.ps_bytes)
+        d["num_replicas"] = self.num_replicas
+        return json.loads(json.dumps(d))
+
+    def format(self) -> str:
+        """log_device_placement-style text."""
+        if self.ops and not self.variables and not self.replicas:
+            lines = [f"plan {self.name}: graph, {len(self.ops)} node(s)"
+                     + (f", fetch {', '.join(self.fetch)}" if self.fetch else "")]
+        else:
+            lines = [f"plan {self.name}: {self.mode} {self.replication}, {self.num_replicas} replica(s)"
+                     + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" else "")
+                     + f", {self.steps} steps"]
+        if self.variables:
+            lines.append("variables:")
+            w = max(len(v.name) for v in self.variables)
+            for v in self.variables:
+                shape = "x".join(map(str, v.shape)) or "scalar"
+                lines.append(f"  {v.name:<{w}}  {shape:>12}  {v.bytes:>10} B  -> {v.device}"
+                             f"  [shard {v.shard} @ {v.offset}]")
+        if self.shards:
+            lines.append("ps tasks:")
+            for s in self.shards:
+                where = s.address or s.worker
+                lines.append(f"  {s.task:<18} {s.bytes:>10} B  {s.numel:>9} params  on {where}"
+                             + ("  (global_step)" if s.holds_global_step else ""))
+        if self.replicas:
+            lines.append("replicas:")
+            for r in self.replicas:
+                lines.append(f"  replica {r.index}  -> {r.device}  on {r.address or r.worker}")
+        if self.layers:
+            lines.append("layers:")
+            for layer in self.layers:
+                shape = "x".join(map(str, layer.output_shape))
+                lines.append(f"  {layer.index:>2} {layer.name:<14} -> {shape:<12} {layer.device}")
+        if self.ops:
+            lines.append("graph:")
+            for op in self.ops:
+                ins = ", ".join(map(str, op.inputs))
+                lines.append(f"  {op.name} = {op.op}({ins})  -> {op.device}  on {op.address or op.worker}")
+        if self.missing_tasks:
+            lines.append("missing tasks: " + ", ".join(self.missing_tasks))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- workers
+
+
+def resolve_workers(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None
+                    ) -> tuple[dict[str, str | None], list[str]]:
+    """Map every task key ("/job:ps/task:0") to a worker address.
+
+    ``workers`` is the scheduler's view: ``scheduler_info()["workers"]`` (address -> info with
+    ``name`` and ``resources``), or a list of such infos (each with its ``address``), or ``None``
+    (nothing resolved: the plan shows worker names only). A task is served by, in order:
+
+    1. the worker named as ``cluster.jobs`` expects (``J-i``, or the name listed for the task), or
+       whose address is the one listed (``tcp://host:port``, or ``host:port`` as TF's ClusterSpec
+       writes it);
+    2. for a task listed as a bare host name, the first unclaimed worker on that host;
+    3. otherwise the first unclaimed worker tagged with the resource ``J`` (sorted by name).
+
+    Each pass runs over every task before the next starts, so a worker that a later task names
+    exactly is never taken by an earlier task's host or resource match. Returns
+    (task -> address or None, missing task keys).
+    """
+    tasks = [(job, i, spec.cluster.task_workers(job)[i])
+             for job in spec.cluster.jobs for i in range(spec.cluster.num_tasks(job))]
+    if workers is None:
+        return {f"/job:{j}/task:{i}": None for j, i, _ in tasks}, []
+    infos: list[dict[str, Any]] = []
+    items = workers.items() if isinstance(workers, Mapping) else ((w.get("address"), w) for w in workers)
+    for addr, info in items:
+        addr = addr or info.get("address")
+        if not addr:
+            continue  # a worker without an address cannot be pinned to
+        infos.append({"address": str(addr), "name": str(info.get("name", "")),
+                      "resources": dict(info.get("resources") or {})})
+    infos.sort(key=lambda w: (w["name"], w["address"]))  # deterministic whatever the scheduler's order
+    claimed: set[str] = set()
+    out: dict[str, str | None] = {f"/job:{j}/task:{i}": None for j, i, _ in tasks}
+
+    def claim(key: str, addr: str | None) -> None:
+        if addr is not None:
+            out[key] = addr
+            claimed.add(addr)
+
+    for job, i, expected in tasks:
+        claim(f"/job:{job}/task:{i}",
+              next((w["address"] for w in infos if expected in (w["name"], w["address"], _strip_scheme(w["address"]))),
+                   None))
+    for job, i, expected in tasks:
+        key = f"/job:{job}/task:{i}"
+        if out[key] is None and "://" not in expected and ":" not in expected:
+            claim(key, next((w["address"] for w in infos
+                             if w["address"] not in claimed and _host(w["address"]) == expected), None))
+    for job, i, _ in tasks:
+        key = f"/job:{job}/task:{i}"
+        if out[key] is None:
+            claim(key, next((w["address"] for w in infos
+                             if w["resources"].get(job) and w["address"] not in claimed), None))
+    missing = [k for k, v in out.items() if v is None]
+    return out, missing
+
+
+def _strip_scheme(address: str) -> str:
+    return address.split("://", 1)[-1]
+
+
+def _host(address: str) -> str:
+    return _strip_scheme(address).rsplit(":", 1)[0]
+
+
+# ------------------------------------------------------------------------------------- compile
+
+
+def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None = None) -> Plan:  # noqa: A001
+    """Turn a validated spec into a Plan. Pure: the same inputs always give the same Plan."""
+    addresses, missing = resolve_workers(spec, workers)
+    if spec.is_graph:
+        return _compile_graph(spec, addresses, missing)
+    return _compile_training(spec, addresses, missing)
+
+
+def _task_key(dev: DeviceSpec) -> str:
+    return f"/job:{dev.job}/task:{dev.task if dev.task is not None else 0}"
+
+
+def _worker_of(spec: PipelineSpec, job: str, task: int) -> str:
+    return spec.cluster.task_workers(job)[task]
+
+
+def parameter_layout(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, numel) of every parameter, in creation order, without allocating."""
+    from dtrain.model.layers import build_model_skeleton, param_layout
+
+    return param_layout(build_model_skeleton(spec))
+
+
+def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
+    ps_job, worker_job = spec.placement.ps_job, spec.placement.worker_job
+    num_ps = spec.cluster.num_tasks(ps_job)
+    requests: list[VariableRequest] = []
+    pins = spec.placement.variable_devices
+    layout = parameter_layout(spec)
+    _check_pins(pins, [name for name, _, _ in layout])
+    for name, shape, numel in layout:
+        pin = _pin_for(name, pins)
+        nbytes = numel * FLOAT32_BYTES
+        if spec.placement.variables == "partitioned" and pin is None and shape and num_ps > 1 \
+                and nbytes >= spec.placement.min_slice_bytes:
+            requests.extend(partition(name, shape, FLOAT32_BYTES, num_ps))
+        else:
+            requests.append(VariableRequest(name, shape, nbytes, pin, source=name, start=0))
+    devices = place_variables(requests, ps_job, num_ps, spec.placement.variables)
+
+    # Shards: every ps task (task 0 always exists: it holds the global step), then any other task
+    # that a pinned variable landed on, in first-use order.
+    shard_keys = [f"/job:{ps_job}/task:{i}" for i in range(num_ps)]
+    for dev in devices:
+        if _task_key(dev) not in shard_keys:
+            shard_keys.append(_task_key(dev))
+    fill = dict.fromkeys(shard_keys, 0)
+    variables = []
+    for req, dev in zip(requests, devices, strict=True):
+        key = _task_key(dev)
+        dev = dev if dev.task is not None else dev.replace(task=0)
+        numel = req.nbytes // FLOAT32_BYTES
+        variables.append(VariablePlan(req.name, tuple(req.shape), req.nbytes, dev.to_string(),
+                                      shard_keys.index(key), fill[key], numel, req.source or req.name, req.start))
+        fill[key] += numel
+    shards = []
+    for i, key in enumerate(shard_keys):
+        dev = DeviceSpec.from_string(key)
+        shards.append(ShardPlan(i, key, _worker_of(spec, dev.job, dev.task), addresses.get(key), fill[key],
+                                fill[key] * FLOAT32_BYTES, key == f"/job:{ps_job}/task:0"))
+    ps_bytes = {s.task: s.bytes for s in shards if s.task.startswith(f"/job:{ps_job}/")}
+
+    # Only the device fields of worker_device count: replica r always runs on worker task r.
+    wd = worker_device_spec(spec.placement.worker_device)
+    compute = DeviceSpec(device_type=wd.device_type, device_index=wd.device_index)
+    replicas = []
+    for r in range(spec.num_replicas()):
+        base = DeviceSpec(job=worker_job, task=r)
+        dev = base.make_merged_spec(compute)
+        key = f"/job:{worker_job}/task:{r}"
+        replicas.append(ReplicaPlan(r, key, _worker_of(spec, worker_job, r), addresses.get(key), dev.to_string()))
+
+    layers = []
+    model = spec.model
+    assert model is not None
+    if model.layers is not None:
+        from dtrain.model.layers import infer_shapes
+
+        shapes = infer_shapes(tuple(model.input_shape or ()), [layer.model_dump() for layer in model.layers])
+        replica0 = DeviceSpec(job=worker_job).make_merged_spec(compute)
+        for i, (layer, shape) in enumerate(zip(model.layers, shapes, strict=True)):
+            dev = replica0.make_merged_spec(DeviceSpec.from_string(layer.device)) if layer.device else replica0
+            layers.append(LayerPlan(i, layer.type, layer.name or f"{layer.type}_{i}", dev.to_string(), tuple(shape)))
+
+    used = {s.task for s in shards} | {r.task for r in replicas}
+    return Plan(
+        name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.training.steps,
+        replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
+        replicas=tuple(replicas), layers=tuple(layers), ps_bytes=ps_bytes,
+        missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
+    )
+
+
+def _pin_for(name: str, pins: Mapping[str, str]) -> DeviceSpec | None:
+    """The pin of a parameter: its exact name, else the longest prefix ending in '.' that matches."""
+    if name in pins:
+        return DeviceSpec.from_string(pins[name])
+    prefixes = [p for p in pins if p.endswith(".") and name.startswith(p)]
+    if prefixes:
+        return DeviceSpec.from_string(pins[max(prefixes, key=len)])
+    return None
+
+
+def _check_pins(pins: Mapping[str, str], names: list[str]) -> None:
+    """A pin that matches no parameter is a typo: say so instead of silently ignoring it."""
+    problems = []
+    for key in pins:
+        if key in names or (key.endswith(".") and any(n.startswith(key) for n in names)):
+            continue
+        hint = "" if key.endswith(".") or not any(n.startswith(key + ".") for n in names) \
+            else f"; to pin every parameter under it write {key + '.'!r}"
+        problems.append(Problem(f"{key!r} names no parameter of the model (parameters: {', '.join(names)}; "
+                                f"a prefix must end with '.'){hint}", path=f"placement.variable_devices.{key}"))
+    if problems:
+        raise SpecError(problems)
+
+
+def _compile_graph(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
+    jobs = list(spec.cluster.jobs)
+    ps_job = spec.placement.ps_job if spec.placement.ps_job in jobs else jobs[0]
+    worker_job = spec.placement.worker_job if spec.placement.worker_job in jobs else jobs[0]
+    num_ps = spec.cluster.num_tasks(ps_job)
+    requests = [VariableRequest(v.name, (), FLOAT32_BYTES, DeviceSpec.from_string(v.device) if v.device else None)
+                for v in spec.variables]
+    devices = place_variables(requests, ps_job, num_ps, "round_robin")
+    ops: list[OpPlan] = []
+    for var, dev in zip(spec.variables, devices, strict=True):
+        dev = dev if dev.task is not None else dev.replace(task=0)
+        key = _task_key(dev)
+        ops.append(OpPlan(var.name, "variable", (), dev.to_string(), _worker_of(spec, dev.job, dev.task),
+                          addresses.get(key), var.value))
+    default = DeviceSpec(job=worker_job, task=0, device_type="CPU", device_index=0)
+    for op in spec.graph:
+        dev = default.make_merged_spec(DeviceSpec.from_string(op.device)) if op.device else default
+        if op.device and DeviceSpec.from_string(op.device).job is not None \
+                and DeviceSpec.from_string(op.device).task is None:
+            dev = dev.replace(task=0)
+        key = _task_key(dev)
+        ops.append(OpPlan(op.name, op.op, tuple(op.inputs), dev.to_string(), _worker_of(spec, dev.job, dev.task),
+                          addresses.get(key)))
+    used = {_task_key(DeviceSpec.from_string(o.device)) for o in ops}
+    return Plan(name=spec.name, mode=spec.training.mode, replication=spec.training.replication,
+                steps=spec.training.steps, replicas_to_aggregate=1, ops=tuple(ops), fetch=tuple(spec.fetch),
+                missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash())

@@ -1,0 +1,393 @@
+"""The parameter server: one shard of variables as one flat buffer, with its optimizer.
+
+``ParameterShard`` is a plain class. The session creates it as a Dask Actor pinned to its ps
+task's worker, but nothing here imports Dask: every public method is ``async def`` (it runs on
+the worker's event loop, so a waiting sync replica never blocks other calls — a blocking method
+would stall every actor on that worker: ../shared/dask-notes.md §1) and only does brief tensor
+math (an apply on a few MB takes well under a millisecond).
+
+Wire protocol (one round trip per shard per step, one flat tensor each way):
+
+- ``push_pull(grad, replica, version, ...)`` — async mode: apply at once, return fresh params.
+- ``push_sync(grad, replica, version, ...)`` — sync mode: accumulate; return once the step that
+  the gradient belongs to has been applied (or at once when the gradient is dropped as stale).
+- ``pull(min_step)`` — the current params, waiting until the shard has reached ``min_step``.
+- ``apply_mean(grad_sum, count, version)`` — in-graph replication (``dtrain.ingraph``): a task
+  on this worker applies the mean of gradients that the step's graph already reduced.
+
+Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in a ring of
+preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
+Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import torch
+
+from .optim import make_optimizer
+from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
+
+
+class BarrierTimeout(RuntimeError):
+    """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
+
+
+class ParameterShard:
+    """One ps task's variables and optimizer state (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], init: torch.Tensor):
+        self.index: int = config["index"]
+        self.mode: str = config["mode"]
+        self.steps: int = config["steps"]
+        self.generation: int = config.get("generation", 0)
+        self.holds_global_step: bool = config.get("holds_global_step", self.index == 0)
+        self.barrier_timeout_s: float = config.get("barrier_timeout_s", 60.0)
+        self.summary_every: int = config.get("summary_every", 100)
+        self.nan_guard: bool = config.get("nan_guard", False)
+        num_replicas = config.get("num_replicas", 1)
+        if config.get("torch_threads"):
+            # The apply's intra-op threads (else torch takes every core of the ps's machine, which
+            # its replicas are using; dtrain worker processes get no OMP_NUM_THREADS).
+            torch.set_num_threads(config["torch_threads"])
+        # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
+        self.param = init.detach().to(torch.float32).clone()
+        self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])
+        self.acc = torch.zeros_like(self.param)
+        self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas)
+        self.policy = AsyncPolicy(config.get("max_staleness"))
+        k = config.get("max_staleness")
+        self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
+        # Reply snapshots for the actor path, allocated on first use (the socket data plane passes
+        # its own ``out`` buffer: a shared-memory slot or a per-connection buffer).
+        self._ring_size = 2 * num_replicas + 4
+        self._ring: list[torch.Tensor] = []
+        self._ring_next = 0
+        self._cond: asyncio.Condition | None = None
+        self.stop = False
+        self.error: str | None = None
+        # Shard 0's bookkeeping: records closed at every summary_every global steps.
+        self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": time.time()}
+        self.samples_total = 0
+        self.records: list[dict[str, Any]] = []
+        self.local_steps: dict[int, int] = {}
+        self.last_apply_time = 0.0
+        self._grace_until = 0.0  # monotonic time until which barrier waits may exceed their timeout
+        # Checkpoint snapshots: applies pause once the step reaches hold_at, until release().
+        self.hold_at: int | None = None
+
+    # ------------------------------------------------------------------ helpers (not remote)
+    @property
+    def step(self) -> int:
+        return self.sync.step if self.mode == "sync" else self.policy.step
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.sync.dropped_stale + self.policy.dropped_stale
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # created lazily so it binds to the worker's running loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    def _snapshot(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            if len(self._ring) < self._ring_size:
+                self._ring.append(torch.empty_like(self.param))
+            out = self._ring[self._ring_next]
+            self._ring_next = (self._ring_next + 1) % self._ring_size
+        out.copy_(self.param)
+        return out
+
+    def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
+        return self._snapshot(out), self.step, self.stop or self.error is not None, self.generation
+
+    def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """One update: the optimizer step, then the step's bookkeeping (records, stop at the end)."""
+        if scale != 1.0:
+            grad.mul_(scale)
+        self.optimizer.step(self.param, grad)
+        self.last_apply_time = time.time()
+        self._after_apply()
+
+    def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
+        if not self.holds_global_step:
+            return
+        self.samples_total += samples
+        self._interval["samples"] += samples
+        if loss is not None:
+            if not math.isfinite(loss):
+                if self.nan_guard and self.error is None:
+                    self.error = (f"nan_guard: replica {replica} reported a non-finite loss ({loss}) at global "
+                                  f"step {self.step}; the update was not applied")
+                return
+            self._interval["loss_sum"] += loss
+            self._interval["loss_n"] += 1
+        self.local_steps[replica] = local_step
+
+    def _after_apply(self) -> None:
+        if not self.holds_global_step:
+            return
+        step = self.step
+        if step % self.summary_every == 0 or step == self.steps:
+            now = time.time()
+            iv = self._interval
+            dt = max(now - iv["t0"], 1e-9)
+            self.records.append({
+                "step": step, "time": now,
+                "loss": iv["loss_sum"] / iv["loss_n"] if iv["loss_n"] else None,
+                "samples_per_sec": iv["samples"] / dt, "dropped_stale": self.dropped_stale,
+                "samples": self.samples_total,
+            })
+            self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": now}
+        if step >= self.steps:
+            self.stop = True
+
+    def _held(self, version: int | None) -> bool:
+        if self.hold_at is None or self.step < self.hold_at:
+            return False
+        return version is None or version >= self.hold_at  # else it completes the step being waited for
+
+    async def _wait_unheld(self, version: int | None = None) -> None:
+        """Pause a push while a snapshot is being taken (applies must not move the parameters)."""
+        if not self._held(version):
+            return
+        cond = self._condition()
+        async with cond:
+            await self._wait(cond, lambda: not self._held(version) or self.stop or self.error is not None,
+                             f"a push on shard {self.index} waited for a checkpoint snapshot")
+
+    def _bad_grad(self, grad: torch.Tensor, replica: int) -> bool:
+        if self.nan_guard and not bool(torch.isfinite(grad).all()):
+            self.error = self.error or (f"nan_guard: replica {replica} pushed a non-finite gradient at step "
+                                        f"{self.step} of shard {self.index}; the update was not applied")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ remote methods
+    async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, int, bool, int]:
+        """Async mode: apply this gradient now (unless too stale), reply with fresh parameters."""
+        await self._wait_unheld()
+        if self.stop or self.error is not None:
+            return self._reply(out)
+        self._observe(replica, loss, samples, local_step)
+        if self.error is None and not self._bad_grad(grad, replica):
+            decision = self.policy.push(version)
+            if isinstance(decision, Apply):
+                self._apply(grad)
+        if self.gate is not None:
+            self.gate.report(replica, local_step)
+            cond = self._condition()
+            async with cond:
+                cond.notify_all()
+                if not self.gate.may_proceed(replica, local_step + 1):
+                    await self._wait(cond, lambda: self.stop or self.gate.may_proceed(replica, local_step + 1),
+                                     f"replica {replica} waited for slower replicas (max_staleness "
+                                     f"{self.gate.max_staleness})")
+        return self._reply(out)
+
+    async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, int, bool, int]:
+        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean."""
+        await self._wait_unheld(version)
+        cond = self._condition()
+        async with cond:
+            if self.stop or self.error is not None:
+                return self._reply(out)
+            self._observe(replica, loss, samples, local_step)
+            if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
+                cond.notify_all()
+                return self._reply(out)
+            decision = self.sync.push(replica, version)
+            if isinstance(decision, Drop):
+                return self._reply(out)
+            if len(self.sync.contributors) == 1 or isinstance(decision, Apply) and decision.count == 1:
+                self.acc.copy_(grad)
+            else:
+                self.acc.add_(grad)
+            if isinstance(decision, Apply):
+                # The optimizer reads the gradient only inside step(), so the accumulator is
+                # reused and refilled next step (no fresh buffer per step).
+                self._apply(self.acc, 1.0 / decision.count)
+                cond.notify_all()
+            elif isinstance(decision, Accumulate):
+                await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
+                                 f"replica {replica} waited for the other replicas' gradients of step {version}")
+            return self._reply(out)
+
+    async def pull(self, min_step: int = 0, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
+        """The current parameters, once this shard has applied ``min_step`` steps. ``out`` (here
+        and in the pushes): write the reply's snapshot there instead of into the ring."""
+        if self.step < min_step and not self.stop:
+            cond = self._condition()
+            async with cond:
+                await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
+                                 f"pull waited for shard {self.index} to reach step {min_step}")
+        return self._reply(out)
+
+    async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
+        """Wait for ``predicate`` for barrier_timeout_s, or longer while a grace granted by the
+        session (:meth:`barrier_grace`: a lost replica is being restarted) has not run out."""
+        t0 = time.monotonic()
+        while True:
+            remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
+            if remaining <= 0:
+                raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
+                                     f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
+            try:
+                await asyncio.wait_for(cond.wait_for(predicate), remaining)
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                continue  # a grace may have been granted meanwhile: check again
+
+    async def current_step(self) -> int:
+        return self.step
+
+    async def excuse(self, replica: int, at_step: int) -> int:
+        """Sync: lost ``replica`` will not push for step ``at_step`` (see ``SyncAggregator.excuse``);
+        if the gradients already accumulated now make the quorum, apply their mean and release
+        the replicas waiting for it. No-op unless this shard is still at ``at_step``. Returns the
+        shard's step."""
+        if self.mode != "sync":
+            return self.step
+        await self._wait_unheld(at_step)
+        cond = self._condition()
+        async with cond:
+            if self.sync.step != at_step or self.stop or self.error is not None:
+                return self.step
+            decision = self.sync.excuse(replica)
+            if isinstance(decision, Apply):
+                self._apply(self.acc, 1.0 / decision.count)
+                cond.notify_all()
+        return self.step
+
+    async def barrier_grace(self, seconds: float) -> None:
+        """Let waits go on for ``seconds`` from now beyond their barrier timeout: the session calls
+        this when it restarts a lost replica, whose gradients the others' barrier needs."""
+        self._grace_until = max(self._grace_until, time.monotonic() + seconds)
+
+    async def stats(self) -> dict[str, Any]:
+        """Progress for the session: drains the summary records collected since the last call."""
+        records, self.records = self.records, []
+        return {"step": self.step, "stop": self.stop, "error": self.error, "records": records,
+                "dropped_stale": self.dropped_stale, "samples": self.samples_total,
+                "local_steps": dict(self.local_steps), "generation": self.generation,
+                "last_apply_time": self.last_apply_time}
+
+    async def _wake(self) -> None:
+        """Let every waiter re-check its condition (after stop, hold or release changed)."""
+        if self._cond is not None:
+            async with self._cond:
+                self._cond.notify_all()
+
+    async def request_stop(self) -> int:
+        """Ask every replica to stop at its next reply; releases waiting replicas."""
+        self.stop = True
+        await self._wake()
+        return self.step
+
+    async def hold(self, at_step: int | None = None) -> int:
+        """Pause applies from ``at_step`` on (default: now); returns the current step."""
+        self.hold_at = self.step if at_step is None else at_step
+        await self._wake()  # a raised hold step may free pushes that were held
+        return self.step
+
+    async def wait_held(self) -> int:
+        """Return once the shard has reached its hold step (sync: the step the snapshot needs)."""
+        if self.hold_at is not None and self.step < self.hold_at:
+            cond = self._condition()
+            async with cond:
+                await self._wait(cond, lambda: self.hold_at is None or self.step >= self.hold_at or self.stop
+                                 or self.error is not None, f"shard {self.index} waited for step {self.hold_at}")
+        return self.step
+
+    async def release(self) -> int:
+        """End a hold: waiting pushes go on."""
+        self.hold_at = None
+        await self._wake()
+        return self.step
+
+    async def get_params(self) -> tuple[torch.Tensor, int]:
+        return self.param.clone(), self.step
+
+    async def get_state(self) -> dict[str, Any]:
+        """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict)."""
+        state = self.optimizer.state_dict()
+        return {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
+                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+
+    async def set_state(self, state: dict[str, Any]) -> int:
+        """Restore from :meth:`get_state`'s output (a checkpoint)."""
+        with torch.no_grad():
+            self.param.copy_(state["params"])
+        self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
+        step = int(state["step"])
+        self.sync.reset(step)
+        self.policy.reset(step)
+        if self.gate is not None:
+            self.gate.reset()
+        self.sync.dropped_stale = int(state.get("dropped_stale", 0))
+        self.samples_total = int(state.get("samples", 0))
+        self.acc.zero_()
+        self.stop = step >= self.steps
+        return step
+
+    async def apply_mean(self, grad_sum: torch.Tensor, count: int, version: int, loss: float | None = None,
+                         samples: int = 0) -> int:
+        """In-graph replication: apply ``grad_sum / count`` — the sum of ``count`` replicas'
+        gradients, all computed on this shard's parameters of step ``version`` and reduced by the
+        step's graph — as one sync step. Returns the shard's step afterwards (unchanged when the
+        update was refused: stopped, failed, a non-finite gradient, or ``version`` not the current
+        step). ``grad_sum`` is scaled in place. ``loss`` is the replicas' mean loss and
+        ``samples`` their total, both recorded as one report (replica 0's) on shard 0. Waits
+        while a checkpoint snapshot holds the shard, like a push."""
+        await self._wait_unheld(version)
+        cond = self._condition()
+        async with cond:
+            if self.stop or self.error is not None:
+                return self.step
+            self._observe(0, loss, samples, version + 1)
+            if self.error is not None or self._bad_grad(grad_sum, 0):
+                cond.notify_all()
+                return self.step
+            decision = self.sync.push_aggregated(version, count)
+            if isinstance(decision, Apply):
+                self._apply(grad_sum, 1.0 / count)
+                cond.notify_all()
+            return self.step
+
+    # ------------------------------------------------------------------ socket data plane
+    async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
+                              tls: dict[str, str | None] | None = None, wire_dtype: str = "float32") -> tuple[str, int]:
+        """Start serving this shard over TCP (``training.transport: socket``); returns (host, port).
+
+        Requests still run here, on this worker's event loop, through the methods above."""
+        from dtrain.dataplane.server import ShardServer, server_ssl_context
+
+        if getattr(self, "_server", None) is None:
+            ctx = server_ssl_context(tls) if tls else None
+            self._server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
+                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype)
+        return self._server.host, self._server.port
+
+    async def close_data_plane(self) -> dict[str, int]:
+        """Stop serving; returns how many replica connections it served, and how many of them
+        through shared memory."""
+        server = getattr(self, "_server", None)
+        if server is None:
+            return {"connections": 0, "shared_memory": 0}
+        server.close()
+        self._server = None
+        return {"connections": server.connections, "shared_memory": server.shared_connections}
+
+    def __del__(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()

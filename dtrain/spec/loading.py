@@ -1,0 +1,503 @@
+"""YAML -> PipelineSpec, with every error located at ``FILE:LINE: dotted.path``.
+
+The file is parsed once with PyYAML's *safe* loader into a node tree (which carries line numbers)
+and constructed from that tree into plain data for pydantic; ``!!python/...`` tags are refused.
+A pydantic error's ``loc`` is walked through the data to find the dotted path the user wrote
+(union tags such as a layer type are dropped), and the path through the node tree to find the line:
+
+- an unknown key: the key's line;
+- a missing key: the line of the key of the mapping that lacks it (``model:``);
+- a bad scalar value: the value's line;
+- a bad mapping or list: the line of its key (or, for a list item, of the item).
+
+Problems come back sorted by line, one per line of output.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import CrossFieldErrors, Problem, SpecError, dotted
+from .pipeline import Layer, OptimizerSpec, PipelineSpec, _quoted, did_you_mean
+
+__all__ = ["load", "loads", "validate"]
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+    """Read and validate a pipeline file. Raises :class:`SpecError` listing every problem.
+
+    ``overrides`` are ``KEY=VALUE`` strings (``training.steps=50``, ``hooks.0.every_steps=10``),
+    applied to the parsed file before validation, as ``dtrain run --set`` does; each VALUE is
+    parsed as YAML. Relative data paths are resolved against the file's directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([Problem("file not found", file=str(path), line=1)]) from None
+    except IsADirectoryError:
+        raise SpecError([Problem("is a directory, not a pipeline file", file=str(path), line=1)]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([Problem(f"not UTF-8 text: {exc}", file=str(path), line=1)]) from None
+    except OSError as exc:
+        raise SpecError([Problem(f"cannot read: {exc.strerror or exc}", file=str(path), line=1)]) from None
+    return loads(text, filename=str(path), base_dir=path.resolve().parent, overrides=overrides)
+
+
+def loads(text: str, filename: str = "<string>", base_dir: str | Path = ".",
+          overrides: list[str] | None = None) -> PipelineSpec:
+    """Validate pipeline YAML given as a string (see :func:`load`); ``base_dir`` anchors relative data paths."""
+    node, data = _parse(text, filename)
+    if node is None or data is None:
+        raise SpecError([Problem("the file is empty; a pipeline needs at least a 'model' or a 'graph' section "
+                                 "(see pipelines/ for examples)", file=filename, line=1)])
+    if not isinstance(data, dict):
+        kind = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+            type(data), type(data).__name__)
+        raise SpecError([Problem(f"the top level must be a mapping of sections (name:, cluster:, model:, ...), "
+                                 f"not a {kind}", file=filename, line=node.start_mark.line + 1)])
+    duplicates = _duplicate_keys(node, filename)
+    applied: dict[tuple[str, ...], str] = {}
+    for item in overrides or []:
+        applied[_apply_override(data, item, filename)] = item
+    try:
+        spec = validate(data, filename=filename, base_dir=base_dir, node=node, overrides=applied)
+    except SpecError as exc:
+        raise SpecError(_sorted(duplicates + exc.problems)) from None
+    if duplicates:
+        raise SpecError(duplicates)
+    return spec
+
+
+def validate(data: dict[str, Any], filename: str = "<spec>", base_dir: str | Path = ".",
+             node: yaml.Node | None = None, overrides: dict[tuple[str, ...], str] | None = None) -> PipelineSpec:
+    """Validate already-parsed data; ``node`` (the YAML node tree) gives problems their lines."""
+    try:
+        return PipelineSpec.model_validate(data, context={"base_dir": str(base_dir)})
+    except ValidationError as exc:
+        raise SpecError(_problems(exc, filename, data, node, overrides or {})) from None
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+def _parse(text: str, filename: str) -> tuple[yaml.Node | None, Any]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.constructor.ConstructorError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else 1
+        problem = (exc.problem or "").replace("tag:yaml.org,2002:", "!!")
+        if "could not determine a constructor for the tag" in problem:
+            tag = problem.split("tag", 1)[1].strip().strip("'\"")
+            msg = (f"YAML tag {tag!r} is not allowed: pipeline files are plain data, read with the safe loader "
+                   "(no Python objects); remove the tag")
+        else:
+            msg = f"YAML error: {' '.join(x for x in (exc.context, problem) if x)}"
+        raise SpecError([Problem(msg, file=filename, line=line)]) from None
+    except yaml.MarkedYAMLError as exc:
+        raise SpecError([_syntax_problem(exc, filename)]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([Problem(f"YAML error: {exc}", file=filename, line=1)]) from None
+    finally:
+        loader.dispose()
+    return node, data
+
+
+def _syntax_problem(exc: yaml.MarkedYAMLError, filename: str) -> Problem:
+    problem = exc.problem or "invalid YAML"
+    context = exc.context or ""
+    mark = exc.problem_mark or exc.context_mark
+    line = mark.line + 1 if mark is not None else 1
+    if "'\\t'" in problem:
+        return Problem("YAML syntax error: a tab character; YAML indents with spaces only, replace the tab with spaces",
+                       file=filename, line=line)
+    opened = exc.context_mark
+    if opened is not None and any(c in context for c in ("flow sequence", "flow mapping", "quoted scalar")):
+        # An unclosed bracket, brace or quote: the opening one is the node at fault; the parser
+        # only notices where the collection should have ended.
+        what = "quote" if "quoted" in context else ("'['" if "sequence" in context else "'{'")
+        return Problem(f"YAML syntax error: the {what} opened here is not closed ({problem} at line "
+                       f"{line}, column {mark.column + 1 if mark else '?'})", file=filename, line=opened.line + 1)
+    if "block" in context and mark is not None:
+        return Problem(f"YAML syntax error: bad indentation: this line (indented {mark.column} space(s)) does not "
+                       "line up with the lines above it; keys of one mapping, and items of one list, must start "
+                       "in the same column", file=filename, line=line)
+    hint = ""
+    if "single document" in context:
+        hint = "; a pipeline file holds one YAML document: remove the '---' line"
+    elif "<stream end>" in problem:
+        hint = "; the file ends inside an unclosed '[', '{' or quote"
+    elif "mapping values are not allowed" in problem:
+        hint = "; a 'key: value' cannot follow a plain value on one line (check the indentation, or quote the value)"
+    text = f"{context} {problem}".strip() if context else problem
+    return Problem(f"YAML syntax error: {text}{hint}", file=filename, line=line)
+
+
+def _duplicate_keys(node: yaml.Node, filename: str) -> list[Problem]:
+    """PyYAML keeps the last of repeated keys silently; a pipeline with a repeated key is ambiguous."""
+    problems: list[Problem] = []
+
+    def walk(n: yaml.Node, path: list[str | int]) -> None:
+        if isinstance(n, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, v in n.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    line = k.start_mark.line + 1
+                    if k.value in first:
+                        problems.append(Problem(f"duplicate key {k.value!r} (first at line {first[k.value]}); "
+                                                "YAML would keep only the last one: remove or merge them",
+                                                path=dotted([*path, k.value]), file=filename, line=line))
+                    else:
+                        first[k.value] = line
+                    walk(v, [*path, k.value])
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                walk(item, [*path, i])
+
+    walk(node, [])
+    return problems
+
+
+def _apply_override(data: dict[str, Any], item: str, filename: str) -> tuple[str, ...]:
+    def fail(why: str) -> SpecError:
+        return SpecError([Problem(f"--set {item!r}: {why}", file=filename, line=1)])
+
+    if "=" not in item:
+        raise fail("write KEY=VALUE, e.g. --set training.steps=50")
+    key, raw = item.split("=", 1)
+    parts = tuple(p.strip() for p in key.strip().split("."))
+    if not key.strip() or any(not p for p in parts):
+        raise fail("KEY must be a dotted path such as training.steps or hooks.0.every_steps")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise fail(f"VALUE is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    cur: Any = data
+    for depth, p in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[:depth]) or "the top level"
+        if isinstance(cur, list):
+            if not p.isdigit() or int(p) >= len(cur):
+                raise fail(f"{where} is a list of {len(cur)}; {p!r} is not an index into it")
+            if last:
+                cur[int(p)] = value
+            else:
+                cur = cur[int(p)]
+        elif isinstance(cur, dict):
+            if last:
+                cur[p] = value
+            else:
+                if cur.get(p) is None:
+                    cur[p] = {}
+                cur = cur[p]
+        else:
+            raise fail(f"{where} is a value ({cur!r}), not a section; it has no key {p!r}")
+    return parts
+
+
+# ------------------------------------------------------------------------------ error -> location
+
+
+def _problems(exc: ValidationError, filename: str, data: Any, node: yaml.Node | None,
+              overrides: dict[tuple[str, ...], str]) -> list[Problem]:
+    problems: list[Problem] = []
+    # Errors of one value from several union branches (int | list[str], ...) become one message.
+    groups: dict[tuple[str | int, ...], list[tuple[dict[str, Any], tuple, bool]]] = {}
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, CrossFieldErrors):
+            for rel, msg in inner.problems:
+                path, _ = _data_path(loc + tuple(rel), data, keep_last=True)
+                problems.append(_locate(path, msg, filename, node, overrides))
+            continue
+        path, dropped = _data_path(loc, data, keep_last=err["type"] in ("missing", "extra_forbidden"))
+        groups.setdefault(tuple(path), []).append((err, loc, dropped))
+    for path, errs in groups.items():
+        if len(errs) > 1 and all(dropped for _, _, dropped in errs):
+            for msg in _union_messages(errs):
+                problems.append(_locate(list(path), msg, filename, node, overrides))
+            continue
+        for err, loc, _ in errs:
+            message = _message(err, loc)
+            at = list(path)
+            if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+                at.append(str(err["ctx"]["discriminator"]).strip("'"))
+            problems.append(_locate(at, message, filename, node, overrides))
+    return _sorted(problems)
+
+
+def _sorted(problems: list[Problem]) -> list[Problem]:
+    """File order, without repeats."""
+    seen: set[str] = set()
+    unique = []
+    for p in sorted(problems, key=lambda p: (p.line or 0, p.column or 0, p.path)):
+        if str(p) not in seen:
+            seen.add(str(p))
+            unique.append(p)
+    return unique
+
+
+def _locate(path: list[str | int], message: str, filename: str, node: yaml.Node | None,
+            overrides: dict[tuple[str, ...], str]) -> Problem:
+    for key, item in overrides.items():
+        parts = tuple(str(p) for p in path)
+        if parts[: len(key)] == key or (parts and parts == key[: len(parts)]):
+            message = f"{message} (from --set {item})"
+            break
+    line, column = _position(path, node)
+    return Problem(message, path=dotted(path), file=filename, line=line, column=column)
+
+
+def _data_path(loc: tuple, data: Any, keep_last: bool) -> tuple[list[str | int], bool]:
+    """The path of a pydantic ``loc`` in the user's data, and whether parts were dropped.
+
+    pydantic's ``loc`` also names union branches (``'linear'``, ``'int'``, ``'list[str]'``,
+    ``'function-after[...]'``): any part the data does not contain is such a tag, except the
+    last one of a missing or unknown key.
+    """
+    out: list[str | int] = []
+    dropped = False
+    cur = data
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(cur, dict):
+            is_tag = (not last and isinstance(part, str) and part in _discriminated()
+                      and part in (cur.get("type"), cur.get("name")))
+            if not is_tag and part in cur:
+                out.append(part)
+                cur = cur[part]
+                continue
+            if not is_tag and last and keep_last:
+                out.append(part)
+                continue
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            out.append(part)
+            cur = cur[part]
+            continue
+        elif cur is None and isinstance(part, (str, int)) and keep_last and last:
+            out.append(part)
+            continue
+        dropped = True
+    return out, dropped
+
+
+def _position(path: list[str | int], node: yaml.Node | None) -> tuple[int, int]:
+    """(line, column), 1-based, of the node at ``path``; of its nearest ancestor when absent."""
+    if node is None:
+        return 1, 1
+    cur = node
+    mark = node.start_mark
+    for part in path:
+        if isinstance(cur, yaml.MappingNode):
+            found = None
+            for k, v in cur.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == str(part):
+                    found = (k, v)
+            if found is None:
+                break
+            mark = found[0].start_mark
+            cur = found[1]
+        elif isinstance(cur, yaml.SequenceNode) and isinstance(part, int) and part < len(cur.value):
+            cur = cur.value[part]
+            mark = cur.start_mark
+        else:
+            break
+    else:
+        if isinstance(cur, yaml.ScalarNode):
+            mark = cur.start_mark  # a bad value: its own line (it may sit below its key)
+    return mark.line + 1, mark.column + 1
+
+
+# ---------------------------------------------------------------------------------------- messages
+
+
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false", "bool_parsing": "true or false",
+    "string_type": "a string", "list_type": "a list", "tuple_type": "a list",
+    "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping",
+    "literal_error": "one of the allowed values",
+}
+
+_BOUNDS = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"), "less_than": ("<", "lt"),
+           "less_than_equal": ("<=", "le")}
+
+# Names from other frameworks, for 'did you mean' when plain spelling similarity does not find them.
+_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "units": "out",
+            "out_features": "out", "features": "out", "filters": "out", "out_channels": "out",
+            "kernel": "kernel_size", "activation": "type", "optimiser": "optimizer", "layer": "layers",
+            "devices": "device", "ps_tasks": "jobs", "cluster_spec": "jobs"}
+
+
+def _union_messages(errs: list[tuple[dict[str, Any], tuple, bool]]) -> list[str]:
+    # A branch whose type matched but whose constraint failed says the most (ps: 0 -> ">= 1").
+    specific = [e for e, _, _ in errs if e["type"] not in _EXPECTED]
+    if specific:
+        return [_message(e, ()) for e in specific]
+    expected: list[str] = []
+    for e, _, _ in errs:
+        what = _EXPECTED[e["type"]]
+        if what not in expected:
+            expected.append(what)
+    return [f"expected {' or '.join(expected)}, got {_show(errs[0][0].get('input'))}"]
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "an empty value (null)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: dict[str, Any], loc: tuple) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        allowed = _allowed_keys(loc[:-1])
+        alias = _ALIASES.get(key)
+        hint = f"; did you mean {alias!r}?" if alias in allowed else did_you_mean(key, allowed)
+        msg = f"unknown key {key!r}{hint}"
+        return msg + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+    if kind == "missing" and loc and isinstance(loc[-1], int):
+        info = _field_at(loc[:-1])
+        args = typing.get_args(info.annotation) if info is not None else ()
+        n = f"{len(args)} values" if args and Ellipsis not in args else "more values"
+        return f"expected {n}, got only {loc[-1]}"
+    if kind == "missing":
+        key = str(loc[-1]) if loc else "?"
+        info = _field_at(loc)
+        what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
+        return f"missing required key {key!r}{what}"
+    if kind == "literal_error":
+        choices = _literal_choices(loc) or [
+            c.strip().strip("'") for c in str(ctx.get("expected", "")).replace(" or ", ", ").split(",")]
+        return f"{_show(value)} is not one of {_quoted(choices)}{did_you_mean(value, choices)}"
+    if kind == "union_tag_invalid":
+        tag = ctx.get("tag")
+        choices = [c.strip().strip("'") for c in str(ctx.get("expected_tags", "")).split(",")]
+        what = "layer type" if "type" in str(ctx.get("discriminator")) else "optimizer"
+        return f"unknown {what} {tag!r}{did_you_mean(tag, choices)} (known: {', '.join(choices)})"
+    if kind == "union_tag_not_found":
+        key = str(ctx.get("discriminator", "tag")).strip("'")
+        choices = _union_tags(loc)
+        what = "the layer type" if key == "type" else "the optimizer"
+        return f"missing required key {key!r}: {what}, one of {', '.join(choices)}"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error", err["msg"]))
+    if kind in _BOUNDS:
+        op, name = _BOUNDS[kind]
+        bound = ctx.get(name)
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)
+        return f"must be {op} {bound}, got {_show(value)}"
+    if kind in ("too_short", "too_long"):
+        n = ctx.get("min_length" if kind == "too_short" else "max_length")
+        return f"needs {'at least' if kind == 'too_short' else 'at most'} {n} item(s), got {_show(value)}"
+    if kind == "string_pattern_mismatch":
+        return f"{_show(value)} must be letters, digits, '_', '.' or '-' (and not start with '.' or '-')"
+    if kind in _EXPECTED:
+        what = _EXPECTED[kind]
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            what = "a mapping of settings (key: value lines, or {key: value, ...})"
+        if kind == "int_from_float":
+            return f"expected a whole number, got {_show(value)}"
+        return f"expected {what}, got {_show(value)}"
+    return f"{err['msg']} (got {_show(value)})"
+
+
+# ------------------------------------------------------------------- the models behind a location
+
+
+def _models_at(loc: tuple) -> list[Any]:
+    """Annotations found at ``loc`` walking from PipelineSpec (several for a union)."""
+    candidates: list[Any] = [PipelineSpec]
+    for part in loc:
+        nxt: list[Any] = []
+        for c in _expand(candidates):
+            if isinstance(c, type) and issubclass(c, BaseModel):
+                if isinstance(part, str) and part in _tags_of(c):
+                    nxt.append(c)  # a union branch tag: stay on this model
+                elif isinstance(part, str) and part in c.model_fields:
+                    nxt.append(c.model_fields[part].annotation)
+            elif typing.get_origin(c) in (list, tuple) and isinstance(part, int):
+                nxt.extend(typing.get_args(c)[:1])
+            elif typing.get_origin(c) is dict and isinstance(part, str):
+                nxt.extend(typing.get_args(c)[1:2])
+        candidates = nxt or candidates
+    return _expand(candidates)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names of the model found at ``loc``, for 'did you mean'."""
+    fields: list[str] = []
+    for c in _models_at(loc):
+        if isinstance(c, type) and issubclass(c, BaseModel):
+            fields.extend(f for f in c.model_fields if f not in fields)
+    return fields
+
+
+def _field_at(loc: tuple) -> Any:
+    if not loc:
+        return None
+    for c in _models_at(loc[:-1]):
+        if isinstance(c, type) and issubclass(c, BaseModel) and str(loc[-1]) in c.model_fields:
+            return c.model_fields[str(loc[-1])]
+    return None
+
+
+def _literal_choices(loc: tuple) -> list[str]:
+    info = _field_at(loc)
+    choices: list[str] = []
+    for arg in _expand([info.annotation] if info is not None else []):
+        if typing.get_origin(arg) is typing.Literal:
+            choices.extend(str(a) for a in typing.get_args(arg))
+    return choices
+
+
+def _union_tags(loc: tuple) -> list[str]:
+    tags: list[str] = []
+    for c in _models_at(loc):
+        if isinstance(c, type) and issubclass(c, BaseModel):
+            tags.extend(t for t in _tags_of(c) if t not in tags)
+    return tags
+
+
+def _expand(items: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        origin = typing.get_origin(item)
+        if origin is typing.Annotated:
+            out.extend(_expand([typing.get_args(item)[0]]))
+        elif origin is typing.Union or origin is types.UnionType:
+            out.extend(_expand(list(typing.get_args(item))))
+        else:
+            out.append(item)
+    return out
+
+
+@functools.cache
+def _discriminated() -> frozenset[str]:
+    """Every layer type and optimizer name: the tags pydantic puts into a union member's ``loc``."""
+    return frozenset(t for c in _expand([Layer, OptimizerSpec]) for t in _tags_of(c))
+
+
+def _tags_of(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The discriminator values of a union member (a layer's ``type``, an optimizer's ``name``)."""
+    for key in ("type", "name"):
+        f = cls.model_fields.get(key)
+        if f is not None and typing.get_origin(f.annotation) is typing.Literal:
+            return tuple(str(a) for a in typing.get_args(f.annotation))
+    return ()

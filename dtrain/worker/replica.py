@@ -1,0 +1,387 @@
+"""A training replica: the torch step and the loop that talks to the ps shards.
+
+Nothing here imports Dask. The loop receives one *shard handle* per shard: any object whose
+``push_pull`` / ``push_sync`` / ``pull`` methods return a future with ``.result(timeout=...)``
+(a Dask actor handle is one; tests may pass others). The math — forward, loss, backward — knows
+nothing of shards: :class:`ReplicaModel` owns the model, its persistent shard-shaped buffers and
+the replica's deterministic slice of the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Protocol
+
+import torch
+
+from dtrain.data.sources import Dataset, ShardIterator, load_dataset, to_tensors
+from dtrain.model.layers import build_model, get_loss
+from dtrain.plan.layout import BoundModel, ShardLayout
+from dtrain.spec.device import DeviceSpec
+
+logger = logging.getLogger(__name__)
+
+
+class ShardHandle(Protocol):  # pragma: no cover - a typing aid
+    def push_pull(self, *args: Any, **kwargs: Any) -> Any: ...
+    def push_sync(self, *args: Any, **kwargs: Any) -> Any: ...
+    def pull(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class ReplicaError(RuntimeError):
+    """A replica could not go on (device missing, ps unreachable, a barrier timed out)."""
+
+
+@lru_cache(maxsize=4)
+def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
+                    task: str | None, num_samples: int, num_features: int | None, num_classes: int) -> Dataset:
+    return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
+                        standardize=standardize, seed=seed, task=task, num_samples=num_samples,
+                        num_features=num_features, num_classes=num_classes)
+
+
+def dataset_for(spec: Any) -> Dataset:
+    """The pipeline's dataset (cached per process: replicas and the session load it once)."""
+    d = spec.data
+    task = d.task
+    if task is None and d.source == "synthetic":
+        task = "classification" if spec.model.loss in ("cross_entropy", "bce_with_logits") else "regression"
+    num_features = None
+    if d.source == "synthetic" and spec.model.input_shape:
+        num_features = 1
+        for n in spec.model.input_shape:
+            num_features *= n
+    num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
+    return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
+                           spec.training.seed, task, d.num_samples, num_features, num_classes)
+
+
+def torch_device(device: str, soft: bool) -> torch.device:
+    """A plan device string -> the torch device this process computes on (soft placement)."""
+    spec = DeviceSpec.from_string(device)
+    if spec.device_type == "GPU":
+        index = spec.device_index or 0
+        if torch.cuda.is_available() and index < torch.cuda.device_count():
+            return torch.device("cuda", index)
+        if not soft:
+            raise ReplicaError(f"{device} is placed on a GPU but this worker has "
+                               f"{torch.cuda.device_count()} CUDA device(s); set placement.soft: true to fall "
+                               "back to the CPU")
+        logger.warning("%s: no CUDA device here; computing on the CPU (placement.soft)", device)
+    return torch.device("cpu")
+
+
+@dataclass
+class ReplicaStats:
+    replica: int
+    local_steps: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    device: str = "cpu"
+    final_step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ReplicaModel:
+    """The replica's model, data slice, loss and persistent buffers."""
+
+    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None,
+                 start_local_step: int = 0, owns_replies: bool = False):
+        torch.set_num_threads(spec.training.torch_threads)
+        self.spec = spec
+        self.index = index
+        self.device = device or torch_device(plan.replicas[index].device, spec.placement.soft)
+        self.model = build_model(spec, device=self.device)
+        self.model.train()
+        self.loss_fn = get_loss(spec.model.loss)
+        self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
+        # Zero-copy needs reply buffers that stay ours until the next reply (the socket data
+        # plane's); Dask's replies may share memory with the ps in an in-process cluster.
+        self.zero_copy = self.bound.zero_copy and owns_replies
+        # Parameter buffers received from the shards are copied in; gradients go out through two
+        # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
+        self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
+        data = dataset_for(spec)
+        self.x, self.y = to_tensors(data.x_train, data.y_train, self.device)
+        b = spec.data.batch_size
+        self.batches = ShardIterator(len(self.x), b, index, plan.num_replicas, spec.training.seed,
+                                     shuffle=spec.data.shuffle)
+        if start_local_step:
+            self.batches.seek(start_local_step)  # resume: the data order continues where it stopped
+        self.xb = torch.empty((b, *self.x.shape[1:]), dtype=self.x.dtype, device=self.device)
+        self.yb = torch.empty((b, *self.y.shape[1:]), dtype=self.y.dtype, device=self.device)
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        # Dropout differs per replica, reproducibly (and per resume point).
+        torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + start_local_step)
+
+    def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
+        """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
+        buffers): written there directly by backward when zero-copy is on, else copied."""
+        idx = torch.from_numpy(self.batches.next_indices()).to(self.device)
+        torch.index_select(self.x, 0, idx, out=self.xb)
+        torch.index_select(self.y, 0, idx, out=self.yb)
+        if self.zero_copy:
+            self.bound.grads_as_views(grads)
+        else:
+            for p in self.model.parameters():
+                p.grad.zero_()
+        loss = self.loss_fn(self.model(self.xb), self.yb)
+        loss.backward()
+        if not self.zero_copy:
+            self.bound.grads_into(grads)
+        return float(loss.detach()), len(idx)
+
+    def load(self, buffers: list[torch.Tensor]) -> None:
+        """Take the parameters of a reply: as views (zero-copy: the buffers are ours until the next
+        reply to this replica) or by copying into the model."""
+        for s, buf in enumerate(buffers):
+            if self.zero_copy:
+                self.bound.params_as_views(s, buf)
+            else:
+                self.bound.load_params(s, buf)
+
+
+def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
+    """Pin the calling thread (a replica's compute thread) to ``threads`` of the CPUs this process
+    may use: the ``local_rank``-th group, wrapping around (``training.pin_cpus``; Linux only, the
+    caller checks). Returns the CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = sorted({allowed[(local_rank * threads + j) % len(allowed)] for j in range(threads)})
+    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread only (Linux)
+    return cpus
+
+
+class GradBuckets:
+    """DDP-style gradient bucketing for pushes whose bytes cross a socket (``training.bucket_mb``).
+
+    Each shard's buffer is cut into buckets from its end (backward's first gradients) to its
+    start. A hook on every parameter (``register_post_accumulate_grad_hook``) counts the gradients
+    that backward has finished; once every bucket from the end down to one is complete, those
+    are sent at once (``handle.send_part``) while backward goes on with the earlier layers. After
+    backward, the push sends only the head that is still unsent. Needs zero-copy gradients (they
+    are written straight into the buffers that are sent)."""
+
+    def __init__(self, bound: BoundModel, shards: list[Any], bucket_numel: int):
+        self.shards = shards
+        self.numel = list(bound.layout.shard_numel)
+        self.buckets: dict[int, list[tuple[int, int, list[str]]]] = {}
+        self._where: dict[str, list[tuple[int, int]]] = {}
+        for s, handle in enumerate(shards):
+            if getattr(handle, "sends_parts", False):
+                self.buckets[s] = bound.layout.buckets(s, bucket_numel)
+                for b, (_lo, _hi, names) in enumerate(self.buckets[s]):
+                    for name in names:
+                        self._where.setdefault(name, []).append((s, b))
+        self._grads: list[torch.Tensor] | None = None
+        self._pending: dict[tuple[int, int], int] = {}
+        self._next: dict[int, int] = {}
+        self._cut: dict[int, int] = {}
+        self._handles = []
+        for name, param in bound.model.named_parameters():
+            if name in self._where and param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(name)))
+        self.parts_sent = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.buckets)
+
+    def _hook_for(self, name: str) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if self._grads is None:
+                return
+            for key in self._where[name]:
+                self._pending[key] -= 1
+                if self._pending[key] == 0:
+                    self._flush(key[0])
+        return hook
+
+    def _flush(self, s: int) -> None:
+        buckets = self.buckets[s]
+        while self._next[s] < len(buckets) and self._pending[(s, self._next[s])] == 0:
+            lo, hi, _ = buckets[self._next[s]]
+            self.shards[s].send_part(self._grads[s], lo, hi)
+            self.parts_sent += 1
+            self._cut[s] = lo
+            self._next[s] += 1
+
+    def begin(self, grads: list[torch.Tensor]) -> None:
+        """Before a step's backward: ``grads`` are the buffers it writes."""
+        self._grads = grads
+        self._pending = {(s, b): len(names) for s, bs in self.buckets.items() for b, (_, _, names) in enumerate(bs)}
+        self._next = dict.fromkeys(self.buckets, 0)
+        self._cut = {s: self.numel[s] for s in self.buckets}
+
+    def end(self) -> list[int | None]:
+        """After backward: per shard, the head still to send (None: the whole gradient)."""
+        self._grads = None
+        return [self._cut.get(s) for s in range(len(self.shards))]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,
+                owns_replies: bool = False, local_rank: int | None = None) -> ReplicaStats:
+    """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
+    handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
+    this replica's rank among the replicas on its machine; with ``training.pin_cpus`` its compute
+    thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends)."""
+    if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
+        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+    before = os.sched_getaffinity(0)
+    cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
+    try:
+        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+        stats.extra["cpus"] = cpus
+        return stats
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any], start_local_step: int,
+                 owns_replies: bool) -> ReplicaStats:
+    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
+    slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
+    if rep.zero_copy and all(s is not None for s in slots):
+        # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
+        rep.grad_bufs = [[s[j] for s in slots] for j in range(2)]
+    buckets = None
+    if spec.training.bucket_mb and rep.zero_copy:
+        buckets = GradBuckets(rep.bound, shards, max(1, int(spec.training.bucket_mb * 2**20 / 4)))
+        if not buckets.active:  # no shard's bytes cross a socket
+            buckets.remove()
+            buckets = None
+    t = spec.training
+    timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
+    stats = ReplicaStats(index, device=str(rep.device))
+    t_start = time.perf_counter()
+
+    def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
+        t0 = time.perf_counter()
+        try:
+            out = [f.result(timeout=timeout) for f in futures]
+        except TimeoutError:
+            raise ReplicaError(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
+                               "(training.call_timeout_s); is a ps task lost?") from None
+        stats.wait_s += time.perf_counter() - t0
+        return out
+
+    # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
+    replies = wait([s.pull(0) for s in shards])
+    version = replies[0][1]
+    if t.mode == "sync":
+        replies, version = _consistent(replies, shards, wait)
+    rep.load([r[0] for r in replies])
+    versions = [r[1] for r in replies]
+    stop = any(r[2] for r in replies)
+    pending: list[Any] | None = None
+    k = start_local_step
+    while not stop:
+        t0 = time.perf_counter()
+        grads = rep.grad_bufs[k % 2]
+        if buckets is not None:
+            buckets.begin(grads)
+        loss, n = rep.step(grads)
+        heads = buckets.end() if buckets is not None else None
+        stats.compute_s += time.perf_counter() - t0
+        k += 1
+        stats.local_steps = k - start_local_step
+        stats.samples += n
+        if t.mode == "sync":
+            futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
+                                 **_head(heads, s)) for s, sh in enumerate(shards)]
+            replies, version = _consistent(wait(futs), shards, wait)
+            rep.load([r[0] for r in replies])
+            stop = any(r[2] for r in replies)
+            continue
+        if t.overlap and pending is not None:
+            # Staleness 1: this step's gradient was computed while the previous push was in flight.
+            replies = wait(pending)
+            rep.load([r[0] for r in replies])
+            versions = [r[1] for r in replies]
+            stop = any(r[2] for r in replies)
+        futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
+                             **_head(heads, s)) for s, sh in enumerate(shards)]
+        if t.overlap:
+            pending = futs
+            continue
+        replies = wait(futs)
+        rep.load([r[0] for r in replies])
+        versions = [r[1] for r in replies]
+        stop = any(r[2] for r in replies)
+    if pending is not None:
+        replies = wait(pending)
+        versions = [r[1] for r in replies]
+    if buckets is not None:
+        stats.extra["parts_sent"] = buckets.parts_sent
+        buckets.remove()
+    stats.final_step = versions[0] if t.mode == "async" else version
+    stats.wall_s = time.perf_counter() - t_start
+    if index == 0:
+        stats.extra["buffers"] = model_buffers(rep.model)
+    return stats
+
+
+def _head(heads: list[int | None] | None, s: int) -> dict[str, int]:
+    """The ``head`` keyword for shard ``s``'s push when buckets already went (else no keyword:
+    the actor path's methods do not take it)."""
+    return {"head": heads[s]} if heads is not None and heads[s] is not None else {}
+
+
+def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list[Any], wait: Any
+                ) -> tuple[list[tuple[torch.Tensor, int, bool, int]], int]:
+    """Sync needs every shard's parameters from one step: re-pull lagging shards until they agree.
+
+    (A replica never computes on parameters taken from two different steps of two shards.)
+    """
+    replies = list(replies)
+    for _ in range(100):
+        steps = [r[1] for r in replies]
+        target = max(steps)
+        if min(steps) == target or any(r[2] for r in replies):
+            return replies, target
+        lagging = [s for s, st in enumerate(steps) if st < target]
+        for s, reply in zip(lagging, wait([shards[s].pull(target) for s in lagging]), strict=True):
+            replies[s] = reply
+    raise ReplicaError("shards did not converge on one step after 100 pulls")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
+             batch_size: int = 1024) -> dict[str, float]:
+    """Mean loss (and accuracy for classification) of ``model`` on (x, y), in eval mode."""
+    from dtrain.model.layers import accuracy, is_classification
+
+    if len(x) == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    loss_fn = get_loss(loss_name)
+    total, correct = 0.0, 0.0
+    try:
+        for i in range(0, len(x), batch_size):
+            out = model(x[i:i + batch_size])
+            yb = y[i:i + batch_size]
+            total += float(loss_fn(out, yb)) * len(yb)
+            if is_classification(loss_name):
+                correct += accuracy(out, yb, loss_name) * len(yb)
+    finally:
+        model.train(was_training)
+    result = {"loss": total / len(x)}
+    if is_classification(loss_name):
+        result["accuracy"] = correct / len(x)
+    return result
+
+
+def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Non-parameter state (BatchNorm running statistics), as a plain dict of CPU tensors."""
+    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}

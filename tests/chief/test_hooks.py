@@ -1,0 +1,199 @@
+"""Hooks with TensorFlow's meanings (stop_at_step, logging, step_counter, nan_guard, custom hooks by
+import path) and the summary hook's TensorBoard events, read back with TensorBoard's own reader.
+Runs use the shared in-process cluster and a tiny digits model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dtrain
+from dtrain.chief import checkpoint as ckpt
+from dtrain.chief.hooks import LoggingHook, StepContext, StepCounterHook, StopAtStepHook, build_hooks
+from dtrain.spec.errors import RunError, SpecError
+from dtrain.spec.pipeline import HookSpec
+from tests.helpers import hooks as helper_hooks
+
+BASE = """
+name: hooks
+cluster: {jobs: {ps: 2, worker: 2}}
+model:
+  input_shape: [64]
+  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.1}
+"""
+
+
+def spec(text: str) -> dtrain.PipelineSpec:
+    return dtrain.loads(BASE + text, base_dir=".")
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------ stop_at_step
+
+
+def test_stop_at_last_step_stops_early(inproc_client, run_dir):
+    s = spec("""
+training: {mode: async, steps: 20000}
+summary: {every_steps: 10, tensorboard: false}
+hooks: [{type: stop_at_step, last_step: 30}]
+""")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed"
+    # The chief polls a few times a second: a few steps past 30, far from training.steps.
+    assert 30 <= summary["global_step"] < 2000
+    assert (run_dir / "model.pt").is_file()
+
+
+def test_stop_after_num_steps_with_logging_and_step_counter(inproc_client, run_dir, caplog):
+    s = spec("""
+training: {mode: sync, steps: 20000}
+summary: {every_steps: 10, tensorboard: false}
+hooks:
+  - {type: stop_at_step, num_steps: 40}
+  - {type: logging, every_steps: 10}
+  - {type: step_counter, every_steps: 10}
+""")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed"
+    assert 40 <= summary["global_step"] < 2000
+    mine = [r.getMessage() for r in caplog.records if r.name == "dtrain"]
+    lines = [m for m in mine if m.startswith("step ")]
+    assert lines, mine
+    assert any("loss " in m and "samples/s " in m for m in lines), lines
+    rates = [m for m in mine if m.startswith("global_step/sec: ")]
+    assert rates and all(float(m.split()[-1]) > 0 for m in rates)
+    assert any("stop_at_step" in r.getMessage() for r in caplog.records)  # the session says why it stopped
+
+
+def test_stop_at_step_counts_num_steps_from_the_resumed_step():
+    hook = StopAtStepHook(num_steps=10)
+    hook.begin(SimpleNamespace(start_step=100))
+    ctx = StepContext(109)
+    hook.after_step(ctx)
+    assert ctx.stop_requested is None
+    ctx = StepContext(110)
+    hook.after_step(ctx)
+    assert ctx.stop_requested == "stop_at_step: reached step 110"
+
+
+def test_step_counter_and_logging_start_counting_at_the_resumed_step(caplog):
+    counter, log = StepCounterHook(every_steps=10), LoggingHook(every_steps=100)
+    for h in (counter, log):
+        h.begin(SimpleNamespace(start_step=1000))
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        for h in (counter, log):
+            h.after_step(StepContext(1005, {"loss": 0.5}))
+    assert counter.rates == [] and caplog.records == []  # 5 steps since the resume, not 1005
+
+
+# ------------------------------------------------------------------------------ nan_guard
+
+
+def test_nan_guard_fails_the_run_and_keeps_a_finite_checkpoint(inproc_client, run_dir):
+    # Checkpoints every 15 steps: the last one (~30) is well before the NaN (step 41), so the NaN
+    # never lands while the chief is busy writing a checkpoint (see the report on session._monitor).
+    s = dtrain.loads("""
+name: nan
+cluster: {jobs: {ps: 2, worker: 2}}
+model: {module: "tests.helpers.hooks:NanAfter", kwargs: {after: 40, sleep_s: 0.02}}
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.05}
+training: {mode: sync, steps: 1000}
+summary: {every_steps: 5, tensorboard: false}
+checkpoint: {every_steps: 15, keep: 5}
+hooks: [{type: nan_guard}]
+""", base_dir=".")
+    with pytest.raises(RunError, match="nan_guard") as info:
+        dtrain.run(s, client=inproc_client, run_dir=run_dir)
+    assert "non-finite" in str(info.value)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "nan_guard" in summary["error"]
+    # Both replicas' 41st forward is NaN: the ps refused that update, so step 40 is the last.
+    assert summary["global_step"] == 40
+    assert summary["checkpoints"]
+    last = ckpt.latest(run_dir)
+    assert last is not None and 15 <= last.step < 40
+    assert all(torch.isfinite(sh["params"]).all() for sh in last.payload["shards"])
+    # metrics.jsonl holds no NaN (non-finite values are written as null, never as bare NaN).
+    for rec in metrics(run_dir):
+        assert rec.get("loss") is None or math.isfinite(rec["loss"])
+
+
+# ------------------------------------------------------------------------------ custom hooks + TensorBoard
+
+
+def test_custom_hook_callbacks_in_order_and_tensorboard_events(inproc_client, run_dir, tmp_path):
+    calls_file = tmp_path / "calls.jsonl"
+    helper_hooks.CALLS.clear()
+    s = spec(f"""
+training: {{mode: sync, steps: 40}}
+summary: {{every_steps: 10, tensorboard: true}}
+checkpoint: {{every_steps: 20, keep: 3}}
+eval: {{every_steps: 20}}
+hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls_file}", tag: t1}}}}]
+""")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and summary["global_step"] == 40
+    assert summary["recoveries"] == 0, summary["recovery_log"]
+    calls = helper_hooks.read_calls(calls_file)
+    assert calls == helper_hooks.CALLS  # the file and the in-process list agree
+    events = [c[0] for c in calls]
+    assert events[0] == "begin" and calls[0][1] == 0
+    assert events[-1] == "end" and calls[-1][1] == 40
+    assert events.count("begin") == 1 and events.count("end") == 1
+    # Every after_step follows a before_step of the same step; steps never go back.
+    steps = [v for e, v in calls if e == "after_step"]
+    assert steps and steps == sorted(steps) and steps[-1] <= 40
+    for i, (e, v) in enumerate(calls):
+        if e == "after_step":
+            assert calls[i - 1] == ("before_step", v)
+    ckpts = [v for e, v in calls if e == "on_checkpoint"]
+    assert [c[0] for c in ckpts] == [int(n[5:13]) for n in summary["checkpoints"]]
+    assert ckpts[-1][0] == 40 and ckpts[-1][1].endswith("ckpt-00000040.pt")
+    assert all(0 < i < len(events) - 1 for i, e in enumerate(events) if e == "on_checkpoint")
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "samples_per_sec", "learning_rate", "eval/accuracy", "eval/loss"} <= tags, tags
+    assert [e.step for e in acc.Scalars("loss")] == [10, 20, 30, 40]
+    assert all(math.isfinite(e.value) and e.value > 0 for e in acc.Scalars("loss"))
+    assert acc.Scalars("learning_rate")[0].value == pytest.approx(0.1)
+    assert acc.Scalars("eval/accuracy")[-1].step == 40
+
+
+def test_invalid_custom_hook_fails_clearly_before_anything_is_written(inproc_client, run_dir):
+    s = spec("""
+training: {steps: 20}
+hooks: [{type: "tests.helpers.hooks:NotAHook"}]
+""")
+    with pytest.raises(SpecError, match=r"hooks\[0\]\.type: .*NotAHook.* not a subclass of dtrain\.Hook"):
+        dtrain.run(s, client=inproc_client, run_dir=run_dir)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("hook", "message"), [
+    ({"type": "tests.helpers.hooks:NotAHook"}, r"hooks\[1\]\.type: .*is a class NotAHook, not a subclass"),
+    ({"type": "tests.helpers.hooks:CALLS"}, r"hooks\[1\]\.type: .*is a list, not a subclass"),
+    ({"type": "tests.helpers.no_such_module:Hook"}, r"hooks\[1\]\.type: .*cannot be imported"),
+    ({"type": "tests.helpers.hooks:Missing"}, r"hooks\[1\]\.type: .*has no attribute 'Missing'"),
+    ({"type": "tests.helpers.hooks:RecordingHook", "args": {"paht": "x"}}, r"hooks\[1\]\.args: .*paht"),
+])
+def test_build_hooks_errors_name_the_hook(hook, message):
+    specs = [HookSpec(type="nan_guard"), HookSpec.model_validate(hook)]
+    with pytest.raises(SpecError, match=message):
+        build_hooks(specs)

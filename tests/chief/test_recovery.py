@@ -1,0 +1,158 @@
+"""Fault tests with real worker processes, killed with SIGKILL by pid at a seeded random step:
+MonitoredTrainingSession-style recovery from a lost ps or worker, and resume after the
+`dtrain run` process itself is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dtrain.chief import checkpoint as dtrain_checkpoint
+from tests.helpers.paths import ROOT
+
+pytestmark = pytest.mark.processes
+
+
+def start_run(pipeline: str, run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", pipeline, "--run-dir", str(run_dir),
+                             "--quiet", *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
+    """Poll metrics.jsonl until the global step reaches ``step``; return the step seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            steps = [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+            if steps and max(steps) >= step:
+                return max(steps)
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def task_pid(run_dir: Path, task: str) -> int:
+    info = json.loads((run_dir / "cluster.json").read_text())
+    return int(info["tasks"][task]["pid"])
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+def kill_pid(pid: int) -> None:
+    assert psutil.pid_exists(pid)
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ps_killed_run_recovers_from_checkpoint(tmp_path, mode):
+    run_dir = tmp_path / "run"
+    pipeline = "pipelines/digits_async.yaml" if mode == "async" else "pipelines/digits_sync.yaml"
+    every = 100
+    proc = start_run(pipeline, run_dir, "--set", f"checkpoint={{every_steps: {every}, keep: 3}}",
+                     "--set", "summary.every_steps=25", "--set", "training.barrier_timeout_s=30",
+                     "--set", "training.call_timeout_s=20")
+    kill_at = random.Random(f"ps-{mode}").randint(250, 450)
+    wait_for_step(proc, run_dir, kill_at)
+    ckpts_before = sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    killed_pid = task_pid(run_dir, "/job:ps/task:1")
+    kill_pid(killed_pid)
+    code, out, err = finish(proc)
+    assert code == 0, err[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["recoveries"] >= 1
+    assert summary["eval"]["accuracy"] >= 0.95
+    rec = summary["recovery_log"][0]
+    assert "/job:ps/task:1" in rec["lost"]
+    # Steps lost <= the checkpoint interval: the restore went back to the newest checkpoint.
+    assert ckpts_before, "a checkpoint existed before the kill"
+    assert rec["step"] - rec["restored_step"] <= every + 25 or rec["restored_step"] >= int(ckpts_before[-1][5:13])
+    assert "first_apply_s" in rec  # the time from the loss to the first update after the restore
+    new_pid = json.loads((run_dir / "cluster.json").read_text())["tasks"]["/job:ps/task:1"]["pid"]
+    assert new_pid != killed_pid
+    print(f"\n{mode}: killed ps-1 at step {kill_at}; recovered in {rec['first_apply_s']:.2f} s")
+
+
+def test_worker_killed_sync_does_not_hang(tmp_path):
+    run_dir = tmp_path / "run"
+    # The surviving replica waits at the barrier while the killed worker's process restarts and
+    # its replacement replica imports torch and loads data, which can take over 30 s on a busy
+    # 2-core machine: the session grants the barrier a grace of call_timeout_s - 5 s beyond it.
+    proc = start_run("pipelines/digits_sync.yaml", run_dir, "--set", "summary.every_steps=25",
+                     "--set", "training.barrier_timeout_s=30", "--set", "training.call_timeout_s=90",
+                     "--set", "checkpoint=null")
+    wait_for_step(proc, run_dir, random.Random("worker").randint(200, 400))
+    kill_pid(task_pid(run_dir, "/job:worker/task:1"))
+    code, out, err = finish(proc)
+    assert code == 0, err[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] == 800
+    assert summary["recoveries"] == 1
+    assert "/job:worker/task:1" in summary["recovery_log"][0]["lost"]
+
+
+def test_killed_run_resumes_to_the_same_parameters(tmp_path):
+    """Sync, fixed seed, 2 replicas, no backups: kill `dtrain run`, --resume, same parameters as a
+    run that never stopped (within 1e-6)."""
+    settings = ["--set", "training.steps=300", "--set", "checkpoint={every_steps: 50, keep: 2}",
+                "--set", "summary.every_steps=10", "--set", "eval={}"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    proc = start_run("pipelines/digits_sync.yaml", run_dir, *settings)
+    wait_for_step(proc, run_dir, random.Random("resume").randint(120, 200))
+    kill_pid(proc.pid)  # the client process: scheduler and nannies die with it
+    proc.communicate()
+    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert ckpts and not (run_dir / "model.pt").exists()
+    # Without --resume a run directory holding checkpoints is refused: exit 2, nothing started.
+    code2, out2, err2 = finish(start_run("pipelines/digits_sync.yaml", run_dir, *settings), timeout=60)
+    assert code2 == 2 and "--resume" in err2
+    code, out, err = finish(start_run("pipelines/digits_sync.yaml", ref_dir, *settings))
+    assert code == 0, err[-3000:]
+    # The kill may land between a checkpoint and its manifest: resume uses the newest valid one.
+    expected = dtrain_checkpoint.latest(run_dir).step
+    code3, out3, err3 = finish(start_run("pipelines/digits_sync.yaml", run_dir, *settings, "--resume"))
+    assert code3 == 0, err3[-3000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["start_step"] == expected and resumed["global_step"] == 300
+    a = torch.load(ref_dir / "model.pt", weights_only=True)
+    b = torch.load(run_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_writes_a_checkpoint_and_exits(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = start_run("pipelines/digits_async.yaml", run_dir, "--set", "checkpoint={every_steps: 100000}",
+                     "--set", "summary.every_steps=20")
+    seen = wait_for_step(proc, run_dir, 60)
+    children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    proc.send_signal(sig)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == code, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    assert ckpts and int(ckpts[-1].name[5:13]) >= seen
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in children if psutil.pid_exists(p)], timeout=20)
+    assert not alive, "the embedded cluster's processes outlived the run"

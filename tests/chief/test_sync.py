@@ -1,0 +1,134 @@
+"""Synchronous replication on the in-process cluster: numerical fidelity against single-process
+training, backup replicas, and the bounded-staleness and sync golden pipelines."""
+
+from __future__ import annotations
+
+import pytest
+
+import dtrain
+from dtrain.chief.session import Session
+from dtrain.deploy.cluster import connect
+from tests.helpers.paths import PIPELINES
+from tests.helpers.reference import max_abs_diff, single_process
+
+TOLERANCE = 1e-5
+
+OPTIMIZERS = {
+    "sgd": "{name: sgd, lr: 0.1}",
+    "momentum": "{name: momentum, lr: 0.05, momentum: 0.9}",
+    "adam": "{name: adam, lr: 0.01}",
+}
+
+
+def sync_spec(num_ps: int, replicas: int, optimizer: str, steps: int = 100, placement: str = "round_robin",
+              replication: str = "between_graph") -> dtrain.PipelineSpec:
+    return dtrain.loads(f"""
+name: sync-fidelity
+cluster: {{jobs: {{ps: {num_ps}, worker: {replicas}}}}}
+model:
+  input_shape: [64]
+  layers: [{{type: linear, out: 16}}, {{type: relu}}, {{type: linear, out: 10}}]
+  loss: cross_entropy
+placement: {{variables: {placement}, min_slice_bytes: 64}}
+data: {{source: sklearn:digits, batch_size: 8}}
+optimizer: {OPTIMIZERS[optimizer]}
+training: {{replication: {replication}, mode: sync, steps: {steps}, seed: 3}}
+summary: {{every_steps: 50, tensorboard: false}}
+""", base_dir=".")
+
+
+@pytest.mark.parametrize(("num_ps", "replicas", "optimizer", "placement"), [
+    (1, 2, "sgd", "round_robin"),
+    (2, 2, "sgd", "partitioned"),  # parameters split across both shards
+    (1, 3, "sgd", "round_robin"),
+    (2, 3, "sgd", "round_robin"),
+    (2, 2, "momentum", "round_robin"),
+    (1, 3, "momentum", "round_robin"),
+    (1, 2, "adam", "round_robin"),
+    (2, 3, "adam", "greedy"),
+])
+def test_sync_matches_single_process_training(inproc_client, tmp_path, num_ps, replicas, optimizer, placement):
+    spec = sync_spec(num_ps, replicas, optimizer, placement=placement)
+    plan = dtrain.compile(spec)
+    assert len(plan.shards) == num_ps and plan.num_replicas == replicas
+    if placement == "partitioned":
+        assert any(v.start > 0 for v in plan.variables)  # a parameter really is split
+
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+
+    s = result.summary
+    assert s["status"] == "completed"
+    assert s["global_step"] == spec.training.steps
+    assert s["dropped_stale"] == 0  # every replica is in every step's quorum
+    assert s["samples"] == spec.training.steps * replicas * spec.data.batch_size
+    reference = single_process(spec, replicas)
+    assert max_abs_diff(result.model, reference) <= TOLERANCE
+
+
+def test_sync_differs_from_a_wrong_data_order(inproc_client, tmp_path):
+    """The fidelity check has teeth: the same run differs from single-process training with a
+    batch of another size (another data order)."""
+    spec = sync_spec(1, 2, "sgd", steps=20)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE
+    assert max_abs_diff(result.model, single_process(spec, 1, steps=20)) > 1e-3
+
+
+def test_backup_replicas_do_not_wait_for_a_straggler(inproc_client, tmp_path):
+    """3 replicas, aggregate 2, replica 2 sleeps 0.1 s in every forward (the others 5 ms, so the
+    60 steps outlast the straggler's first pushes): the two fast replicas carry every step, the
+    straggler's late gradients are dropped."""
+    spec = dtrain.loads("""
+name: backup
+cluster: {jobs: {ps: 1, worker: 3}}
+model:
+  module: "tests.helpers.slowmodels:SlowMLP"
+  kwargs: {delay_s: 0.1, fast_delay_s: 0.005, slow_worker: worker-2}
+data: {source: sklearn:digits, batch_size: 8}
+optimizer: {name: sgd, lr: 0.1}
+training: {mode: sync, total_num_replicas: 3, replicas_to_aggregate: 2, steps: 60}
+summary: {every_steps: 50, tensorboard: false}
+""", base_dir=".")
+    with connect(spec, client=inproc_client) as conn, conn.client.as_current():
+        session = Session(spec, conn, tmp_path / "run")
+        result = session.run()
+    s = result.summary
+    assert s["status"] == "completed"
+    assert s["global_step"] == spec.training.steps
+    assert s["replicas"] == 3
+    assert s["dropped_stale"] > 0
+    local = {st["replica"]: st["local_steps"] for st in session.replica_stats}
+    assert {st["worker"] for st in session.replica_stats if st["replica"] == 2} == {"worker-2"}
+    # The fast replicas computed (almost) every step; the straggler only a fraction of them.
+    assert local[2] < min(local[0], local[1])
+    assert local[2] <= spec.training.steps // 2
+    assert local[0] + local[1] >= 2 * spec.training.steps - local[2]
+
+
+def test_sync_digits_reaches_accuracy(inproc_client, tmp_path):
+    spec = dtrain.load(PIPELINES / "digits_sync.yaml", overrides=["summary.tensorboard=false"])
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["status"] == "completed"
+    assert result.summary["eval"]["accuracy"] >= 0.95
+
+
+def test_bounded_staleness_digits_reaches_accuracy(inproc_client, tmp_path):
+    spec = dtrain.load(PIPELINES / "digits_staleness.yaml",
+                       overrides=["summary.tensorboard=false", "training.steps=600"])
+    assert spec.training.mode == "async" and spec.training.max_staleness == 2
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    s = result.summary
+    assert s["status"] == "completed"
+    assert s["global_step"] >= spec.training.steps
+    assert s["eval"]["accuracy"] >= 0.95
+
+
+@pytest.mark.parametrize("name", ["digits_staleness.yaml", "digits_in_graph.yaml", "digits_backup.yaml"])
+def test_new_pipelines_validate_and_compile(name):
+    spec = dtrain.load(PIPELINES / name)
+    plan = dtrain.compile(spec)
+    assert not plan.missing_tasks
+    if name == "digits_backup.yaml":
+        assert plan.num_replicas == 3 and plan.replicas_to_aggregate == 2
+    if name == "digits_in_graph.yaml":
+        assert plan.replication == "in_graph" and plan.mode == "sync"
