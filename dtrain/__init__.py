@@ -22,7 +22,7 @@ __all__ = [
 
 _LAZY = {
     "compile": ("dtrain.plan.compiler", "compile"),
-    "build_model": ("dtrain.model.layers", "build_model"),
+    "build_model": ("dtrain.model.build", "build_model"),
     "run": ("dtrain.chief.session", "run"),
     "Hook": ("dtrain.chief.hooks", "Hook"),
 }
@@ -30,7 +30,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .chief.hooks import Hook
     from .chief.session import run
-    from .model.layers import build_model
+    from .model.build import build_model
     from .plan.compiler import compile
 
 

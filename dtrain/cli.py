@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -61,30 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="start a Dask worker serving one task (name JOB-N, resource JOB=1)",
         description="Start a Dask worker for task N of job JOB: the equivalent of `dask worker ADDR --name JOB-N "
         "--resources JOB=1` (see docs/deployment.md). Arguments after `--` go to `dask worker` unchanged.")
-    w.add_argument("--job", required=True, help="job name, e.g. ps or worker")
-    w.add_argument("--task", required=True, type=int, help="task index within the job (0, 1, ...)")
-    where = w.add_mutually_exclusive_group(required=True)
-    where.add_argument("--scheduler", help="scheduler address, e.g. tcp://10.0.0.5:8786 or tls://10.0.0.5:8786")
-    where.add_argument("--scheduler-file", help="JSON file written by `dask scheduler --scheduler-file` "
-                                                "(on a shared file system)")
-    w.add_argument("--host", default=None, help="interface to listen on (default: Dask's choice)")
-    w.add_argument("--nthreads", type=int, default=2, help="threads of this worker (a replica uses one)")
-    w.add_argument("--memory-limit", default="auto", help="e.g. 4GiB; default: the machine's memory / workers")
-    w.add_argument("--resources", action="append", default=[], metavar="NAME=N",
-                   help="extra Dask resources besides JOB=1, e.g. GPU=1 (repeatable, or comma-separated)")
-    w.add_argument("--no-nanny", action="store_true", help="run the worker without a nanny process")
-    w.add_argument("--worker-port", help="fixed port of the worker (default: random), e.g. for firewalls")
-    w.add_argument("--nanny-port", help="fixed port of the nanny (default: random)")
-    w.add_argument("--wait-s", type=float, default=60.0,
-                   help="check that the scheduler answers before starting, for up to this many seconds; "
-                        "exit 1 if it does not (0: skip the check and let Dask retry forever)")
-    w.add_argument("--tls-ca-file", help="CA certificate (PEM); with --tls-cert: encrypted, authenticated "
-                                         "connections only (the scheduler address must be tls://)")
-    w.add_argument("--tls-cert", help="this worker's certificate (PEM), signed by the CA")
-    w.add_argument("--tls-key", help="this worker's private key (PEM), unless --tls-cert holds it")
-    w.add_argument("--device", help="cpu, cuda:N or /gpu:N: sets CUDA_VISIBLE_DEVICES for this worker")
-    w.add_argument("dask_args", nargs="*", metavar="-- DASK_WORKER_ARGS",
-                   help="further `dask worker` options after `--`, e.g. -- --lifetime 12h")
+    from .deploy.worker import add_arguments
+
+    add_arguments(w)
     return p
 
 
@@ -163,7 +141,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = load(args.pipeline, overrides=args.overrides)
     _setup_logging(quiet=args.quiet)
-    from .chief.session import check_run_dir, default_run_dir, run
+    from .chief.rundir import check_run_dir, default_run_dir
+    from .chief.session import run
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
     check_run_dir(run_dir, args.resume)
@@ -249,156 +228,10 @@ def _setup_logging(quiet: bool = False) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """`dtrain worker`: check the arguments and that the scheduler answers, then become `dask worker`.
+    """`dtrain worker`: see :mod:`dtrain.deploy.worker`."""
+    from .deploy.worker import main as worker_main
 
-    The process execs ``python -m dtrain.deploy.dask_worker`` (``dask worker`` with dtrain's Dask
-    settings; same pid), so a process manager's
-    signals reach Dask directly. Exit 2 for bad arguments (nothing started); exit 1 when the scheduler
-    cannot be reached within ``--wait-s`` or refuses this worker's TLS certificate.
-    """
-    import re
-
-    def usage(message: str) -> int:
-        print(f"dtrain worker: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", args.job):
-        return usage(f"--job {args.job!r}: a job name is letters, digits, '_', '.', '-'")
-    if args.task < 0:
-        return usage(f"--task {args.task}: task indices start at 0")
-    if args.nthreads < 1:
-        return usage(f"--nthreads {args.nthreads}: at least 1")
-    name = f"{args.job}-{args.task}"
-
-    resources = {args.job: "1"}
-    for item in ",".join(args.resources).replace(",", " ").split():
-        key, sep, value = item.partition("=")
-        try:
-            ok = bool(sep and key) and float(value) >= 0
-        except ValueError:
-            ok = False
-        if not ok:
-            return usage(f"--resources {item!r}: expected NAME=NUMBER, e.g. GPU=1")
-        if key == args.job:
-            return usage(f"--resources {item!r}: the resource {args.job}=1 is set by --job already")
-        resources[key] = value
-
-    tls = {"--tls-ca-file": args.tls_ca_file, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
-    use_tls = any(tls.values())
-    if use_tls:
-        if not (args.tls_ca_file and args.tls_cert):
-            return usage("TLS needs --tls-ca-file and --tls-cert (and --tls-key unless the certificate file "
-                         "holds the key)")
-        for flag, value in tls.items():
-            if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
-                return usage(f"{flag} {value}: no such readable file")
-
-    from .deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
-
-    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
-    # Keep torch's per-step buffers on the heap (see dtrain.deploy.cluster.dask_config): for this process
-    # itself when it runs without a nanny (dtrain.deploy.dask_worker sets them for a nanny's worker).
-    for var, value in (("MALLOC_TRIM_THRESHOLD_", MALLOC_TRIM_THRESHOLD),
-                       ("MALLOC_MMAP_THRESHOLD_", MALLOC_MMAP_THRESHOLD)):
-        env.setdefault(var, str(value))
-    if args.device:
-        device = args.device.strip().lower().lstrip("/").removeprefix("device:")
-        kind, _, index = device.partition(":")
-        if kind == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        elif kind in ("cuda", "gpu") and (index == "" or index.isdigit()):
-            if index:
-                env["CUDA_VISIBLE_DEVICES"] = index
-        else:
-            return usage(f"--device {args.device!r}: expected cpu, cuda, cuda:N or /gpu:N")
-
-    def check_scheme(address: str) -> str | None:
-        scheme = address.split("://", 1)[0] if "://" in address else "tcp"
-        if scheme == "tls" and not use_tls:
-            return (f"the scheduler at {address} uses TLS: pass --tls-ca-file, --tls-cert and --tls-key "
-                    f"(see docs/deployment.md)")
-        if use_tls and scheme != "tls":
-            return (f"--tls-* files given, so every connection must be encrypted, but the scheduler address "
-                    f"{address} is {scheme}://; use tls://")
-        return None
-
-    address = args.scheduler
-    if address is not None:
-        if use_tls and "://" not in address:
-            address = f"tls://{address}"
-        problem = check_scheme(address)
-        if problem:
-            return usage(problem)
-
-    if args.wait_s > 0:
-        import asyncio
-        import time
-
-        from distributed.comm import connect as comm_connect
-        from distributed.comm.core import FatalCommClosedError
-        from distributed.security import Security
-
-        deadline = time.monotonic() + args.wait_s
-        if args.scheduler_file:  # wait for `dask scheduler --scheduler-file` to write it, as Dask would
-            while True:
-                try:
-                    address = str(json.loads(Path(args.scheduler_file).read_text())["address"])
-                    break
-                except (OSError, ValueError, KeyError, TypeError) as exc:
-                    if time.monotonic() >= deadline:
-                        print(f"dtrain worker: no scheduler address in {args.scheduler_file} after "
-                              f"{args.wait_s:g} s (--wait-s): {exc}", file=sys.stderr)
-                        return EXIT_FAILED
-                    time.sleep(0.2)
-            problem = check_scheme(address)
-            if problem:
-                return usage(f"{args.scheduler_file}: {problem}")
-        assert address is not None
-        sec = (Security(tls_ca_file=args.tls_ca_file, tls_worker_cert=args.tls_cert, tls_worker_key=args.tls_key,
-                        require_encryption=True) if use_tls else Security())
-
-        async def probe() -> None:
-            comm = await comm_connect(address, timeout=max(deadline - time.monotonic(), 1.0),
-                                      **sec.get_connection_args("worker"))
-            await comm.close()
-
-        try:
-            asyncio.run(probe())
-        except FatalCommClosedError as exc:  # a failed TLS handshake: retrying cannot help
-            print(f"dtrain worker: the scheduler at {address} refused the TLS connection ({exc}); is "
-                  f"{args.tls_cert} signed by the CA the scheduler trusts, and {args.tls_ca_file} the CA that "
-                  f"signed the scheduler's certificate?", file=sys.stderr)
-            return EXIT_FAILED
-        except ValueError as exc:  # a malformed address
-            return usage(f"--scheduler {address}: {exc}")
-        except Exception as exc:
-            hint = (" (if the scheduler uses TLS, give its tls:// address and --tls-* files)"
-                    if not use_tls else "")
-            print(f"dtrain worker: cannot reach the scheduler at {address} within {args.wait_s:g} s "
-                  f"(--wait-s): {exc}{hint}. Is `dask scheduler` running there, and its port open to this "
-                  f"machine?", file=sys.stderr)
-            return EXIT_FAILED
-
-    cmd = [sys.executable, "-m", "dtrain.deploy.dask_worker"]
-    cmd += ["--scheduler-file", args.scheduler_file] if args.scheduler_file else [str(address)]
-    cmd += ["--name", name, "--resources", ",".join(f"{k}={v}" for k, v in resources.items()),
-            "--nthreads", str(args.nthreads), "--memory-limit", args.memory_limit, "--no-dashboard"]
-    if args.host:
-        cmd += ["--host", args.host]
-    if args.no_nanny:
-        cmd += ["--no-nanny"]
-    if args.worker_port:
-        cmd += ["--worker-port", args.worker_port]
-    if args.nanny_port:
-        cmd += ["--nanny-port", args.nanny_port]
-    for flag, value in tls.items():
-        if value:
-            cmd += [flag, value]
-    cmd += list(args.dask_args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(cmd[0], cmd, env)
-    return EXIT_FAILED  # pragma: no cover - exec does not return
+    return worker_main(args)
 
 
 if __name__ == "__main__":

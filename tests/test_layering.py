@@ -1,4 +1,12 @@
-"""The math never imports Dask; the orchestration stays out of the math (STYLE.md item 2)."""
+"""The planes stay apart (STYLE.md items 1, 2 and 7; docs/architecture.md):
+
+- the spec, the model and data math, the plan, the ps and the data plane never import Dask;
+- the spec never imports the planes that run it; the compiler is pure (no Dask, no runtime);
+- the ps side and the worker side never import the chief;
+- nothing below the chief imports the chief or deployment (Spec -> Plan -> run, one direction);
+- the replication rules are a pure state machine;
+- every module is at most 500 lines (README "Development" says which may not be).
+"""
 
 from __future__ import annotations
 
@@ -9,31 +17,105 @@ import pytest
 
 from tests.helpers.paths import PKG
 
-MATH = ["model/layers.py", "data/sources.py", "plan/layout.py", "ps/shard.py", "worker/replica.py",
-        "ps/replication.py", "spec/device.py", "plan/placement.py", "plan/compiler.py", "spec/pipeline.py",
-        "spec/loading.py", "chief/checkpoint.py", "chief/metrics.py"]
+DASK = {"dask", "distributed"}
+MAX_LINES = 500
 
 
-def imported_modules(path: Path) -> set[str]:
+def modules(package: str) -> list[Path]:
+    return sorted((PKG / package).glob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, as dotted names ('dtrain.ps.shard', 'distributed', ...);
+    relative imports resolved against the module's package (function-level imports included)."""
     tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and node.level and node.module:
-            names.add("." + node.module.split(".")[0])
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names |= {mod} | ({f"{mod}.{a.name}" for a in node.names} if not node.module else set())
+            elif node.module:
+                names.add(node.module)
     return names
 
 
-@pytest.mark.parametrize("name", MATH)
-def test_math_modules_do_not_import_dask(name):
-    mods = imported_modules(PKG / name)
-    assert not mods & {"dask", "distributed"}, f"{name} imports {mods & {'dask', 'distributed'}}"
-    # nor anything that does
-    assert not mods & {".session", ".cluster", ".tasks", ".ingraph", ".graph"}
+def tops(names: set[str]) -> set[str]:
+    return {n.split(".")[0] for n in names}
+
+
+def planes(names: set[str]) -> set[str]:
+    """The dtrain subpackages among ``names`` ('dtrain.chief.session' -> 'chief')."""
+    return {n.split(".")[1] for n in names if n.startswith("dtrain.") and n.count(".") >= 1}
+
+
+NO_DASK = ["spec", "model", "data", "plan", "ps", "dataplane"]
+ALLOWED = {  # plane -> the dtrain planes it may import
+    "spec": {"spec", "model", "data"},  # shape inference and data checks at validation
+    "model": {"model"},
+    "data": {"data"},
+    "plan": {"plan", "spec", "model"},
+    "ps": {"ps", "dataplane"},
+    "dataplane": {"dataplane"},
+    "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data"},
+    "graph": {"graph", "spec", "plan", "chief", "deploy"},
+    "deploy": {"deploy", "plan", "spec"},
+    "chief": {"chief", "worker", "ps", "dataplane", "plan", "spec", "model", "data", "deploy", "graph"},
+}
+ALL = [(plane, path) for plane in ALLOWED for path in modules(plane)]
+
+
+def test_every_plane_is_listed():
+    found = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert found == set(ALLOWED)
+
+
+@pytest.mark.parametrize(("plane", "path"), [(pl, p) for pl, p in ALL if pl in NO_DASK],
+                         ids=lambda v: v if isinstance(v, str) else f"{v.parent.name}/{v.name}")
+def test_math_and_spec_never_import_dask(plane, path):
+    assert not tops(imported(path)) & DASK, f"{path.relative_to(PKG)} imports Dask"
+
+
+@pytest.mark.parametrize(("plane", "path"), ALL,
+                         ids=lambda v: v if isinstance(v, str) else f"{v.parent.name}/{v.name}")
+def test_planes_import_only_what_they_may(plane, path):
+    extra = planes(imported(path)) - ALLOWED[plane]
+    assert not extra, f"{path.relative_to(PKG)} ({plane}) imports the {sorted(extra)} plane(s)"
+
+
+def test_worker_and_ps_never_import_the_chief():
+    for plane in ("worker", "ps", "dataplane"):
+        for path in modules(plane):
+            assert "chief" not in planes(imported(path)), path
+
+
+def test_torch_math_modules_never_import_dask():
+    """The replica's step and the ps's apply are torch only (orchestration lives in tasks/chief)."""
+    for rel in ("worker/replica.py", "worker/buckets.py", "graph/ops.py"):
+        assert not tops(imported(PKG / rel)) & DASK, rel
 
 
 def test_replication_rules_are_pure():
-    assert imported_modules(PKG / "ps/replication.py") <= {"__future__", "dataclasses"}
+    assert tops(imported(PKG / "ps" / "replication.py")) <= {"__future__", "dataclasses"}
+
+
+def test_the_cli_and_the_spec_import_no_dask_at_module_level():
+    """`dtrain validate` must not pay for Dask: the CLI and the spec import it only in functions."""
+    for path in [PKG / "cli.py", PKG / "__init__.py", *modules("spec")]:
+        tree = ast.parse(path.read_text())
+        top = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                top |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                top.add(node.module.split(".")[0])
+        assert not top & DASK, path
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
+def test_modules_are_at_most_500_lines(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path.relative_to(PKG)} is over {MAX_LINES} lines"

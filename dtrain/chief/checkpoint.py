@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .rundir import atomic_write, fsync_dir
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -41,32 +43,6 @@ class Checkpoint:
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename: readers see the old file or the new one, never a torn one (used
-    for checkpoints, manifests, summary.json and model.pt)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (disk full, interrupt) leaves no temp file behind
-        raise
 
 
 def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: dict[str, Any],
@@ -86,7 +62,7 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     manifest = {"step": int(step), "file": path.name, "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
     atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _retain(directory, path, keep)
     return path
 

@@ -137,7 +137,7 @@ def build_hooks(specs: list[Any]) -> list[Hook]:
     A custom hook that cannot be imported, is not a :class:`Hook` subclass, or rejects its ``args``
     raises :class:`~dtrain.errors.SpecError` naming ``hooks[i]`` (the CLI exits 2; nothing started).
     """
-    from dtrain.model.layers import import_object
+    from dtrain.model.build import import_object
     from dtrain.spec.errors import Problem, SpecError
 
     hooks: list[Hook] = []

@@ -1,98 +1,24 @@
 """Graph pipelines: variables and ops evaluated as a Dask graph, one task per node.
 
-The op math (``OPS``, ``apply_op``) is pure torch on float32 tensors and never touches Dask.
 ``build_graph`` turns a compiled Plan into ``client.submit`` calls: every variable and op is one
 task pinned to its task's worker by *address* (``workers=[address], allow_other_workers=False``);
 inputs that name nodes are passed as futures, so values move worker -> worker as Dask moves
 them, and number literals are constants. Like TF's ``Session.run(fetches)``, only the nodes the
-fetched names depend on are evaluated (every node when nothing is fetched).
+fetched names depend on are evaluated (every node when nothing is fetched). The op math
+lives in ``dtrain.graph.ops``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
 from dtrain.spec.errors import RunError
-from dtrain.spec.pipeline import GRAPH_OPS, PipelineSpec
-
-
-class OpError(ValueError):
-    """A graph node failed on its worker; the message names the node and its op."""
-
-
-def _matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 0 or y.dim() == 0:
-        raise ValueError(f"matmul needs inputs of rank >= 1, got shapes {tuple(x.shape)} and {tuple(y.shape)}")
-    inner_x, inner_y = x.shape[-1], (y.shape[0] if y.dim() == 1 else y.shape[-2])
-    if inner_x != inner_y:
-        raise ValueError(f"matmul: shapes {tuple(x.shape)} and {tuple(y.shape)} are not aligned "
-                         f"({inner_x} != {inner_y})")
-    return torch.matmul(x, y)
-
-
-def _elementwise(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
-    def op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        try:
-            torch.broadcast_shapes(x.shape, y.shape)
-        except RuntimeError:
-            raise ValueError(f"{name}: shapes {tuple(x.shape)} and {tuple(y.shape)} do not broadcast") from None
-        return fn(x, y)
-
-    op.__name__ = name
-    return op
-
-
-OPS: dict[str, Callable[..., torch.Tensor]] = {
-    "add": _elementwise("add", torch.add),
-    "sub": _elementwise("sub", torch.sub),
-    "mul": _elementwise("mul", torch.mul),
-    "div": _elementwise("div", torch.div),
-    "matmul": _matmul,
-    "neg": torch.neg,
-    "identity": lambda x: x.clone(),
-    "sum": torch.sum,
-    "mean": torch.mean,
-    "square": torch.square,
-    "sqrt": torch.sqrt,
-    "relu": torch.relu,
-    "exp": torch.exp,
-    "maximum": _elementwise("maximum", torch.maximum),
-    "minimum": _elementwise("minimum", torch.minimum),
-    "pow": _elementwise("pow", torch.pow),
-}
-ARITY = {name: 2 if name in ("add", "sub", "mul", "div", "matmul", "maximum", "minimum", "pow") else 1
-         for name in GRAPH_OPS}
-assert set(OPS) == set(GRAPH_OPS), "every GRAPH_OPS name needs a function"
-
-
-def to_tensor(value: Any, device: str | torch.device = "cpu") -> torch.Tensor:
-    """A float32 tensor from a number, a nested list or a tensor (ragged lists: ValueError)."""
-    try:
-        return torch.as_tensor(value, dtype=torch.float32, device=device)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"not a number or a rectangular nested list of numbers: {exc}") from None
-
-
-def apply_op(op: str, inputs: Sequence[Any], device: str | torch.device = "cpu") -> torch.Tensor:
-    """Evaluate one op on numbers, nested lists or tensors; ValueError naming the op otherwise."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(GRAPH_OPS)}")
-    if len(inputs) != ARITY[op]:
-        raise ValueError(f"{op} takes {ARITY[op]} input(s), got {len(inputs)}")
-    return OPS[op](*(to_tensor(v, device) for v in inputs))
-
-
-def to_python(value: torch.Tensor) -> float | list:
-    """A Python float (0-d) or nested list of floats."""
-    return value.detach().cpu().tolist()
-
-
-# ----------------------------------------------------------------------------------- Dask side
+from dtrain.spec.pipeline import PipelineSpec
 
 
 def _torch_device(device: str, soft: bool) -> torch.device:
@@ -165,7 +91,7 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
               run_dir: Any = None) -> Any:
     """Evaluate a graph pipeline on its cluster; Result with ``fetched`` and a placement record
     (also written to ``run_dir/summary.json`` when a run directory is given)."""
-    from dtrain.chief.session import Result
+    from dtrain.chief.rundir import Result, write_json
     from dtrain.deploy.cluster import connect
     from dtrain.plan.compiler import compile
 
@@ -198,9 +124,7 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
     if run_dir is not None:
         from pathlib import Path
 
-        from dtrain.chief.session import _write_json
-
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        _write_json(Path(run_dir) / "summary.json", summary)
+        write_json(Path(run_dir) / "summary.json", summary)
     return Result(summary=summary, fetched=fetched, plan=plan, run_dir=run_dir)
 

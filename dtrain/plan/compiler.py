@@ -15,7 +15,8 @@ from typing import Any
 
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import Problem, SpecError
-from dtrain.spec.pipeline import PipelineSpec, worker_device_spec
+from dtrain.spec.pipeline import PipelineSpec
+from dtrain.spec.sections import worker_device_spec
 
 from .placement import VariableRequest, partition, place_variables
 
@@ -242,7 +243,8 @@ def _worker_of(spec: PipelineSpec, job: str, task: int) -> str:
 
 def parameter_layout(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, shape, numel) of every parameter, in creation order, without allocating."""
-    from dtrain.model.layers import build_model_skeleton, param_layout
+    from dtrain.model.build import build_model_skeleton
+    from dtrain.model.layers import param_layout
 
     return param_layout(build_model_skeleton(spec))
 

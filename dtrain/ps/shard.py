@@ -12,7 +12,7 @@ Wire protocol (one round trip per shard per step, one flat tensor each way):
 - ``push_sync(grad, replica, version, ...)`` — sync mode: accumulate; return once the step that
   the gradient belongs to has been applied (or at once when the gradient is dropped as stale).
 - ``pull(min_step)`` — the current params, waiting until the shard has reached ``min_step``.
-- ``apply_mean(grad_sum, count, version)`` — in-graph replication (``dtrain.ingraph``): a task
+- ``apply_mean(grad_sum, count, version)`` — in-graph replication (``dtrain.worker.tasks``): a task
   on this worker applies the mean of gradients that the step's graph already reduced.
 
 Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in a ring of
@@ -369,7 +369,8 @@ class ParameterShard:
         """Start serving this shard over TCP (``training.transport: socket``); returns (host, port).
 
         Requests still run here, on this worker's event loop, through the methods above."""
-        from dtrain.dataplane.server import ShardServer, server_ssl_context
+        from dtrain.dataplane.protocol import server_ssl_context
+        from dtrain.dataplane.server import ShardServer
 
         if getattr(self, "_server", None) is None:
             ctx = server_ssl_context(tls) if tls else None

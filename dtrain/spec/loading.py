@@ -15,17 +15,15 @@ Problems come back sorted by line, one per line of output.
 
 from __future__ import annotations
 
-import functools
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from .errors import CrossFieldErrors, Problem, SpecError, dotted
-from .pipeline import Layer, OptimizerSpec, PipelineSpec, _quoted, did_you_mean
+from .messages import discriminated, error_message, union_messages
+from .pipeline import PipelineSpec
 
 __all__ = ["load", "loads", "validate"]
 
@@ -224,11 +222,11 @@ def _problems(exc: ValidationError, filename: str, data: Any, node: yaml.Node | 
         groups.setdefault(tuple(path), []).append((err, loc, dropped))
     for path, errs in groups.items():
         if len(errs) > 1 and all(dropped for _, _, dropped in errs):
-            for msg in _union_messages(errs):
+            for msg in union_messages(errs):
                 problems.append(_locate(list(path), msg, filename, node, overrides))
             continue
         for err, loc, _ in errs:
-            message = _message(err, loc)
+            message = error_message(err, loc)
             at = list(path)
             if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
                 at.append(str(err["ctx"]["discriminator"]).strip("'"))
@@ -271,7 +269,7 @@ def _data_path(loc: tuple, data: Any, keep_last: bool) -> tuple[list[str | int],
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
         if isinstance(cur, dict):
-            is_tag = (not last and isinstance(part, str) and part in _discriminated()
+            is_tag = (not last and isinstance(part, str) and part in discriminated()
                       and part in (cur.get("type"), cur.get("name")))
             if not is_tag and part in cur:
                 out.append(part)
@@ -316,188 +314,3 @@ def _position(path: list[str | int], node: yaml.Node | None) -> tuple[int, int]:
         if isinstance(cur, yaml.ScalarNode):
             mark = cur.start_mark  # a bad value: its own line (it may sit below its key)
     return mark.line + 1, mark.column + 1
-
-
-# ---------------------------------------------------------------------------------------- messages
-
-
-_EXPECTED = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "bool_type": "true or false", "bool_parsing": "true or false",
-    "string_type": "a string", "list_type": "a list", "tuple_type": "a list",
-    "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping",
-    "literal_error": "one of the allowed values",
-}
-
-_BOUNDS = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"), "less_than": ("<", "lt"),
-           "less_than_equal": ("<=", "le")}
-
-# Names from other frameworks, for 'did you mean' when plain spelling similarity does not find them.
-_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "units": "out",
-            "out_features": "out", "features": "out", "filters": "out", "out_channels": "out",
-            "kernel": "kernel_size", "activation": "type", "optimiser": "optimizer", "layer": "layers",
-            "devices": "device", "ps_tasks": "jobs", "cluster_spec": "jobs"}
-
-
-def _union_messages(errs: list[tuple[dict[str, Any], tuple, bool]]) -> list[str]:
-    # A branch whose type matched but whose constraint failed says the most (ps: 0 -> ">= 1").
-    specific = [e for e, _, _ in errs if e["type"] not in _EXPECTED]
-    if specific:
-        return [_message(e, ()) for e in specific]
-    expected: list[str] = []
-    for e, _, _ in errs:
-        what = _EXPECTED[e["type"]]
-        if what not in expected:
-            expected.append(what)
-    return [f"expected {' or '.join(expected)}, got {_show(errs[0][0].get('input'))}"]
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "an empty value (null)"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _message(err: dict[str, Any], loc: tuple) -> str:
-    kind = err["type"]
-    ctx = err.get("ctx") or {}
-    value = err.get("input")
-    if kind == "extra_forbidden":
-        key = str(loc[-1])
-        allowed = _allowed_keys(loc[:-1])
-        alias = _ALIASES.get(key)
-        hint = f"; did you mean {alias!r}?" if alias in allowed else did_you_mean(key, allowed)
-        msg = f"unknown key {key!r}{hint}"
-        return msg + (f" (allowed: {', '.join(allowed)})" if allowed else "")
-    if kind == "missing" and loc and isinstance(loc[-1], int):
-        info = _field_at(loc[:-1])
-        args = typing.get_args(info.annotation) if info is not None else ()
-        n = f"{len(args)} values" if args and Ellipsis not in args else "more values"
-        return f"expected {n}, got only {loc[-1]}"
-    if kind == "missing":
-        key = str(loc[-1]) if loc else "?"
-        info = _field_at(loc)
-        what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
-        return f"missing required key {key!r}{what}"
-    if kind == "literal_error":
-        choices = _literal_choices(loc) or [
-            c.strip().strip("'") for c in str(ctx.get("expected", "")).replace(" or ", ", ").split(",")]
-        return f"{_show(value)} is not one of {_quoted(choices)}{did_you_mean(value, choices)}"
-    if kind == "union_tag_invalid":
-        tag = ctx.get("tag")
-        choices = [c.strip().strip("'") for c in str(ctx.get("expected_tags", "")).split(",")]
-        what = "layer type" if "type" in str(ctx.get("discriminator")) else "optimizer"
-        return f"unknown {what} {tag!r}{did_you_mean(tag, choices)} (known: {', '.join(choices)})"
-    if kind == "union_tag_not_found":
-        key = str(ctx.get("discriminator", "tag")).strip("'")
-        choices = _union_tags(loc)
-        what = "the layer type" if key == "type" else "the optimizer"
-        return f"missing required key {key!r}: {what}, one of {', '.join(choices)}"
-    if kind in ("value_error", "assertion_error"):
-        return str(ctx.get("error", err["msg"]))
-    if kind in _BOUNDS:
-        op, name = _BOUNDS[kind]
-        bound = ctx.get(name)
-        if isinstance(bound, float) and bound.is_integer():
-            bound = int(bound)
-        return f"must be {op} {bound}, got {_show(value)}"
-    if kind in ("too_short", "too_long"):
-        n = ctx.get("min_length" if kind == "too_short" else "max_length")
-        return f"needs {'at least' if kind == 'too_short' else 'at most'} {n} item(s), got {_show(value)}"
-    if kind == "string_pattern_mismatch":
-        return f"{_show(value)} must be letters, digits, '_', '.' or '-' (and not start with '.' or '-')"
-    if kind in _EXPECTED:
-        what = _EXPECTED[kind]
-        if kind in ("model_type", "model_attributes_type", "dict_type"):
-            what = "a mapping of settings (key: value lines, or {key: value, ...})"
-        if kind == "int_from_float":
-            return f"expected a whole number, got {_show(value)}"
-        return f"expected {what}, got {_show(value)}"
-    return f"{err['msg']} (got {_show(value)})"
-
-
-# ------------------------------------------------------------------- the models behind a location
-
-
-def _models_at(loc: tuple) -> list[Any]:
-    """Annotations found at ``loc`` walking from PipelineSpec (several for a union)."""
-    candidates: list[Any] = [PipelineSpec]
-    for part in loc:
-        nxt: list[Any] = []
-        for c in _expand(candidates):
-            if isinstance(c, type) and issubclass(c, BaseModel):
-                if isinstance(part, str) and part in _tags_of(c):
-                    nxt.append(c)  # a union branch tag: stay on this model
-                elif isinstance(part, str) and part in c.model_fields:
-                    nxt.append(c.model_fields[part].annotation)
-            elif typing.get_origin(c) in (list, tuple) and isinstance(part, int):
-                nxt.extend(typing.get_args(c)[:1])
-            elif typing.get_origin(c) is dict and isinstance(part, str):
-                nxt.extend(typing.get_args(c)[1:2])
-        candidates = nxt or candidates
-    return _expand(candidates)
-
-
-def _allowed_keys(loc: tuple) -> list[str]:
-    """Field names of the model found at ``loc``, for 'did you mean'."""
-    fields: list[str] = []
-    for c in _models_at(loc):
-        if isinstance(c, type) and issubclass(c, BaseModel):
-            fields.extend(f for f in c.model_fields if f not in fields)
-    return fields
-
-
-def _field_at(loc: tuple) -> Any:
-    if not loc:
-        return None
-    for c in _models_at(loc[:-1]):
-        if isinstance(c, type) and issubclass(c, BaseModel) and str(loc[-1]) in c.model_fields:
-            return c.model_fields[str(loc[-1])]
-    return None
-
-
-def _literal_choices(loc: tuple) -> list[str]:
-    info = _field_at(loc)
-    choices: list[str] = []
-    for arg in _expand([info.annotation] if info is not None else []):
-        if typing.get_origin(arg) is typing.Literal:
-            choices.extend(str(a) for a in typing.get_args(arg))
-    return choices
-
-
-def _union_tags(loc: tuple) -> list[str]:
-    tags: list[str] = []
-    for c in _models_at(loc):
-        if isinstance(c, type) and issubclass(c, BaseModel):
-            tags.extend(t for t in _tags_of(c) if t not in tags)
-    return tags
-
-
-def _expand(items: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for item in items:
-        origin = typing.get_origin(item)
-        if origin is typing.Annotated:
-            out.extend(_expand([typing.get_args(item)[0]]))
-        elif origin is typing.Union or origin is types.UnionType:
-            out.extend(_expand(list(typing.get_args(item))))
-        else:
-            out.append(item)
-    return out
-
-
-@functools.cache
-def _discriminated() -> frozenset[str]:
-    """Every layer type and optimizer name: the tags pydantic puts into a union member's ``loc``."""
-    return frozenset(t for c in _expand([Layer, OptimizerSpec]) for t in _tags_of(c))
-
-
-def _tags_of(cls: type[BaseModel]) -> tuple[str, ...]:
-    """The discriminator values of a union member (a layer's ``type``, an optimizer's ``name``)."""
-    for key in ("type", "name"):
-        f = cls.model_fields.get(key)
-        if f is not None and typing.get_origin(f.annotation) is typing.Literal:
-            return tuple(str(a) for a in typing.get_args(f.annotation))
-    return ()

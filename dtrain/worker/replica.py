@@ -18,10 +18,13 @@ from typing import Any, Protocol
 
 import torch
 
-from dtrain.data.sources import Dataset, ShardIterator, load_dataset, to_tensors
-from dtrain.model.layers import build_model, get_loss
+from dtrain.data.sampling import ShardIterator
+from dtrain.data.sources import Dataset, load_dataset, to_tensors
+from dtrain.model.build import build_model
+from dtrain.model.layers import get_loss
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
+from dtrain.worker.buckets import GradBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -156,77 +159,6 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
     cpus = sorted({allowed[(local_rank * threads + j) % len(allowed)] for j in range(threads)})
     os.sched_setaffinity(0, cpus)  # pid 0: the calling thread only (Linux)
     return cpus
-
-
-class GradBuckets:
-    """DDP-style gradient bucketing for pushes whose bytes cross a socket (``training.bucket_mb``).
-
-    Each shard's buffer is cut into buckets from its end (backward's first gradients) to its
-    start. A hook on every parameter (``register_post_accumulate_grad_hook``) counts the gradients
-    that backward has finished; once every bucket from the end down to one is complete, those
-    are sent at once (``handle.send_part``) while backward goes on with the earlier layers. After
-    backward, the push sends only the head that is still unsent. Needs zero-copy gradients (they
-    are written straight into the buffers that are sent)."""
-
-    def __init__(self, bound: BoundModel, shards: list[Any], bucket_numel: int):
-        self.shards = shards
-        self.numel = list(bound.layout.shard_numel)
-        self.buckets: dict[int, list[tuple[int, int, list[str]]]] = {}
-        self._where: dict[str, list[tuple[int, int]]] = {}
-        for s, handle in enumerate(shards):
-            if getattr(handle, "sends_parts", False):
-                self.buckets[s] = bound.layout.buckets(s, bucket_numel)
-                for b, (_lo, _hi, names) in enumerate(self.buckets[s]):
-                    for name in names:
-                        self._where.setdefault(name, []).append((s, b))
-        self._grads: list[torch.Tensor] | None = None
-        self._pending: dict[tuple[int, int], int] = {}
-        self._next: dict[int, int] = {}
-        self._cut: dict[int, int] = {}
-        self._handles = []
-        for name, param in bound.model.named_parameters():
-            if name in self._where and param.requires_grad:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(name)))
-        self.parts_sent = 0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.buckets)
-
-    def _hook_for(self, name: str) -> Any:
-        def hook(_param: torch.Tensor) -> None:
-            if self._grads is None:
-                return
-            for key in self._where[name]:
-                self._pending[key] -= 1
-                if self._pending[key] == 0:
-                    self._flush(key[0])
-        return hook
-
-    def _flush(self, s: int) -> None:
-        buckets = self.buckets[s]
-        while self._next[s] < len(buckets) and self._pending[(s, self._next[s])] == 0:
-            lo, hi, _ = buckets[self._next[s]]
-            self.shards[s].send_part(self._grads[s], lo, hi)
-            self.parts_sent += 1
-            self._cut[s] = lo
-            self._next[s] += 1
-
-    def begin(self, grads: list[torch.Tensor]) -> None:
-        """Before a step's backward: ``grads`` are the buffers it writes."""
-        self._grads = grads
-        self._pending = {(s, b): len(names) for s, bs in self.buckets.items() for b, (_, _, names) in enumerate(bs)}
-        self._next = dict.fromkeys(self.buckets, 0)
-        self._cut = {s: self.numel[s] for s in self.buckets}
-
-    def end(self) -> list[int | None]:
-        """After backward: per shard, the head still to send (None: the whole gradient)."""
-        self._grads = None
-        return [self._cut.get(s) for s in range(len(self.shards))]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,

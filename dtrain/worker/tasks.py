@@ -5,21 +5,31 @@ Actor objects: a task that receives an actor depends on the actor's key and is f
 scheduler the moment that ps dies, whereas a rebuilt handle lets the replica notice (its calls
 time out) and lets the session recover (../shared/dask-notes.md §4). It also leaves its thread
 slot (``secede``) so a long training loop does not starve other tasks on that worker.
+
+In-graph replication's tasks (below the replica task) are what the step graphs built by the
+chief's driver (``dtrain.chief.ingraph``) run: ``read_shard`` and ``reduce_apply`` pinned to a ps
+worker (they find the shard actor in their worker's state and run its coroutine on that worker's
+event loop, so no actor call crosses the network), ``replica_gradients`` pinned to worker task
+``r`` (its model, buffers and data iterator cached in the process across steps), ``release``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
+import torch
 from distributed import get_worker, secede
 from distributed.actor import Actor
+from distributed.utils import sync
 
 from dtrain.ps.shard import ParameterShard
 
-from .replica import run_replica
+from .replica import ReplicaModel, model_buffers, run_replica
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +42,8 @@ def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
 
 def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any]) -> list[Any]:
     """Socket data-plane handles (``training.transport: socket``), one per shard."""
-    from dtrain.dataplane.server import SocketShard, client_ssl_context
+    from dtrain.dataplane.client import SocketShard
+    from dtrain.dataplane.protocol import client_ssl_context
 
     tls = data_plane.get("tls")
     ctx = client_ssl_context(tls) if tls else None
@@ -69,3 +80,106 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
 def worker_pid() -> int:
     """The worker process id (used by fault tests and by `dtrain plan` against a live cluster)."""
     return os.getpid()
+
+
+# ------------------------------------------------------------------------- in-graph replication
+
+# Per-process state of the tasks, keyed by (run token, replica or shard index). The gradient
+# tasks of one replica always run on the same worker, so its model persists between steps.
+_MODELS: dict[tuple[str, int], ReplicaModel] = {}
+_SUMS: dict[tuple[str, int], torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+
+def _local_shard(actor_key: str) -> tuple[Any, Any]:
+    worker = get_worker()
+    shard = worker.state.actors.get(actor_key)
+    if shard is None:
+        raise RuntimeError(f"worker {worker.name} ({worker.address}) holds no ps shard {actor_key!r}; "
+                           "was its ps task restarted?")
+    return worker, shard
+
+
+def shard_state(actor_key: str) -> tuple[int, bool]:
+    """(step, stopped) of the shard actor living on this worker."""
+    _, shard = _local_shard(actor_key)
+    return shard.step, bool(shard.stop or shard.error is not None)
+
+
+def read_shard(actor_key: str, timeout: float, *after: Any) -> tuple[torch.Tensor, int, bool]:
+    """The shard's parameters (a snapshot buffer), its step and its stop flag. ``after`` are the
+    tasks this read must follow (the shard's previous apply); their values are unused."""
+    worker, shard = _local_shard(actor_key)
+    params, step, stop, _generation = sync(worker.loop, shard.pull, 0, callback_timeout=timeout)
+    return params, step, stop
+
+
+def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: tuple[torch.Tensor, int, bool]
+                      ) -> dict[str, Any]:
+    """Replica ``index``'s gradient on the parameters of one step (one flat buffer per shard)."""
+    steps = sorted({r[1] for r in reads})
+    if len(steps) != 1:
+        raise RuntimeError(f"replica {index}: the shards' parameters are of different steps {steps}; "
+                           "a replica never mixes steps")
+    version = steps[0]
+    with _LOCK:
+        rep = _MODELS.get((token, index))
+    if rep is None:
+        spec, plan = config
+        rep = ReplicaModel(spec, plan, index)
+        with _LOCK:
+            _MODELS[(token, index)] = rep
+    # Every replica contributes to every step: its local step is the global step (this also
+    # puts the data order where a restored checkpoint left it).
+    if rep.batches.local_step != version:
+        rep.batches.seek(version)
+    t0 = time.perf_counter()
+    rep.load([r[0] for r in reads])
+    # Two alternating buffer sets: this step's result may still be referenced by Dask while the
+    # next step fills the other one (step v+2 starts only after step v's transfers are done).
+    grads = rep.grad_bufs[version % 2]
+    loss, n = rep.step(grads)
+    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
+            "step": version, "device": str(rep.device)}
+
+
+def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: tuple[torch.Tensor, int, bool],
+                 *results: dict[str, Any]) -> dict[str, Any]:
+    """Sum the replicas' gradients for ``shard`` and apply their mean through the local actor."""
+    worker, ps = _local_shard(actor_key)
+    version = read[1]
+    first = results[0]["grads"][shard]
+    with _LOCK:
+        total = _SUMS.get((token, shard))
+        if total is None or total.shape != first.shape:
+            total = _SUMS[(token, shard)] = torch.empty_like(first)
+    total.copy_(first)
+    for res in results[1:]:
+        total.add_(res["grads"][shard])
+    losses = [res["loss"] for res in results]
+    samples = sum(res["samples"] for res in results)
+    step = sync(worker.loop, ps.apply_mean, total, len(results), version, sum(losses) / len(losses), samples,
+                callback_timeout=timeout)
+    out: dict[str, Any] = {"shard": shard, "version": version, "step": step,
+                           "stop": bool(ps.stop or ps.error is not None)}
+    if shard == 0:
+        out["replicas"] = [{"loss": r["loss"], "samples": r["samples"], "compute_s": r["compute_s"],
+                            "device": r["device"]} for r in results]
+    return out
+
+
+def release(token: str, replica: int | None = None, shard: int | None = None) -> dict[str, Any]:
+    """Drop this process's cached model (``replica``) or sum buffer (``shard``) of a run; for a
+    replica, return what its stats need (replica 0 also returns the model's non-parameter buffers)."""
+    worker = get_worker()
+    out: dict[str, Any] = {"worker": worker.name, "pid": os.getpid()}
+    with _LOCK:
+        rep = _MODELS.pop((token, replica), None) if replica is not None else None
+        if shard is not None:
+            _SUMS.pop((token, shard), None)
+    if rep is not None:
+        out["device"] = str(rep.device)
+        if replica == 0:
+            out["buffers"] = model_buffers(rep.model)
+    return out

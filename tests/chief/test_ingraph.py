@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 
@@ -14,8 +15,9 @@ from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief.ingraph import InGraphDriver
-from dtrain.chief.session import Session
+from dtrain.chief.shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
+from dtrain.plan.layout import ShardLayout
 from dtrain.worker.replica import ReplicaStats
 from tests.helpers.paths import PIPELINES
 from tests.helpers.reference import max_abs_diff, single_process
@@ -42,52 +44,51 @@ summary: {{every_steps: 50, tensorboard: false}}
 
 
 @contextlib.contextmanager
-def shards_for(client, spec: dtrain.PipelineSpec, tmp_path) -> Iterator[Session]:
-    """The session's ps actors, created and initialised as ``Session.run`` does, then removed."""
+def shards_for(client, spec: dtrain.PipelineSpec, tmp_path) -> Iterator[ShardGroup]:
+    """The run's ps actors, created and initialised as ``Session.run`` does, then removed."""
     conn = Connection(client)
     wait_for_tasks(conn, spec, 30)
     with client.as_current():
-        session = Session(spec, conn, tmp_path / "run")
-        init = session.layout.pack(dict(dtrain.build_model(spec).named_parameters()))
-        session.create_shards(init)
+        plan = dtrain.compile(spec, conn.workers())
+        group = ShardGroup(conn, spec, plan, token=uuid.uuid4().hex[:8])
+        group.create(ShardLayout.from_plan(plan).pack(dict(dtrain.build_model(spec).named_parameters())))
         try:
-            yield session
+            yield group
         finally:
-            session.request_stop()
-            client.cancel(session.shard_futures, force=True)
+            group.request_stop()
+            client.cancel(group.futures, force=True)
 
 
-def driver_for(session: Session, spec: dtrain.PipelineSpec | None = None) -> InGraphDriver:
-    return InGraphDriver(session.client, spec or session.spec, session.plan, session.shard_refs(),
-                         session.conn.tasks, session.token)
+def driver_for(group: ShardGroup, spec: dtrain.PipelineSpec | None = None) -> InGraphDriver:
+    return InGraphDriver(group.client, spec or group.spec, group.plan, group.refs(), group.conn.tasks, group.token)
 
 
-def trained_model(session: Session) -> torch.nn.Module:
-    model = dtrain.build_model(session.spec)
+def trained_model(group: ShardGroup) -> torch.nn.Module:
+    model = dtrain.build_model(group.spec)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    model.load_state_dict(session.layout.unpack(session.pull_params(), shapes))
+    model.load_state_dict(ShardLayout.from_plan(group.plan).unpack(group.pull_params(), shapes))
     return model
 
 
-def shard_steps(session: Session) -> list[int]:
-    return [s.get_params().result(timeout=10)[1] for s in session.shards]
+def shard_steps(group: ShardGroup) -> list[int]:
+    return [s.get_params().result(timeout=10)[1] for s in group.handles]
 
 
 @pytest.mark.parametrize(("num_ps", "replicas", "optimizer", "steps"), [
     (1, 2, "sgd", 100), (2, 2, "sgd", 100), (1, 3, "momentum", 40), (2, 3, "adam", 40)])
 def test_in_graph_matches_single_process_training(inproc_client, tmp_path, num_ps, replicas, optimizer, steps):
     spec = in_graph_spec(num_ps, replicas, steps=steps, optimizer=optimizer)
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        assert len(session.plan.shards) == num_ps
-        driver = driver_for(session)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        assert len(shards.plan.shards) == num_ps
+        driver = driver_for(shards)
         driver.start()
         assert driver.join(timeout=240), "the in-graph driver did not finish"
         assert driver.done() and driver.error() is None
-        assert shard_steps(session) == [steps] * num_ps
+        assert shard_steps(shards) == [steps] * num_ps
         assert driver.global_step == steps
-        stats = session.shards[0].stats().result(timeout=10)
+        stats = shards.handles[0].stats().result(timeout=10)
         assert stats["dropped_stale"] == 0 and stats["samples"] == steps * replicas * 8
-        model = trained_model(session)
+        model = trained_model(shards)
     assert max_abs_diff(model, single_process(spec, replicas)) <= TOLERANCE
 
     rows = driver.replica_stats()
@@ -107,23 +108,23 @@ def test_in_graph_resumes_where_the_shards_are(inproc_client, tmp_path):
     spec = in_graph_spec(2, 2, steps=40)
     first_half = spec.model_copy(deep=True)
     first_half.training.steps = 20
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        first = driver_for(session, first_half)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        first = driver_for(shards, first_half)
         first.start()
         assert first.join(timeout=120) and first.error() is None
-        assert shard_steps(session) == [20, 20]
-        second = driver_for(session)
+        assert shard_steps(shards) == [20, 20]
+        second = driver_for(shards)
         second.start()
         assert second.join(timeout=120) and second.error() is None
-        assert shard_steps(session) == [40, 40]
+        assert shard_steps(shards) == [40, 40]
         assert [r["local_steps"] for r in second.replica_stats()] == [20, 20]
-        model = trained_model(session)
+        model = trained_model(shards)
     assert max_abs_diff(model, single_process(spec, 2)) <= TOLERANCE
 
 
-def started_driver(session, until_step: int):
+def started_driver(shards, until_step: int):
     """A running InGraphDriver, once it has applied ``until_step`` steps (or 60 s passed)."""
-    driver = driver_for(session)
+    driver = driver_for(shards)
     driver.start()
     deadline = time.monotonic() + 60
     while driver.global_step < until_step and time.monotonic() < deadline and not driver.done():
@@ -133,44 +134,44 @@ def started_driver(session, until_step: int):
 
 def test_in_graph_stops_on_request_with_every_shard_at_one_step(inproc_client, tmp_path):
     spec = in_graph_spec(2, 2, steps=100_000)
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = started_driver(session, until_step=5)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        driver = started_driver(shards, until_step=5)
         driver.stop()
         assert driver.join(timeout=60)
         assert driver.error() is None
-        steps = shard_steps(session)
+        steps = shard_steps(shards)
         assert steps[0] == steps[1] == driver.global_step >= 5
         assert all(r["local_steps"] == driver.global_step for r in driver.replica_stats())
 
 
 def test_in_graph_ends_when_the_session_stops_the_shards(inproc_client, tmp_path):
     spec = in_graph_spec(1, 2, steps=100_000)
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = driver_for(session)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        driver = driver_for(shards)
         driver.start()
         deadline = time.monotonic() + 60
         while driver.global_step < 3 and time.monotonic() < deadline and not driver.done():
             time.sleep(0.05)
-        session.request_stop()  # what the session does at a stop hook or a failure
+        shards.request_stop()  # what the session does at a stop hook or a failure
         assert driver.join(timeout=60)
         assert driver.error() is None
-        assert shard_steps(session) == [driver.global_step]
+        assert shard_steps(shards) == [driver.global_step]
 
 
 def test_in_graph_reports_a_failing_gradient_task(inproc_client, tmp_path):
     spec = in_graph_spec(1, 2, steps=10, model='module: "tests.helpers.models:BrokenMLP"')
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = driver_for(session)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        driver = driver_for(shards)
         driver.start()
         assert driver.join(timeout=60)
         err = driver.error()
         assert err is not None and "in-graph step 0" in err and "grad" in err
         assert "mat1 and mat2" in err  # torch's own shape error names the cause
-        assert shard_steps(session) == [0]
+        assert shard_steps(shards) == [0]
 
 
 def _ran_in_graph(task_stream) -> bool:
-    """The session ran the step graphs (dtrain.ingraph tasks), not between-graph replica loops."""
+    """The session ran the step graphs (dtrain.worker.tasks in-graph tasks), not between-graph replica loops."""
     keys = [str(r["key"]) for r in task_stream.data]
     return any(k.startswith("dtrain-ig-grad") for k in keys) and not any(k.startswith("dtrain-replica-") for k in keys)
 
@@ -208,9 +209,9 @@ def test_in_graph_checkpoints_pause_applies_without_changing_the_result(inproc_c
 
 def test_in_graph_abort_ends_without_an_error(inproc_client, tmp_path):
     spec = in_graph_spec(1, 2, steps=100_000)
-    with shards_for(inproc_client, spec, tmp_path) as session:
-        driver = started_driver(session, until_step=3)
+    with shards_for(inproc_client, spec, tmp_path) as shards:
+        driver = started_driver(shards, until_step=3)
         driver.abort()
         assert driver.join(timeout=60)
         assert driver.error() is None
-        assert shard_steps(session)[0] >= driver.global_step >= 3
+        assert shard_steps(shards)[0] >= driver.global_step >= 3

@@ -11,8 +11,11 @@ import threading
 import pytest
 import torch
 
-from dtrain.dataplane import server as transport
-from dtrain.dataplane.server import MAGIC, DataPlaneError, ShardServer, SharedSlots, SocketShard
+from dtrain.dataplane import shm as transport
+from dtrain.dataplane.client import SocketShard
+from dtrain.dataplane.protocol import MAGIC, DataPlaneError
+from dtrain.dataplane.server import ShardServer
+from dtrain.dataplane.shm import SharedSlots
 from dtrain.ps.shard import ParameterShard
 
 HAS_SHM = os.path.isdir(transport.SHM_DIR)
@@ -210,7 +213,7 @@ def test_attach_checks_name_size_and_token():
         assert not os.path.exists(path)  # attach unlinks what it opened, mapped or not
     finally:
         slots.close()
-        transport._unlink(path)
+        transport.unlink(path)
 
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import dtrain
-from dtrain.data.sources import ShardIterator
+from dtrain.data.sampling import ShardIterator
 from dtrain.worker.replica import dataset_for
 
 LOSSES = {"cross_entropy": torch.nn.CrossEntropyLoss, "mse": torch.nn.MSELoss,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from dtrain.model.build import build_custom, import_object
 from dtrain.model.layers import (
     LAYER_TYPES,
     LOSSES,
@@ -15,11 +16,9 @@ from dtrain.model.layers import (
     LayerShapeError,
     NotAModuleError,
     accuracy,
-    build_custom,
     build_layers,
     check_output,
     get_loss,
-    import_object,
     infer_shapes,
     init_parameters,
     is_classification,

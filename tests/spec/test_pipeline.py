@@ -13,17 +13,14 @@ from pydantic import BaseModel, ValidationError
 import dtrain
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import CrossFieldErrors, Problem, SpecError, dotted
+from dtrain.spec.layers import LAYER_NAMES, Layer, LinearLayer, ModelSpec
 from dtrain.spec.loading import validate
-from dtrain.spec.pipeline import (
-    LAYER_NAMES,
+from dtrain.spec.pipeline import PipelineSpec
+from dtrain.spec.sections import (
     AdamOptimizer,
     CheckpointSpec,
     ClusterSpec,
     HookSpec,
-    Layer,
-    LinearLayer,
-    ModelSpec,
-    PipelineSpec,
     SgdOptimizer,
     worker_device_spec,
 )

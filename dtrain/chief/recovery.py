@@ -1,0 +1,145 @@
+"""Recovery from lost tasks, like MonitoredTrainingSession after a preempted ps.
+
+:class:`Recovery` decides what was lost (a ps shard's actor erred or its worker left the
+scheduler; a replica's worker left), and restarts it:
+
+- a lost **ps** task: every shard is stopped and recreated on the restarted worker, all restored
+  from the newest checkpoint so that they agree on one step, and every replica restarts;
+- a lost **worker** task: only its replica is resubmitted once its worker is back; in sync mode
+  (and with bounded staleness) the surviving replicas' barriers get a grace while it restarts,
+  and a step it left half-pushed is completed without it (``ShardGroup.excuse``);
+- in-graph replication restarts its step driver from the newest checkpoint.
+
+Each recovery is counted against ``training.max_recoveries`` and logged (``recovery_log``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dtrain.chief import checkpoint as ckpt_io
+from dtrain.deploy.cluster import wait_for_tasks
+from dtrain.plan.compiler import compile
+from dtrain.spec.errors import RunError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dtrain.chief.session import Session
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Lost-task detection and restarts for one session (see the module docstring)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.count = 0
+        self.log: list[dict[str, Any]] = []
+
+    def lost_tasks(self) -> tuple[list[int], list[int]]:
+        """(lost shard indices, lost replica indices): their worker left the scheduler, or the
+        actor's future erred (the scheduler reports a dead actor worker within ~0.1 s)."""
+        s = self.session
+        try:
+            live = set(s.conn.workers())
+        except Exception:  # scheduler unreachable: nothing to recover to
+            raise RunError("lost the connection to the scheduler") from None
+        tasks = s.conn.tasks
+        shards = [sh.index for sh, f in zip(s.plan.shards, s.shards.futures, strict=True)
+                  if f.status == "error" or tasks.get(sh.task) not in live]
+        if s.driver is not None:
+            if any(tasks.get(r.task) not in live for r in s.plan.replicas):
+                shards = shards or [0]  # in-graph: restart the step driver from the checkpoint
+            return shards, []
+        return shards, [r.index for r in s.plan.replicas if tasks.get(r.task) not in live]
+
+    def check(self) -> bool:
+        """Recover now if a task was lost; say whether one was."""
+        lost_shards, lost_replicas = self.lost_tasks()
+        if lost_shards or lost_replicas:
+            self.recover(lost_shards, lost_replicas)
+            return True
+        return False
+
+    def recover_if_lost(self, exc: BaseException, wait_s: float = 3.0) -> bool:
+        """After a failed actor call: recover if a task was lost (the scheduler may need a moment
+        to notice a dead worker), and say whether it was."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            lost_shards, lost_replicas = self.lost_tasks()
+            if lost_shards or lost_replicas:
+                logger.info("%s: %s", type(exc).__name__, exc)
+                self.recover(lost_shards, lost_replicas)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a coordinator action that calls the ps; a lost task turns into a recovery."""
+        try:
+            return fn(*args)
+        except RunError:
+            raise
+        except Exception as exc:
+            if not self.recover_if_lost(exc):
+                raise
+            return None
+
+    def recover(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
+        s = self.session
+        t_lost = time.time()
+        lost = [s.plan.shards[i].task for i in lost_shards] + [s.plan.replicas[i].task for i in lost_replicas]
+        self.count += 1
+        limit = s.spec.training.max_recoveries
+        if self.count > limit:
+            raise RunError(f"lost {', '.join(lost)}; recovery attempts used up (training.max_recoveries: {limit})")
+        for h in s.hooks:
+            for task in lost:
+                h.on_task_lost(task)
+        logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), s.global_step,
+                       self.count, limit)
+        stale = [f for i, f in enumerate(s.replica_futures) if lost_shards or i in lost_replicas]
+        if lost_replicas and not lost_shards:
+            self._grant_barrier_grace()
+            if s.spec.training.mode == "sync" and s.driver is None:
+                s.shards.excuse(lost_replicas)
+        if lost_shards:
+            # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
+            # checkpoint, so that all shards agree on one step.
+            s.shards.request_stop()
+            if s.driver is not None:
+                s.driver.abort()  # cancel steps in flight: no late apply on a restored shard
+                s.driver.join(10)
+                s.driver = None
+            s.shards.close_data_plane()
+            stale += s.shards.futures
+        s.client.cancel([f for f in stale if f is not None], force=True)
+        wait_for_tasks(s.conn, s.spec, s.spec.cluster.wait_s)
+        s.plan = s.shards.plan = compile(s.spec, s.conn.workers())
+        if lost_shards:
+            s.shards.generation += 1
+            latest = ckpt_io.latest(s.run_dir) if s.spec.checkpoint is not None else None
+            if latest is None:
+                s.global_step = 0
+                s.local_steps = {}
+            s.start_generation(latest)
+        else:
+            s.write_cluster_info()
+            for i in lost_replicas:
+                s.submit_replicas(only=i)
+        self.log.append({"lost": lost, "step": s.global_step, "time": t_lost,
+                         "restored_step": s.global_step, "recovered_s": time.time() - t_lost})
+
+    def _grant_barrier_grace(self) -> None:
+        """A lost replica's replacement needs a worker restart, imports and data loading before its
+        first push, and sync barriers (and the staleness gate) wait for it: let the surviving
+        replicas' waits outlast barrier_timeout_s by up to call_timeout_s - 5 s (their own calls
+        give up at call_timeout_s + barrier_timeout_s)."""
+        t = self.session.spec.training
+        if t.mode != "sync" and t.max_staleness is None:
+            return
+        self.session.shards.grant_barrier_grace(max(0.0, t.call_timeout_s - 5.0))

@@ -1,0 +1,206 @@
+"""The replica side of the data plane: ``SocketShard``, a replica's handle on one shard, with
+the actor's methods (``push_pull``, ``push_sync``, ``pull``) returning futures; one request in
+flight at a time, run by a background thread so it overlaps compute."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import ssl
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .protocol import (
+    MAGIC,
+    OP_PART,
+    OP_PULL,
+    OP_PUSH_PULL,
+    OP_PUSH_SYNC,
+    REP,
+    REQ,
+    WIRE_DTYPES,
+    DataPlaneError,
+    recv_bytes,
+    recv_exact,
+    tensor_view,
+    tune,
+)
+from .shm import F_SHM, SHM_DIR, SharedSlots, unlink
+
+logger = logging.getLogger(__name__)
+
+
+class SocketShard:
+    """A replica's handle on one shard over the socket data plane. Its methods mirror the actor's
+    (``push_pull``, ``push_sync``, ``pull``) and return futures with ``.result(timeout=)``; one
+    request is in flight at a time, run by a background thread so it overlaps compute.
+
+    With ``shared_memory`` (the default) the replica offers the ps a shared-memory file in the
+    handshake; when the ps is on the same machine and can map it, the buffers stay in that file
+    and only the headers cross the socket (no kernel copies); otherwise the socket carries them."""
+
+    def __init__(self, host: str, port: int, secret: bytes, replica: int, numel: int, timeout: float = 60.0,
+                 ssl_context: ssl.SSLContext | None = None, wire_dtype: str = "float32",
+                 shared_memory: bool = True):
+        self.replica = replica
+        self.wire = WIRE_DTYPES[wire_dtype]
+        self.timeout = timeout
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        tune(self._sock, timeout)
+        if ssl_context is not None:
+            self._sock = ssl_context.wrap_socket(self._sock, server_hostname=host)
+        try:
+            magic = recv_bytes(self._sock, len(MAGIC))
+        except DataPlaneError:
+            magic = b""
+        if magic != MAGIC:
+            raise DataPlaneError(f"{host}:{port} is not a dtrain ps data plane (or another dtrain version)")
+        digest = hmac.new(secret, recv_bytes(self._sock, 16), hashlib.sha256).digest()
+        self.shm: SharedSlots | None = None
+        offer = SharedSlots.create(numel, self.wire) if shared_memory else None
+        name = offer[1] if offer else ""
+        try:
+            self._sock.sendall(digest + struct.pack("<IH", replica, len(name)) + name.encode()
+                               + (offer[2] if offer else b""))
+            answer = recv_bytes(self._sock, 1)
+        except (OSError, DataPlaneError) as exc:
+            answer = b""
+            logger.info("data-plane handshake with %s:%d failed: %s", host, port, exc)
+        finally:
+            if offer:
+                unlink(os.path.join(SHM_DIR, name))
+        if answer not in (b"\x01", b"\x02"):
+            if offer:
+                offer[0].close()
+            self._sock.close()
+            raise DataPlaneError(f"the ps at {host}:{port} refused the data-plane handshake (a wrong per-run "
+                                 "secret: is this replica from another run?)")
+        if offer:
+            if answer == b"\x02":
+                self.shm = offer[0]
+            else:
+                offer[0].close()
+        f32 = self.wire == torch.float32
+        self._wire_out = None if f32 or self.shm is not None else torch.empty(numel, dtype=self.wire)
+        self._wire_in = None if f32 or self.shm is not None else torch.empty(numel, dtype=self.wire)
+        # Two persistent reply buffers (or shared slots): the replica computes on one while the
+        # next reply may already be arriving in the other.
+        self._bufs = [] if self.shm is not None and f32 else [torch.empty(numel, dtype=torch.float32)
+                                                              for _ in range(2)]
+        self._next = 0
+        self._part_error: DataPlaneError | None = None
+        self._header = bytearray(REP.size)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dtrain-dp-r{replica}")
+
+    def grad_slots(self) -> list[torch.Tensor] | None:
+        """The two float32 gradient slots in shared memory, for backward to write into directly
+        (None without shared memory or with a bfloat16 wire)."""
+        if self.shm is None or self.wire != torch.float32:
+            return None
+        return self.shm.grad
+
+    def _grad_slot(self, grad: torch.Tensor) -> int:
+        assert self.shm is not None
+        for i, slot in enumerate(self.shm.grad):
+            if grad.data_ptr() == slot.data_ptr() and grad.dtype == slot.dtype:
+                return i
+        self.shm.grad[0].copy_(grad)  # (narrowed for bfloat16) off the compute thread
+        return 0
+
+    def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
+                   local_step: int, head: int | None = None) -> tuple[torch.Tensor, int, bool, int]:
+        try:
+            if self._part_error is not None:
+                raise self._part_error
+            loss_f = float("nan") if loss is None else loss
+            slot = self._next
+            self._next ^= 1
+            if self.shm is not None:
+                gslot = self._grad_slot(grad) if grad is not None else 0
+                self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2, 0, self.replica, version,
+                                            local_step, loss_f, samples, 0, 0))
+            else:
+                end = 0 if grad is None else grad.numel() if head is None else head
+                self._send(op, grad, 0, end, version, local_step, loss_f, samples)
+            recv_exact(self._sock, memoryview(self._header))
+            step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
+            if error:
+                raise DataPlaneError(recv_bytes(self._sock, nbytes).decode(errors="replace"))
+            if self.shm is not None:
+                if nbytes:
+                    raise DataPlaneError(f"{nbytes} bytes of parameters on a shared-memory connection")
+                if not self._bufs:
+                    return self.shm.param[slot], step, bool(stop), generation
+                buf = self._bufs[slot]
+                buf.copy_(self.shm.param[slot])  # widened from bfloat16
+                return buf, step, bool(stop), generation
+            buf = self._bufs[slot]
+            target = buf if self._wire_in is None else self._wire_in
+            view = tensor_view(target)
+            if nbytes != len(view):
+                raise DataPlaneError(f"parameters of {nbytes} bytes, expected {len(view)}")
+            recv_exact(self._sock, view)
+            if target is not buf:
+                buf.copy_(target)
+            return buf, step, bool(stop), generation
+        except TimeoutError:
+            raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
+        except OSError as exc:
+            raise DataPlaneError(f"data-plane connection failed: {exc}") from None
+
+    @property
+    def sends_parts(self) -> bool:
+        """Whether buckets are worth sending early: the bytes cross the socket (no shared memory)."""
+        return self.shm is None
+
+    def _send(self, op: int, grad: torch.Tensor | None, start: int, end: int, version: int = 0,
+              local_step: int = 0, loss: float = 0.0, samples: int = 0) -> None:
+        """A request header and ``grad[start:end]`` in the wire dtype (narrowed here, on this
+        thread, off the compute path), to be stored at that offset of the ps's gradient."""
+        payload, offset = b"", 0
+        if grad is not None and end > start:
+            if self._wire_out is not None:
+                self._wire_out[start:end].copy_(grad[start:end])
+                grad = self._wire_out
+            payload, offset = tensor_view(grad[start:end]), start * grad.element_size()
+        self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss, samples, offset,
+                                    len(payload)))
+        if payload:
+            self._sock.sendall(payload)
+
+    def _send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
+        try:
+            self._send(OP_PART, grad, start, end)
+        except OSError as exc:
+            self._part_error = DataPlaneError(f"data-plane connection failed: {exc}")
+
+    def send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
+        """Send ``grad[start:end]`` now (a bucket whose gradients backward has finished), in order
+        with the requests; the push that follows passes ``head`` and sends only ``grad[:head]``."""
+        self._pool.submit(self._send_part, grad, start, end)
+
+    def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
+                  local_step: int = 0, head: int | None = None) -> Future:
+        """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`)."""
+        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step, head)
+
+    def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
+                  local_step: int = 0, head: int | None = None) -> Future:
+        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step, head)
+
+    def pull(self, min_step: int = 0) -> Future:
+        return self._pool.submit(self._roundtrip, OP_PULL, None, min_step, None, 0, 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        if self.shm is not None:
+            self.shm.close()

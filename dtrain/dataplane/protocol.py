@@ -1,0 +1,137 @@
+"""The socket data plane's protocol: flat parameter and gradient buffers over one persistent TCP connection
+per replica and shard, with Dask kept as the control plane (``training.transport: socket``).
+
+Why: with actor calls as the data plane every step pays Dask's framing, per-message buffer
+allocation and thread hand-offs on the replica's own core (../shared/ps-data-plane.md measured
+0.75x plain PyTorch with 1 replica that way, 0.93x with a raw socket). Here the ps actor opens a
+listener and hands out its port; a replica connects once, then every step is one
+``sendall`` of the gradient and one ``recv_into`` of the parameters, into preallocated buffers,
+from a background thread (the syscalls release the GIL, so they overlap the next step's compute).
+
+Same machine: the replica also offers a shared-memory file (/dev/shm) in the handshake; when the
+ps can map it, gradients and parameters stay in its four slots and only the headers cross the
+socket — no kernel copies, and backward writes the gradient straight into a slot
+(``training.shared_memory``, on by default; anything else falls back to the socket's bytes).
+
+Protocol (little-endian):
+
+- handshake: server sends ``MAGIC`` + a 16-byte nonce; the client answers
+  ``HMAC-SHA256(secret, nonce)`` (32 bytes) + its replica index (u32). A wrong answer closes the
+  connection: only processes that got the per-run secret through Dask can push gradients. Then
+  the client sends a u16 name length (0: no offer) + a /dev/shm file name + a 16-byte token that
+  the file starts with; the server answers one byte (0: refused, 1: accepted, use the socket's
+  bytes, 2: accepted and the file is mapped).
+- request: header ``<B op, B flags, H pad, I replica, q version, q local_step, d loss, I samples,
+  Q offset, Q nbytes>`` then ``nbytes`` of gradient in the wire dtype, to be stored at byte
+  ``offset`` of the shard's gradient (op push_pull / push_sync / pull / part). ``part`` has no
+  reply: it is a bucket sent while backward is still running (``training.bucket_mb``); the push
+  that follows carries the rest of the gradient, usually its head, and applies the whole.
+  ``flags``: bit 0 shared memory (``nbytes`` 0), bit 1 the gradient slot, bit 2 the reply slot.
+- reply: header ``<q step, B stop, B error, H pad, I generation, Q nbytes>`` then the parameters
+  (none with shared memory: they are in the reply slot); ``error`` replies carry a UTF-8
+  message instead.
+
+The server runs each request on the worker's event loop (``run_coroutine_threadsafe``) through
+the same ``ParameterShard`` methods as the actor path, so sync barriers, staleness and snapshots
+behave identically; only the bytes travel differently. No Dask import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import struct
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DTRN2"
+REQ = struct.Struct("<BBHIqqdIQQ")
+REP = struct.Struct("<qBBHIQ")
+OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4
+OPS = {OP_PUSH_PULL: "push_pull", OP_PUSH_SYNC: "push_sync"}
+
+
+class DataPlaneError(RuntimeError):
+    """The data-plane connection failed (closed, timed out, refused the handshake)."""
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    # MSG_WAITALL: the kernel fills the whole buffer in one call (one GIL release and re-acquire
+    # per message instead of one per 64 KB chunk, which the compute thread would feel).
+    flags = socket.MSG_WAITALL if not isinstance(sock, ssl.SSLSocket) else 0
+    while len(view):
+        n = sock.recv_into(view, len(view), flags)
+        if n == 0:
+            raise DataPlaneError("connection closed by the peer")
+        view = view[n:]
+
+
+def tune(sock: socket.socket, timeout: float) -> None:
+    """Blocking socket with kernel-level timeouts (SO_RCVTIMEO/SO_SNDTIMEO): Python's own timeout
+    makes the fd non-blocking, which defeats MSG_WAITALL."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
+        except OSError:  # capped by the kernel: fine
+            pass
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bytes as int16
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------- TLS
+
+
+def _load_chain(ctx: ssl.SSLContext, cert_pem: str, key_pem: str | None) -> None:
+    """load_cert_chain needs files: write the PEMs to a private temporary directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-tls-") as d:
+        os.chmod(d, 0o700)
+        cert = os.path.join(d, "cert.pem")
+        with open(cert, "w") as f:
+            f.write(cert_pem)
+        key = None
+        if key_pem:
+            key = os.path.join(d, "key.pem")
+            with open(os.open(key, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(key_pem)
+        ctx.load_cert_chain(cert, key)
+
+
+def client_ssl_context(tls: dict[str, str | None]) -> ssl.SSLContext:
+    """TLS for a replica's connection, from PEM texts (``ca``, ``cert``, ``key``) sent through
+    Dask: the files named in ``cluster.security`` live on the client's machine, not the workers'."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=tls["ca"])
+    ctx.check_hostname = False  # workers are addressed by IP; the CA and the HMAC secret authenticate
+    if tls.get("cert"):
+        _load_chain(ctx, tls["cert"], tls.get("key"))
+    return ctx
+
+
+def server_ssl_context(tls: dict[str, str | None]) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=tls["ca"])
+    _load_chain(ctx, tls["cert"], tls.get("key"))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

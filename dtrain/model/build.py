@@ -1,0 +1,103 @@
+"""A pipeline's model as a ``torch.nn.Module``: layers from ``model.layers``, or a custom
+``nn.Module`` class or factory by import path (``model.module``), initialised from a seed, and
+built for free on torch's meta device when only the parameter layout is needed (planning).
+
+Pure torch: no Dask; the spec is read, never imported from.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import NotAModuleError, build_layers, init_parameters
+
+
+def import_object(path: str) -> Any:
+    """Resolve ``"pkg.mod:attr"`` (attr may be dotted) or ``"pkg.mod.attr"`` to an object.
+
+    Raises ``ValueError`` for a malformed path and ``ImportError`` when the module or
+    attribute cannot be found.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"import path must be a non-empty string like 'pkg.mod:attr', got {path!r}")
+    path = path.strip()
+    if ":" in path:
+        mod_name, _, attr = path.partition(":")
+    else:
+        mod_name, _, attr = path.rpartition(".")
+    if not mod_name or not attr or ":" in attr or any(not part.isidentifier() for part in attr.split(".")):
+        raise ValueError(f"import path {path!r} must look like 'pkg.mod:attr' or 'pkg.mod.attr'")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {mod_name!r} for {path!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"{path!r}: {mod_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def build_custom(
+    module_path: str,
+    kwargs: Mapping[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+) -> nn.Module:
+    """Call the ``nn.Module`` class or factory at ``module_path`` with ``kwargs``.
+
+    Construction runs under ``torch.device(device)`` (``"meta"`` gives a free skeleton
+    for planning) and, with ``seed``, under a seeded RNG followed by
+    :func:`init_parameters`.  Raises ``NotAModuleError`` (a TypeError and ValueError)
+    when the result is not an ``nn.Module``; errors raised by the factory propagate
+    wrapped in a ``TypeError`` naming the path.
+    """
+    factory = import_object(module_path)
+    if not callable(factory):
+        raise NotAModuleError(f"{module_path!r} is not callable (got {type(factory).__name__})")
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            module = factory(**dict(kwargs or {}))
+        except TypeError as exc:
+            raise TypeError(f"calling {module_path}(**{dict(kwargs or {})!r}) failed: {exc}") from exc
+    if not isinstance(module, nn.Module):
+        raise NotAModuleError(f"{module_path!r} returned {type(module).__name__}, not a torch.nn.Module")
+    if seed is not None and torch.device(device).type != "meta":
+        init_parameters(module, seed)
+    return module
+
+
+# --------------------------------------------------------------------------- from a spec
+
+
+def _model_section(spec: Any) -> Any:
+    model = getattr(spec, "model", None)
+    if model is None:
+        raise ValueError("this pipeline has no 'model' section (it is a graph pipeline)")
+    return model
+
+
+def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None = None) -> nn.Module:
+    """The pipeline's model (a ``dtrain.PipelineSpec``), initialised with ``training.seed`` unless
+    ``seed`` is given. ``torch.load("runs/NAME/model.pt", weights_only=True)`` loads into it."""
+    model = _model_section(spec)
+    seed = spec.training.seed if seed is None else seed
+    if model.layers is not None:
+        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed)
+    return build_custom(model.module, model.kwargs, device, seed=seed)
+
+
+def build_model_skeleton(spec: Any) -> nn.Module:
+    """The model on torch's meta device: names and shapes of parameters, no storage."""
+    model = _model_section(spec)
+    if model.layers is not None:
+        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], "meta")
+    return build_custom(model.module, model.kwargs, "meta")

@@ -1,0 +1,131 @@
+"""The ``model`` section: layers (a discriminated union on ``type``) or a custom module by
+import path, the input shape and the loss."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .errors import CrossFieldErrors
+from .sections import Strict, check_device_string
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class _Layer(Strict):
+    name: str | None = Field(None, description="Optional label shown by `dtrain plan`.")
+    device: str | None = Field(
+        None, description="Device of this layer's compute, e.g. /job:worker/task:1 or /gpu:0 (merged with the replica's)."
+    )
+
+    _device = field_validator("device")(classmethod(lambda cls, v: check_device_string(v)))
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"name", "device"})
+
+
+class LinearLayer(_Layer):
+    type: Literal["linear"] = Field(description="Fully connected layer on the last dimension.")
+    out: int = Field(ge=1, description="Output features.")
+    bias: bool = Field(True, description="Learn an additive bias.")
+
+
+class ActivationLayer(_Layer):
+    type: Literal["relu", "tanh", "gelu", "sigmoid", "silu", "elu", "identity"] = Field(
+        description="Elementwise activation."
+    )
+
+
+class LeakyReluLayer(_Layer):
+    type: Literal["leaky_relu"] = Field(description="Leaky ReLU.")
+    negative_slope: float = Field(0.01, description="Slope for negative inputs.")
+
+
+class DropoutLayer(_Layer):
+    type: Literal["dropout"] = Field(description="Dropout (active in training only).")
+    p: float = Field(0.5, ge=0.0, lt=1.0, description="Probability of zeroing an element.")
+
+
+class FlattenLayer(_Layer):
+    type: Literal["flatten"] = Field(description="Flatten every non-batch dimension.")
+
+
+class ReshapeLayer(_Layer):
+    type: Literal["reshape"] = Field(description="Reshape the non-batch dimensions.")
+    shape: list[int] = Field(min_length=1, description="New non-batch shape, e.g. [1, 8, 8].")
+
+
+class Conv2dLayer(_Layer):
+    type: Literal["conv2d"] = Field(description="2-D convolution over (C, H, W) inputs.")
+    out: int = Field(ge=1, description="Output channels.")
+    kernel_size: int = Field(ge=1, description="Square kernel size.")
+    stride: int = Field(1, ge=1, description="Stride.")
+    padding: int = Field(0, ge=0, description="Zero padding on each side.")
+    bias: bool = Field(True, description="Learn an additive bias.")
+
+
+class Pool2dLayer(_Layer):
+    type: Literal["max_pool2d", "avg_pool2d"] = Field(description="2-D pooling over (C, H, W) inputs.")
+    kernel_size: int = Field(ge=1, description="Square window size.")
+    stride: int | None = Field(None, ge=1, description="Stride (default: kernel_size).")
+
+
+class NormLayer(_Layer):
+    type: Literal["batch_norm1d", "layer_norm"] = Field(description="Normalisation over features.")
+
+
+Layer = Annotated[
+    LinearLayer | ActivationLayer | LeakyReluLayer | DropoutLayer | FlattenLayer | ReshapeLayer
+    | Conv2dLayer | Pool2dLayer | NormLayer,
+    Field(discriminator="type"),
+]
+
+LAYER_NAMES = (
+    "linear", "relu", "tanh", "gelu", "sigmoid", "silu", "elu", "identity", "leaky_relu", "dropout", "flatten",
+    "reshape", "conv2d", "max_pool2d", "avg_pool2d", "batch_norm1d", "layer_norm",
+)
+
+
+class ModelSpec(Strict):
+    """The model: a stack of layers, or a torch.nn.Module factory by import path."""
+
+    input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="Shape of one example without the batch dimension, e.g. [64] or [1, 28, 28]."
+    )
+    layers: list[Layer] | None = Field(None, description="Layers applied in order (see the README for each type).")
+    module: str | None = Field(
+        None, description="Import path of an nn.Module class or factory, 'package.module:Name' (instead of layers)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for `module`.")
+    loss: Literal["cross_entropy", "mse", "bce_with_logits"] = Field(
+        "cross_entropy", description="Training loss; cross_entropy makes it a classification task."
+    )
+
+    @field_validator("module")
+    @classmethod
+    def _module_path(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$", v):
+            raise ValueError(f"{v!r} is not an import path; write 'package.module:Name' (a module importable on "
+                             "every worker, and an nn.Module class or factory in it)")
+        return v
+
+    @model_validator(mode="after")
+    def _layers_or_module(self) -> ModelSpec:
+        if self.layers is not None and self.module is not None:
+            raise CrossFieldErrors([(("module",), "give either 'layers' (with 'input_shape') or 'module', not both; "
+                                                  "remove one of them")])
+        if self.layers is None and self.module is None:
+            raise CrossFieldErrors([((), "the model needs 'layers' (with 'input_shape'), e.g. input_shape: [64] and "
+                                         "layers: [{type: linear, out: 10}], or 'module: package.module:Name'")])
+        if self.layers is not None and self.input_shape is None:
+            raise CrossFieldErrors([(("input_shape",), "'layers' needs 'input_shape', the shape of one example "
+                                                       "without the batch dimension, e.g. input_shape: [64]")])
+        if self.layers is not None and not self.layers:
+            raise CrossFieldErrors([(("layers",), "'layers' is empty; list at least one layer, "
+                                                  "e.g. - {type: linear, out: 10}")])
+        if self.input_shape is not None and not self.input_shape:
+            raise CrossFieldErrors([(("input_shape",), "'input_shape' is empty; give the shape of one example, "
+                                                       "e.g. [64] or [1, 28, 28]")])
+        return self

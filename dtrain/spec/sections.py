@@ -1,0 +1,410 @@
+"""The pipeline's sections besides the model: cluster, placement, data, optimizer, training,
+checkpoint, summary, eval, hooks, and a graph pipeline's variables and ops. Rules within one
+section live here; rules across sections in ``PipelineSpec`` (``pipeline``).
+
+Every model is :class:`Strict`: unknown keys are refused (with a "did you mean"), so are
+booleans where numbers are expected, and every field has a description (``dtrain schema``)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .device import DeviceSpec
+from .errors import CrossFieldErrors
+
+NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False)
+
+    # pydantic's lax mode reads True as 1; in YAML `steps: yes` is a boolean, never a count.
+    # (A model-level check, because pydantic refuses before-validators on discriminator fields.)
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            problems: list[tuple[tuple[str | int, ...], str]] = []
+            for key, value in data.items():
+                if isinstance(value, bool) and key in cls.model_fields:
+                    kinds = _scalar_kinds(cls.model_fields[key].annotation)
+                    if bool not in kinds and kinds & {int, float}:
+                        what = "an integer" if float not in kinds else "a number"
+                        problems.append(((key,), f"expected {what}, got {value!r} "
+                                                 "(YAML reads yes/no/on/off/true/false as booleans)"))
+            if problems:
+                raise CrossFieldErrors(problems)
+        return data
+
+
+def _scalar_kinds(annotation: Any) -> set[Any]:
+    """The plain types a field accepts directly (through Optional/Union/Annotated)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _scalar_kinds(typing.get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        out: set[Any] = set()
+        for arg in typing.get_args(annotation):
+            out |= _scalar_kinds(arg)
+        return out
+    return {annotation} if origin is None else set()
+
+
+def did_you_mean(value: Any, choices: typing.Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices``, or ``""``."""
+    hint = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {hint[0]!r}?" if hint else ""
+
+
+def quoted(choices: typing.Iterable[str]) -> str:
+    return ", ".join(repr(c) for c in choices)
+
+
+def check_device_string(value: str | None) -> str | None:
+    if value is None:
+        return None
+    DeviceSpec.from_string(value)  # raises ValueError with the grammar
+    return value
+
+
+# --------------------------------------------------------------------------------------- cluster
+
+
+class SecuritySpec(Strict):
+    """TLS files for the scheduler connection (maps to ``distributed.Security``)."""
+
+    ca_file: str = Field(description="CA certificate (PEM) that signed the scheduler's and workers' certificates.")
+    cert_file: str = Field(description="This client's certificate (PEM).")
+    key_file: str | None = Field(None, description="This client's private key (PEM); omit when cert_file holds both.")
+
+
+class ClusterSpec(Strict):
+    """The jobs and tasks of the cluster (TF's ClusterSpec) and where its scheduler is."""
+
+    jobs: dict[str, Annotated[int, Field(ge=1, le=256)] | list[str]] = Field(
+        default_factory=lambda: {"ps": 1, "worker": 2},
+        description="Job name -> number of tasks, or a list of Dask worker names/addresses, one per task "
+        "(like ClusterSpec's host lists). Task i of job J is served by the worker named 'J-i'.",
+    )
+    scheduler: str | None = Field(
+        None,
+        description="Address of a running Dask scheduler (tcp://host:8786 or tls://...). "
+        "Default: an embedded cluster on 127.0.0.1 with one worker process per task.",
+    )
+    wait_s: float = Field(60.0, gt=0, description="How long to wait for a worker for every task before failing.")
+    worker_ttl_s: float = Field(
+        30.0, gt=0, description="Embedded cluster: seconds of silence after which the scheduler drops a worker."
+    )
+    memory_limit: str = Field("4GiB", description="Embedded cluster: memory limit of each worker process.")
+    nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
+    dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
+    security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _jobs(cls, jobs: Any) -> Any:
+        example = "e.g. jobs: {ps: 1, worker: 2}"
+        if not isinstance(jobs, dict):
+            raise ValueError(f"expected a mapping of job name -> number of tasks or list of workers, {example}; "
+                             f"got {jobs!r}")
+        if not jobs:
+            raise ValueError(f"at least one job is needed, {example}")
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name, tasks in jobs.items():
+            if not isinstance(name, str) or not re.match(NAME, name):
+                problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
+            elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
+                problems.append(((name,), f"expected a number of tasks (1..256) or a list of Dask worker "
+                                          f"names/addresses, got {tasks!r}"))
+            elif isinstance(tasks, int) and not 1 <= tasks <= 256:
+                problems.append(((name,), f"job {name!r} needs 1..256 tasks, got {tasks}"))
+            elif isinstance(tasks, (list, tuple)) and not tasks:
+                problems.append(((name,), f"job {name!r} lists no tasks; list one worker name/address per task"))
+            elif isinstance(tasks, (list, tuple)) and not all(isinstance(t, str) and t for t in tasks):
+                problems.append(((name,), f"job {name!r}: every task must be a worker name or address "
+                                          f"(a non-empty string), got {tasks!r}"))
+        if problems:
+            raise CrossFieldErrors(problems)
+        return jobs
+
+    def num_tasks(self, job: str) -> int:
+        tasks = self.jobs.get(job, 0)
+        return len(tasks) if isinstance(tasks, list) else int(tasks)
+
+    def task_workers(self, job: str) -> list[str]:
+        """The Dask worker name (or address) expected to serve each task of ``job``."""
+        tasks = self.jobs.get(job, 0)
+        if isinstance(tasks, list):
+            return list(tasks)
+        return [f"{job}-{i}" for i in range(int(tasks))]
+
+
+# ------------------------------------------------------------------------------------- placement
+
+
+class PlacementSpec(Strict):
+    """Where variables and compute live (replica_device_setter and tf.device)."""
+
+    variables: Literal["round_robin", "greedy", "partitioned"] = Field(
+        "round_robin",
+        description="How variables are spread over ps tasks: round_robin in creation order (replica_device_setter's "
+        "default), greedy by bytes (GreedyLoadBalancingStrategy), or partitioned (large variables split along dim 0).",
+    )
+    ps_job: str = Field("ps", description="The job whose tasks hold variables.")
+    worker_job: str = Field("worker", description="The job whose tasks run replicas.")
+    worker_device: str = Field(
+        "cpu", description="Device replicas compute on: cpu, cuda, cuda:N, or a device string such as /gpu:0."
+    )
+    soft: bool = Field(True, description="Fall back to CPU with a warning when the placed GPU is absent.")
+    variable_devices: dict[str, str] = Field(
+        default_factory=dict,
+        description="Pin variables by name (torch's named_parameters() name, or a prefix ending in '.') to a device, "
+        "e.g. {'0.weight': /job:ps/task:1}. Pinned to a ps task: it keeps its task and still advances round robin.",
+    )
+    min_slice_bytes: int = Field(
+        256 * 1024, ge=1, description="partitioned: variables of at least this many bytes are split over ps tasks."
+    )
+
+    @field_validator("worker_device")
+    @classmethod
+    def _worker_device(cls, v: str) -> str:
+        worker_device_spec(v)
+        return v
+
+    @field_validator("variable_devices")
+    @classmethod
+    def _var_devices(cls, v: dict[str, str]) -> dict[str, str]:
+        for dev in v.values():
+            check_device_string(dev)
+        return v
+
+
+def worker_device_spec(value: str) -> DeviceSpec:
+    """``cpu`` / ``cuda`` / ``cuda:1`` / ``/gpu:0`` -> a DeviceSpec with only the device fields set."""
+    v = value.strip()
+    m = re.fullmatch(r"(cpu|cuda|gpu)(?::(\d+))?", v, flags=re.IGNORECASE)
+    if m:
+        kind = "CPU" if m.group(1).lower() == "cpu" else "GPU"
+        return DeviceSpec(device_type=kind, device_index=int(m.group(2) or 0))
+    if v.startswith("/"):
+        spec = DeviceSpec.from_string(v)
+        if spec.device_type is None:
+            raise ValueError(f"{value!r} names no device; write cpu, cuda, cuda:N or /gpu:N")
+        return spec
+    raise ValueError(f"{value!r} is not a device; write cpu, cuda, cuda:N or a device string like /gpu:0")
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+class DataSpec(Strict):
+    """Training data: a synthetic problem, a bundled scikit-learn dataset, or a file."""
+
+    source: str = Field(
+        "synthetic",
+        description="synthetic | sklearn:digits (also sklearn:iris, sklearn:wine, sklearn:breast_cancer, "
+        "sklearn:diabetes) | path to .npz/.csv/.parquet, relative to the pipeline file.",
+    )
+    batch_size: int = Field(32, ge=1, description="Examples per replica per step.")
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share held out for evaluation (seeded, stratified).")
+    standardize: bool = Field(True, description="Scale features with the training split's mean and std.")
+    target: str = Field("label", description="Target column of .csv/.parquet files.")
+    task: Literal["classification", "regression"] | None = Field(
+        None, description="synthetic only: the kind of problem (default: from the loss)."
+    )
+    num_samples: int = Field(4096, ge=8, description="synthetic only: number of examples.")
+    num_classes: int = Field(10, ge=2, description="synthetic classification only: number of classes.")
+    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded).")
+
+
+# ------------------------------------------------------------------------------------- optimizer
+
+
+class _Opt(Strict):
+    lr: float = Field(0.01, gt=0.0, description="Learning rate (> 0).")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty, as torch applies it.")
+
+
+class SgdOptimizer(_Opt):
+    name: Literal["sgd"] = Field(description="Plain SGD (torch.optim.SGD).")
+
+
+class MomentumOptimizer(_Opt):
+    name: Literal["momentum"] = Field(description="SGD with momentum (torch.optim.SGD(momentum=...)).")
+    momentum: float = Field(0.9, gt=0.0, lt=1.0, description="Momentum factor.")
+    nesterov: bool = Field(False, description="Nesterov momentum.")
+    dampening: float = Field(0.0, ge=0.0, lt=1.0, description="Dampening for momentum.")
+
+
+class AdamOptimizer(_Opt):
+    name: Literal["adam"] = Field(description="Adam (torch.optim.Adam).")
+    lr: float = Field(0.001, gt=0.0, description="Learning rate (> 0).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Coefficients for the running averages.")
+    eps: float = Field(1e-8, gt=0.0, description="Term added to the denominator.")
+    amsgrad: bool = Field(False, description="AMSGrad variant.")
+
+
+class AdagradOptimizer(_Opt):
+    name: Literal["adagrad"] = Field(description="Adagrad (torch.optim.Adagrad).")
+    lr_decay: float = Field(0.0, ge=0.0, description="Learning-rate decay.")
+    initial_accumulator_value: float = Field(0.0, ge=0.0, description="Starting value of the accumulators.")
+    eps: float = Field(1e-10, gt=0.0, description="Term added to the denominator.")
+
+
+OptimizerSpec = Annotated[
+    SgdOptimizer | MomentumOptimizer | AdamOptimizer | AdagradOptimizer, Field(discriminator="name")
+]
+
+
+# -------------------------------------------------------------------------------------- training
+
+
+class TrainingSpec(Strict):
+    """Replication and the step protocol."""
+
+    replication: Literal["between_graph", "in_graph"] = Field(
+        "between_graph",
+        description="between_graph: each replica runs its own loop and shares only the ps; in_graph: the session "
+        "submits one Dask graph per step (N gradient tasks, a reduce, an apply). in_graph needs mode: sync.",
+    )
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: each push is applied at once; sync: SyncReplicasOptimizer semantics."
+    )
+    replicas_to_aggregate: int | None = Field(
+        None, ge=1, description="sync: gradients averaged per update (default: all replicas)."
+    )
+    total_num_replicas: int | None = Field(
+        None, ge=1, description="Replicas, backups included (default and maximum: the worker job's task count)."
+    )
+    steps: int = Field(1000, ge=1, description="The last global step.")
+    seed: int = Field(0, ge=0, description="Seed for initialisation, data order and dropout.")
+    overlap: bool = Field(
+        False, description="async: overlap the push/pull round trip with the next step's compute (staleness 1)."
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="async: bounded staleness k (stale synchronous parallel). Default: unbounded."
+    )
+    barrier_timeout_s: float = Field(60.0, gt=0, description="sync: how long a replica waits for the others.")
+    call_timeout_s: float = Field(60.0, gt=0, description="Timeout of every call a replica makes to a ps task.")
+    max_recoveries: int = Field(3, ge=0, description="Lost ps/worker recoveries before the run fails.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
+    transport: Literal["dask", "socket"] = Field(
+        "socket",
+        description="Data plane for the flat parameter/gradient buffers: socket (one persistent TCP connection per "
+        "replica and shard, opened by the ps actor, authenticated with a per-run secret, TLS when the cluster "
+        "uses TLS) or dask (ps actor method calls). Dask is the control plane either way.",
+    )
+    wire_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of parameters and gradients on the wire: bfloat16 halves the bytes moved "
+        "(transport: socket only; the ps keeps and applies float32).")
+    bucket_mb: float = Field(
+        1.0, ge=0, description="transport: socket without shared memory: send the gradient in buckets of about "
+        "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
+        "after backward sends only the rest. 0 sends it whole after backward.")
+    pin_cpus: bool = Field(
+        False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
+        "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")
+    shared_memory: bool = Field(
+        True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
+        "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "
+        "falls back to the socket per connection when the ps cannot map the file (another machine or container, "
+        "a full /dev/shm).")
+
+
+# ------------------------------------------------------------------------ checkpoint/summary/eval
+
+
+class CheckpointSpec(Strict):
+    """CheckpointSaverHook: atomic checkpoints of every shard at one consistent step."""
+
+    every_steps: int | None = Field(None, ge=1, description="Save every N global steps.")
+    every_secs: float | None = Field(None, gt=0, description="Save every N seconds.")
+    keep: int = Field(3, ge=1, description="Keep the newest N checkpoints.")
+
+    @model_validator(mode="after")
+    def _when(self) -> CheckpointSpec:
+        if self.every_steps is None and self.every_secs is None:
+            self.every_steps = 500
+        return self
+
+
+class SummarySpec(Strict):
+    """SummarySaverHook: metrics.jsonl and TensorBoard events."""
+
+    every_steps: int = Field(100, ge=1, description="Write a summary every N global steps.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files under tb/.")
+
+
+class EvalSpec(Strict):
+    """Evaluation on the test split."""
+
+    every_steps: int | None = Field(None, ge=1, description="Evaluate every N global steps (always at the end).")
+
+
+class HookSpec(Strict):
+    """A hook: logging | nan_guard | step_counter | stop_at_step, or a custom one by import path."""
+
+    type: str = Field(description="logging | nan_guard | step_counter | stop_at_step | 'package.module:HookClass'.")
+    every_steps: int | None = Field(None, ge=1, description="logging/step_counter: every N global steps.")
+    every_secs: float | None = Field(None, gt=0, description="logging/step_counter: every N seconds.")
+    num_steps: int | None = Field(None, ge=1, description="stop_at_step: stop after N more steps.")
+    last_step: int | None = Field(None, ge=1, description="stop_at_step: stop at this global step.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Custom hooks: keyword arguments of the class.")
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v not in BUILTIN_HOOKS and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+            raise ValueError(f"unknown hook {v!r}{did_you_mean(v, BUILTIN_HOOKS)} "
+                             f"(built-in: {quoted(BUILTIN_HOOKS)}; or a custom one as 'package.module:HookClass')")
+        return v
+
+    @model_validator(mode="after")
+    def _known(self) -> HookSpec:
+        if self.type == "stop_at_step" and (self.num_steps is None) == (self.last_step is None):
+            raise CrossFieldErrors([((), "stop_at_step needs exactly one of num_steps or last_step, "
+                                         "e.g. {type: stop_at_step, num_steps: 100}")])
+        if self.type in BUILTIN_HOOKS and self.args:
+            raise CrossFieldErrors([(("args",), f"'args' is for custom hooks; {self.type} takes "
+                                                "every_steps/every_secs/num_steps/last_step")])
+        return self
+
+
+BUILTIN_HOOKS = ("logging", "nan_guard", "step_counter", "stop_at_step")
+
+
+# ----------------------------------------------------------------------------------------- graph
+
+
+class VariableSpec(Strict):
+    """A variable of a graph section (a tensor held by a ps task)."""
+
+    name: str = Field(pattern=NAME, description="Name used by graph inputs and fetch.")
+    value: float | list[Any] = Field(description="Initial value: a number or a nested list.")
+    device: str | None = Field(None, description="Where it lives, e.g. /job:ps/task:0 (default: ps round robin).")
+
+    _device = field_validator("device")(classmethod(lambda cls, v: check_device_string(v)))
+
+
+GRAPH_OPS = ("add", "sub", "mul", "div", "matmul", "neg", "identity", "sum", "mean", "square", "sqrt", "relu",
+             "exp", "maximum", "minimum", "pow")
+
+
+class OpSpec(Strict):
+    """An operation of a graph section, evaluated as one Dask task on its device."""
+
+    name: str = Field(pattern=NAME, description="Name used by later inputs and fetch.")
+    op: Literal[GRAPH_OPS] = Field(description="Operation: " + ", ".join(GRAPH_OPS) + ".")  # type: ignore[valid-type]
+    inputs: list[str | float] = Field(default_factory=list, description="Variable/op names, or number literals.")
+    device: str | None = Field(None, description="Where it runs, e.g. /job:worker/task:1 (default: worker task 0).")
+
+    _device = field_validator("device")(classmethod(lambda cls, v: check_device_string(v)))
+
+
+_ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "matmul": 2, "maximum": 2, "minimum": 2, "pow": 2}

@@ -1,0 +1,68 @@
+"""A custom model and a custom hook, named by import path in a pipeline (see
+custom_module_and_hook.py):
+
+    model: {module: "examples.mymodels:Net", kwargs: {hidden: 48}}
+    hooks: [{type: "examples.mymodels:StopBelowLoss", args: {threshold: 0.3}}]
+
+The module must be importable wherever it is used: the model is built in the chief and on every
+worker task, a hook only in the chief (the process that calls ``dtrain.run``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+import dtrain
+
+if TYPE_CHECKING:
+    from dtrain.chief.hooks import StepContext  # what after_step gets: .step, .metrics, .request_stop()
+
+
+class Net(nn.Module):
+    """A digits MLP with a residual hidden block: any ``nn.Module`` (or factory) will do. Its
+    parameter names (``inp.weight``, ``block.0.bias``, ...) are the variables sharded over the ps."""
+
+    def __init__(self, features: int = 64, hidden: int = 32, classes: int = 10):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(h + self.block(h))
+
+
+class StopBelowLoss(dtrain.Hook):
+    """Stops the run once the training loss (the mean over the newest summary interval) falls
+    below ``threshold``, and writes what it saw to ``RUN_DIR/stop_below_loss.json``."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.seen: list[tuple[int, float]] = []  # (global step, loss) at each call that had a loss
+        self.stopped_at: int | None = None
+
+    def begin(self, session: Any) -> None:
+        # Runs once in the chief, before the replicas start; the session knows the run directory.
+        self.out = session.run_dir / "stop_below_loss.json"
+        self.start_step = session.start_step
+
+    def after_step(self, ctx: StepContext) -> None:
+        loss = ctx.metrics.get("loss")  # empty until the first summary record arrives
+        if loss is None:
+            return
+        self.seen.append((ctx.step, loss))
+        if self.stopped_at is None and loss < self.threshold:
+            self.stopped_at = ctx.step
+            ctx.request_stop(f"loss {loss:.3f} < {self.threshold} at step {ctx.step}")
+
+    def end(self, session: Any) -> None:
+        # Also called after a failure: the record is written whatever happened.
+        self.out.write_text(json.dumps({
+            "threshold": self.threshold, "start_step": self.start_step, "stopped_at": self.stopped_at,
+            "final_step": session.global_step, "seen": self.seen,
+        }, indent=1))
