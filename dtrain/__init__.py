@@ -23,13 +23,13 @@ __all__ = [
 _LAZY = {
     "compile": ("dtrain.plan.compiler", "compile"),
     "build_model": ("dtrain.model.build", "build_model"),
-    "run": ("dtrain.chief.session", "run"),
+    "run": ("dtrain.chief.runner", "run"),
     "Hook": ("dtrain.chief.hooks", "Hook"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chief.hooks import Hook
-    from .chief.session import run
+    from .chief.runner import run
     from .model.build import build_model
     from .plan.compiler import compile
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as exc:
         print(f"dtrain: run failed: {exc}", file=sys.stderr)
         code = EXIT_FAILED
+    except KeyboardInterrupt as exc:  # outside a run (a run says more, in cmd_run)
+        print("dtrain: terminated" if isinstance(exc, Terminated) else "dtrain: interrupted", file=sys.stderr)
+        code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
     return code
 
 
@@ -137,34 +139,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .chief import signals
+
+    # SIGINT, SIGTERM and SIGHUP become exceptions from the start: the run checkpoints and writes
+    # its summary before exiting 130/143, and a signal while loading is a quiet exit, too.
+    with signals.handled():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .chief.rundir import check_run_dir, default_run_dir
+    from .chief.runner import run
     from .spec.loading import load
 
     spec = load(args.pipeline, overrides=args.overrides)
     _setup_logging(quiet=args.quiet)
-    from .chief.rundir import check_run_dir, default_run_dir
-    from .chief.session import run
-
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
     check_run_dir(run_dir, args.resume)
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, on_term)
     bar = _Progress(enabled=not args.quiet)
     try:
         result = run(spec, run_dir=run_dir, scheduler=args.scheduler, resume=args.resume, progress=bar.update)
-    except Terminated:
+    except KeyboardInterrupt as exc:
         bar.close()
-        print("dtrain: terminated (SIGTERM); checkpoint written where configured", file=sys.stderr)
-        return EXIT_SIGTERM
-    except KeyboardInterrupt:
-        bar.close()
-        print("dtrain: interrupted (SIGINT); checkpoint written where configured", file=sys.stderr)
-        return EXIT_SIGINT
+        what = str(exc) if isinstance(exc, Terminated) and str(exc) else (
+            "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (SIGINT)")
+        print(f"dtrain: {what}; {_interrupt_checkpoint(run_dir)}", file=sys.stderr)
+        return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
     finally:
         bar.close()
-        signal.signal(signal.SIGTERM, old)
     s = result.summary
     if result.fetched:
         for name, value in result.fetched.items():
@@ -177,6 +179,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{s['name']}: {s['status']} at step {s['global_step']}{loss}{evl}{acc}  "
           f"samples/s {s.get('samples_per_sec') or 0:.0f}  ({s['wall_s']:.1f} s)  -> {result.run_dir}")
     return EXIT_OK
+
+
+def _interrupt_checkpoint(run_dir: Path) -> str:
+    """What the interrupted run left to resume from, for the one-line exit message."""
+    try:
+        written = json.loads((run_dir / "summary.json").read_text()).get("checkpoints") or []
+    except (OSError, ValueError):
+        written = []
+    if written:
+        return f"checkpoint {written[-1]} written: continue with --resume"
+    return "no checkpoint written (add a checkpoint section to resume later)"
 
 
 class _Progress:

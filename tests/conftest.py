@@ -51,12 +51,26 @@ def pipeline(name: str) -> Path:
     return PIPELINES / name
 
 
+def _shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("dtrain-")} if os.path.isdir("/dev/shm") else set()
+
+
+def _tls_dirs() -> set[str]:
+    import tempfile
+
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("dtrain-tls-")}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_leaked_children():
-    """No worker, scheduler or nanny process outlives the suite."""
+    """No worker, scheduler or nanny process outlives the suite, and neither does a shared-memory
+    file or a temporary TLS directory of the data plane."""
     import psutil
 
+    shm, tls = _shm_files(), _tls_dirs()
     yield
+    assert _shm_files() <= shm, f"/dev/shm files left behind: {sorted(_shm_files() - shm)}"
+    assert _tls_dirs() <= tls, f"temporary TLS directories left behind: {sorted(_tls_dirs() - tls)}"
     me = psutil.Process(os.getpid())
     alive = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     gone, alive = psutil.wait_procs(alive, timeout=10)

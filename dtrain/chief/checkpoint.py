@@ -3,18 +3,25 @@
 Layout under ``<run_dir>/checkpoints/``::
 
     ckpt-00000500.pt     torch.save of {"format", "step", "shards": [...], "replicas": {...},
-                         "spec": <the pipeline as JSON data>, "pipeline_hash", "time"}
+                         "spec": <the pipeline as JSON data>, "pipeline_hash", "time",
+                         "layout": {"variables", "parts", "shard_numel"}}
     ckpt-00000500.json   manifest: {"step", "file", "bytes", "sha256", "pipeline_hash"}
+    invalid/             checkpoints found corrupt, moved aside (never deleted)
 
 A checkpoint is written to a temp file, fsynced and renamed, then its manifest the same way,
 then the directory is fsynced: a crash leaves either the old set or the new one. The newest
-checkpoint whose bytes match its manifest's sha256 and that loads with ``weights_only=True``
-is used to resume; a corrupt or truncated newest one is skipped with a warning.
+checkpoint whose bytes match its manifest's sha256, that loads with ``weights_only=True`` and
+whose shards agree on one step (sync) is used to resume. A newer one whose *content* is bad
+(truncated, corrupt, unloadable) is moved into ``invalid/`` with a warning; one that cannot be
+*read* (an I/O error: a file system problem that may pass) stops the resume with an error naming
+it, and so does a directory holding checkpoints none of which is valid: never a silent restart
+from step 0, and never a fall back past a checkpoint that may be fine.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -26,12 +33,18 @@ from typing import Any
 
 import torch
 
+from dtrain.spec.errors import RunError
+
 from .rundir import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")  # 8 digits, more past step 99,999,999
+
+
+class CheckpointError(RunError):
+    """No checkpoint can be resumed from although some exist (or one cannot be read)."""
 
 
 @dataclass(frozen=True)
@@ -46,22 +59,23 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: dict[str, Any],
-         pipeline_hash: str, replicas: dict[str, Any] | None = None, keep: int = 3) -> Path:
+         pipeline_hash: str, replicas: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+         keep: int = 3) -> Path:
     """Write ``ckpt-<step>.pt`` and its manifest atomically; keep the newest ``keep``."""
-    import io
-
     directory = checkpoint_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        fsync_dir(directory.parent)
     payload = {"format": FORMAT, "step": int(step), "shards": shards, "replicas": replicas or {},
-               "spec": spec_data, "pipeline_hash": pipeline_hash, "time": time.time()}
+               "spec": spec_data, "pipeline_hash": pipeline_hash, "time": time.time(), "layout": layout or {}}
     buf = io.BytesIO()
     torch.save(payload, buf)
     data = buf.getvalue()
     path = directory / f"ckpt-{step:08d}.pt"
-    atomic_write(path, data)
+    atomic_write(path, data, sync_dir=False)
     manifest = {"step": int(step), "file": path.name, "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
-    atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode(), sync_dir=False)
     fsync_dir(directory)
     _retain(directory, path, keep)
     return path
@@ -75,31 +89,17 @@ def _step_of(path: Path) -> int:
 
 
 def _retain(directory: Path, current: Path, keep: int) -> None:
-    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints.
-
-    A checkpoint *newer* than ``current`` exists only when this run resumed or recovered past it,
-    i.e. it failed :func:`verify`: it is removed (with a warning) rather than counted against
-    ``keep`` (with keep: 1 the checkpoint just written would otherwise be deleted) or left to be
-    tried first at every later resume. A newer one that does verify is left alone and not counted.
-    """
+    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints. Newer ones
+    are left alone and not counted (a resume moved the invalid newer ones aside already)."""
     step = _step_of(current)
-    paths = list_checkpoints(directory.parent)
-    doomed = []
-    for p in (p for p in paths if _step_of(p) > step):
-        try:
-            verify(p)
-        except (OSError, ValueError) as exc:
-            logger.warning("removing %s, newer than the checkpoint just written (%s) but invalid: %s",
-                           p.name, current.name, exc)
-            doomed.append(p)
-    older = [p for p in paths if _step_of(p) <= step]
-    doomed += older[:max(len(older) - max(keep, 1), 0)]
-    for old in doomed:
+    older = [p for p in list_checkpoints(directory.parent) if _step_of(p) <= step]
+    for old in older[:max(len(older) - max(keep, 1), 0)]:
         for p in (old, old.with_suffix(".json")):
             p.unlink(missing_ok=True)
-    # Temp files of a writer killed mid-save (the chief is the only writer: another pid's are stale).
+    # Temp files of a writer killed mid-save (the run directory's lock makes this run the only
+    # writer: another pid's are stale).
     for p in directory.glob(".ckpt-*.tmp-*"):
-        if not p.name.endswith(f".tmp-{os.getpid()}"):
+        if f".tmp-{os.getpid()}-" not in p.name:
             p.unlink(missing_ok=True)
 
 
@@ -115,23 +115,25 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def verify(path: Path) -> dict[str, Any]:
     """Check a checkpoint against its manifest and load it (``weights_only=True``).
 
-    Raises ValueError saying what is wrong (missing manifest, size or checksum mismatch, unloadable).
+    Raises ValueError saying what is wrong with its content (missing or foreign manifest, size or
+    checksum mismatch, unloadable, shards of a sync run at different steps) and OSError when it
+    cannot be read at all.
     """
     manifest_path = path.with_suffix(".json")
+    if not manifest_path.exists():
+        raise ValueError(f"{path.name}: no manifest {manifest_path.name} (a save cut short?)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path.name}: manifest {manifest_path.name} unreadable ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: manifest {manifest_path.name} is not JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("file", path.name) != path.name:
         raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this file")
+    size = path.stat().st_size  # before reading: a huge bogus file is refused without loading it
+    if size != manifest.get("bytes"):
+        raise ValueError(f"{path.name}: {size} bytes, manifest says {manifest.get('bytes')} (truncated?)")
     data = path.read_bytes()
-    if len(data) != manifest.get("bytes"):
-        raise ValueError(f"{path.name}: {len(data)} bytes, manifest says {manifest.get('bytes')} (truncated?)")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != manifest.get("sha256"):
+    if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
         raise ValueError(f"{path.name}: sha256 mismatch (corrupt)")
-    import io
-
     try:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises several types for bad pickles
@@ -141,18 +143,60 @@ def verify(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path.name}: unknown checkpoint format {got!r}")
     if payload.get("step") != _step_of(path):
         raise ValueError(f"{path.name}: holds step {payload.get('step')!r}, not the step its name says")
-    if not isinstance(payload.get("shards"), list):
+    if not isinstance(payload.get("shards"), list) or not payload["shards"]:
         raise ValueError(f"{path.name}: no shard list")
+    mode = ((payload.get("spec") or {}).get("training") or {}).get("mode")
+    steps = sorted({int(sh.get("step", -1)) for sh in payload["shards"]})
+    if mode == "sync" and len(steps) != 1:
+        raise ValueError(f"{path.name}: a sync checkpoint whose shards are at different steps {steps} "
+                         "(inconsistent; written by an interrupted save of an older dtrain)")
     return payload
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
-    """The newest valid checkpoint (skipping, with a warning, any newer one that fails :func:`verify`)."""
+    """The checkpoint to resume or recover from: the newest valid one, or None when the run
+    directory holds no checkpoint at all.
+
+    Newer checkpoints whose content is invalid are moved into ``checkpoints/invalid/`` with a
+    warning. Raises :class:`CheckpointError` when one cannot be read (an I/O error) or when none
+    of the checkpoints present is valid, naming each file and why.
+    """
+    problems: list[str] = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
             payload = verify(path)
-        except (OSError, ValueError) as exc:
-            logger.warning("skipping checkpoint %s: %s; trying the previous one", path, exc)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot read checkpoint {path}: {exc}; fix the file system (or move the file aside) and "
+                "resume again: a resume never skips a checkpoint it could not read") from None
+        except ValueError as exc:
+            moved = quarantine(path)
+            logger.warning("checkpoint %s is invalid (%s); moved it to %s and trying the previous one",
+                           path.name, exc, moved.parent)
+            problems.append(str(exc))
             continue
         return Checkpoint(int(payload["step"]), path, payload)
+    if problems:
+        raise CheckpointError(f"no valid checkpoint in {checkpoint_dir(run_dir)} ("
+                              + "; ".join(problems) + "): moved to checkpoints/invalid/; to start over, "
+                              "use another --run-dir")
     return None
+
+
+def quarantine(path: Path) -> Path:
+    """Move a checkpoint and its manifest into ``checkpoints/invalid/`` (never delete it); returns
+    the new path of the checkpoint."""
+    invalid = path.parent / "invalid"
+    invalid.mkdir(exist_ok=True)
+    target = invalid / path.name
+    n = 1
+    while target.exists():
+        target = invalid / f"{path.stem}.{n}{path.suffix}"
+        n += 1
+    os.replace(path, target)
+    manifest = path.with_suffix(".json")
+    if manifest.exists():
+        os.replace(manifest, target.with_suffix(".json"))
+    fsync_dir(invalid)
+    fsync_dir(path.parent)
+    return target

@@ -9,15 +9,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .rundir import clean_json
+
 logger = logging.getLogger(__name__)
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    return value
 
 
 class JsonlSink:
@@ -28,7 +22,7 @@ class JsonlSink:
         self._f = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._f.write(json.dumps(_clean({"step": step, **metrics}), sort_keys=False) + "\n")
+        self._f.write(json.dumps(clean_json({"step": step, **metrics}), sort_keys=False, allow_nan=False) + "\n")
         self._f.flush()
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ scheduler; a replica's worker left), and restarts it:
 - a lost **worker** task: only its replica is resubmitted once its worker is back; in sync mode
   (and with bounded staleness) the surviving replicas' barriers get a grace while it restarts,
   and a step it left half-pushed is completed without it (``ShardGroup.excuse``);
-- in-graph replication restarts its step driver from the newest checkpoint.
+- in-graph replication restarts its step driver and every shard from the newest checkpoint
+  after any loss (the step in flight is lost with the task).
 
 Each recovery is counted against ``training.max_recoveries`` and logged (``recovery_log``).
 """
@@ -50,10 +51,6 @@ class Recovery:
         tasks = s.conn.tasks
         shards = [sh.index for sh, f in zip(s.plan.shards, s.shards.futures, strict=True)
                   if f.status == "error" or tasks.get(sh.task) not in live]
-        if s.driver is not None:
-            if any(tasks.get(r.task) not in live for r in s.plan.replicas):
-                shards = shards or [0]  # in-graph: restart the step driver from the checkpoint
-            return shards, []
         return shards, [r.index for r in s.plan.replicas if tasks.get(r.task) not in live]
 
     def check(self) -> bool:
@@ -90,24 +87,45 @@ class Recovery:
             return None
 
     def recover(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
+        """Restart what was lost; a task lost again while restarting (another worker died, the
+        restarted one died) is a further recovery within ``training.max_recoveries``."""
+        while True:
+            try:
+                self._recover_once(lost_shards, lost_replicas)
+                return
+            except RunError:
+                raise
+            except Exception as exc:
+                lost_shards, lost_replicas = self.lost_tasks()
+                if not (lost_shards or lost_replicas):
+                    raise
+                logger.warning("lost a task again while recovering (%s: %s)", type(exc).__name__, exc)
+
+    def _recover_once(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
         s = self.session
         t_lost = time.time()
+        step_lost = s.global_step  # the global step when the loss was seen (the chief's last poll)
         lost = [s.plan.shards[i].task for i in lost_shards] + [s.plan.replicas[i].task for i in lost_replicas]
+        for h in s.hooks:  # before anything else: the hooks hear of every loss, the last one too
+            for task in lost:
+                h.on_task_lost(task)
         self.count += 1
         limit = s.spec.training.max_recoveries
         if self.count > limit:
             raise RunError(f"lost {', '.join(lost)}; recovery attempts used up (training.max_recoveries: {limit})")
-        for h in s.hooks:
-            for task in lost:
-                h.on_task_lost(task)
-        logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), s.global_step,
+        logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), step_lost,
                        self.count, limit)
-        stale = [f for i, f in enumerate(s.replica_futures) if lost_shards or i in lost_replicas]
-        if lost_replicas and not lost_shards:
+        record: dict[str, Any] = {"lost": lost, "step": step_lost, "time": t_lost}
+        self.log.append(record)
+        # A lost ps, or any loss in in-graph replication (its step in flight is lost with it): every
+        # shard restarts from the newest checkpoint, with the step driver or every replica.
+        restart = bool(lost_shards) or s.driver is not None
+        stale = [f for i, f in enumerate(s.replica_futures) if restart or i in lost_replicas]
+        if not restart:
             self._grant_barrier_grace()
-            if s.spec.training.mode == "sync" and s.driver is None:
+            if s.spec.training.mode == "sync":
                 s.shards.excuse(lost_replicas)
-        if lost_shards:
+        if restart:
             # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
             # checkpoint, so that all shards agree on one step.
             s.shards.request_stop()
@@ -120,19 +138,22 @@ class Recovery:
         s.client.cancel([f for f in stale if f is not None], force=True)
         wait_for_tasks(s.conn, s.spec, s.spec.cluster.wait_s)
         s.plan = s.shards.plan = compile(s.spec, s.conn.workers())
-        if lost_shards:
+        if restart:
             s.shards.generation += 1
             latest = ckpt_io.latest(s.run_dir) if s.spec.checkpoint is not None else None
             if latest is None:
+                logger.warning("no checkpoint to restore: the ps restarts from the initial parameters (step 0); "
+                               "add a checkpoint section to lose at most its interval")
                 s.global_step = 0
                 s.local_steps = {}
             s.start_generation(latest)
+            record["restored_step"] = latest.step if latest is not None else 0
         else:
             s.write_cluster_info()
             for i in lost_replicas:
                 s.submit_replicas(only=i)
-        self.log.append({"lost": lost, "step": s.global_step, "time": t_lost,
-                         "restored_step": s.global_step, "recovered_s": time.time() - t_lost})
+            record["restored_step"] = None  # nothing restored: the ps kept its step
+        record["recovered_s"] = time.time() - t_lost
 
     def _grant_barrier_grace(self) -> None:
         """A lost replica's replacement needs a worker restart, imports and data loading before its

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,12 +56,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename: readers see the old file or the new one, never a torn one (used
-    for checkpoints, manifests, summary.json and model.pt)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
+    """Temp file, fsync, rename (then the directory fsynced unless ``sync_dir`` is false, for a
+    caller that syncs it once after several writes): readers see the old file or the new one,
+    never a torn one (used for checkpoints, manifests, summary.json and model.pt). The temp file
+    is created exclusively with a random name and never through a symbolic link."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -67,10 +72,25 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed write (disk full, interrupt) leaves no temp file behind
         raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def clean_json(value: Any) -> Any:
+    """JSON data without NaN or infinities (null instead): strict JSON for jq and browsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(v) for v in value]
+    return value
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    atomic_write(path, (json.dumps(obj, indent=2, default=str) + "\n").encode("utf-8"))
+    """Strict JSON (non-finite numbers written as null), atomically."""
+    text = json.dumps(clean_json(obj), indent=2, default=str, allow_nan=False)
+    atomic_write(path, (text + "\n").encode("utf-8"))
 
 
 def save_torch(obj: Any, path: Path) -> None:
@@ -80,3 +100,57 @@ def save_torch(obj: Any, path: Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write(path, buf.getvalue())
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory for the run's lifetime (``flock`` on ``RUN_DIR/.lock``,
+    released by the kernel if the process dies): two runs never share one directory."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        import fcntl
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
+                     0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirError(f"{self.run_dir} is in use by another run (pid {holder}); wait for it to end or "
+                              "choose another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
+def early_summary(spec: Any, status: str, error: str, wall_s: float) -> dict[str, Any]:
+    """summary.json for a run that ended before its session could write one (the cluster did not
+    start, its task workers never came): the contract's keys, nothing trained."""
+    t = spec.training
+    return {"name": spec.name, "status": status, "global_step": 0, "final_loss": None, "eval": None,
+            "wall_s": round(wall_s, 3), "samples_per_sec": None, "mode": t.mode, "replication": t.replication,
+            "replicas": spec.num_replicas() if not spec.is_graph else 0, "recoveries": 0, "dropped_stale": 0,
+            "error": error}
+
+
+def describe_exit(exc: BaseException) -> tuple[str, str]:
+    """(status, error) of a run ended by ``exc``."""
+    from dtrain.spec.errors import RunError, Terminated
+
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", (str(exc) or "terminated (SIGTERM)") if isinstance(exc, Terminated) else "interrupted"
+    if isinstance(exc, RunError):
+        return "failed", str(exc)
+    return "failed", f"{type(exc).__name__}: {exc}"

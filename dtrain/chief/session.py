@@ -1,9 +1,4 @@
-"""The monitored training session: ``dtrain.run`` and the chief's loop.
-
-``run`` refuses what it can before any cluster starts (a run directory that holds checkpoints,
-a bad custom hook), connects (the given client's cluster, a running scheduler's, or an embedded
-one started and stopped here) and runs a graph pipeline (``dtrain.graph.runner``) or a
-training :class:`Session`.
+"""The monitored training session: the chief's loop.
 
 :class:`Session` initialises the variables (seeded) in a :class:`~dtrain.chief.shards.ShardGroup`
 (one ParameterShard actor per shard, pinned to its ps task's worker), restores them from the
@@ -17,6 +12,7 @@ run directory (DESIGN.md's contract). The tensor math lives in the ps and worker
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -24,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distributed import Client, Future
+from distributed import Future
 
-from dtrain.deploy.cluster import Connection, connect
+from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
@@ -36,36 +32,20 @@ from dtrain.worker.replica import dataset_for, evaluate
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from .hooks import Hook, NanGuardHook, StepContext, build_hooks
+from . import signals
+from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
 from .metrics import JsonlSink, TensorBoardSink
 from .recovery import Recovery
-from .rundir import Result, check_run_dir, default_run_dir, save_torch, write_json
-from .shards import ShardGroup, task_host
+from .rundir import (
+    Result,
+    save_torch,
+    write_json,
+)
+from .shards import ShardGroup, checkpoint_layout, task_host
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
-
-
-def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | None = None, *,
-        scheduler: str | None = None, resume: bool = False, progress: Callable[[dict[str, Any]], None] | None = None,
-        processes: bool = True) -> Result:
-    """Run a pipeline. With ``client``, on that client's cluster (it must have a worker per task,
-    named ``<job>-<index>`` or tagged with the resource ``<job>``); otherwise on
-    ``scheduler``/``cluster.scheduler``, or on an embedded cluster started (and stopped) here."""
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(spec)
-    check_run_dir(run_dir, resume)
-    if spec.is_graph:
-        from dtrain.graph.runner import run_graph
-
-        return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
-    hooks = build_hooks(spec.hooks)  # a bad custom hook is a SpecError: before anything starts
-    with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
-        session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks)
-        # Actor handles find their client through the "current client" (this is not made the
-        # process-wide default client, which belongs to the user).
-        with conn.client.as_current():
-            return session.run()
 
 
 class Session:
@@ -103,6 +83,7 @@ class Session:
         self.checkpoints_written: list[str] = []
         self._last_ckpt_step = 0
         self._last_ckpt_time = time.monotonic()
+        self.summary_written = False
 
     @property
     def generation(self) -> int:
@@ -177,13 +158,18 @@ class Session:
             torch.manual_seed(self.spec.training.seed)
             init_model = build_model(self.spec)
             self.init_buffers = self.layout.pack(dict(init_model.named_parameters()))
+            # --resume: the newest valid checkpoint; an unreadable one, or checkpoints none of which
+            # is valid, is an error (CheckpointError), never a silent restart from step 0.
             latest = ckpt_io.latest(self.run_dir) if self.resume else None
             if self.resume and latest is None:
-                logger.warning("--resume: no valid checkpoint in %s; starting from step 0", self.run_dir)
+                logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
             self.start_generation(latest)
             self.start_step = self.global_step
             for h in self.hooks:
                 h.begin(self)
+            stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook) and h.last_step is not None]
+            if stops:  # a stop_at_step hook ends training exactly there, as training.steps does
+                self.shards.stop_at(min(stops))
             self.t_train = time.time()
             self._monitor()
             self.train_s = time.time() - self.t_train
@@ -192,13 +178,17 @@ class Session:
             model, final_eval = self._finish(init_model)
             status = "completed"
         except KeyboardInterrupt as exc:
-            status, error = "interrupted", "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-            if self.spec.checkpoint is not None and self.shards.handles:
-                try:
-                    self.shards.request_stop()
-                    self.save_checkpoint()
-                except Exception as ckpt_exc:  # the interrupt wins; say what was lost
-                    logger.warning("could not checkpoint on interrupt: %s", ckpt_exc)
+            status, error = "interrupted", str(exc) if isinstance(exc, Terminated) and str(exc) else (
+                "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
+            with signals.deferred():
+                # First what a kill during the cleanup would otherwise lose: a provisional summary,
+                # then a checkpoint with every shard held and stopped at one step.
+                self._write_summary(status, error, {}, time.time() - t_start)
+                if self.spec.checkpoint is not None and self.shards.handles:
+                    try:
+                        self.save_checkpoint(stop=True)
+                    except Exception as ckpt_exc:  # the interrupt wins; say what was lost
+                        logger.warning("could not checkpoint on interrupt: %s", ckpt_exc)
             raise
         except RunError as exc:
             error = str(exc)
@@ -207,19 +197,32 @@ class Session:
             error = f"{type(exc).__name__}: {exc}"
             raise RunError(error) from exc
         finally:
-            if status != "completed":
-                self._cancel()
-            for h in self.hooks:
-                try:
-                    h.end(self)
-                except Exception as exc:  # a hook's failure must not hide the run's own outcome
-                    logger.warning("hook %s failed at end: %s", type(h).__name__, exc)
-            summary = self._summary(status, error, final_eval, time.time() - t_start)
-            write_json(self.run_dir / "summary.json", summary)
-            for sink in self.sinks:
-                sink.close()
+            with signals.deferred():
+                if status != "completed":
+                    self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional
+                    self._cancel()
+                for h in self.hooks:
+                    try:
+                        h.end(self)
+                    except Exception as exc:  # a hook's failure must not hide the run's own outcome
+                        logger.warning("hook %s failed at end: %s", type(h).__name__, exc)
+                summary = self._write_summary(status, error, final_eval, time.time() - t_start)
+                for sink in self.sinks:
+                    sink.close()
         return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan,
                       replica_stats=list(self.replica_stats))
+
+    def _write_summary(self, status: str, error: str | None, final_eval: dict[str, Any], wall_s: float
+                       ) -> dict[str, Any]:
+        """Write summary.json; a failure to write (a full disk) is logged, never raised over the
+        run's own outcome and exit code."""
+        summary = self._summary(status, error, final_eval, wall_s)
+        try:
+            write_json(self.run_dir / "summary.json", summary)
+            self.summary_written = True
+        except OSError as exc:
+            logger.error("could not write %s: %s", self.run_dir / "summary.json", exc)
+        return summary
 
     def write_cluster_info(self) -> None:
         """``cluster.json``: scheduler, dashboard and each task's worker address and process id
@@ -227,7 +230,8 @@ class Session:
         import os
 
         try:
-            pids = self.client.run(os.getpid, workers=list(set(self.conn.tasks.values())))
+            # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
+            pids = self.client.run(os.getpid, workers=list(set(self.conn.tasks.values())), callback_timeout=30)
         except Exception as exc:  # informational only
             logger.debug("could not read worker pids: %s", exc)
             pids = {}
@@ -250,28 +254,34 @@ class Session:
         self.submit_replicas()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path | None:
-        """Snapshot every shard at one consistent step and write it atomically.
+    def save_checkpoint(self, stop: bool = False) -> Path | None:
+        """Snapshot every shard at one consistent step and write it atomically; with ``stop``,
+        every shard stops at that step too (the interrupt path).
 
         Applies pause for the snapshot: in async mode at once; in sync mode at the newest step any
         shard has reached, once the lagging shards have applied it (they are at most one step
-        behind, and the replicas' gradients for that step are already on their way).
+        behind, and the replicas' gradients for that step are already on their way). A sync
+        snapshot whose shards still disagree, or parameters that became non-finite, are never
+        written (RunError): a checkpoint must always be safe to resume from.
         """
         spec = self.spec.checkpoint
         if spec is None:
             return None
         t0 = time.monotonic()
-        states = self.shards.snapshot()
-        if any(isinstance(h, NanGuardHook) for h in self.hooks):
-            for i, st in enumerate(states):
-                if not bool(torch.isfinite(st["params"]).all()):
-                    raise RunError(f"nan_guard: parameters of shard {i} became non-finite at step {st['step']}; "
-                                   "no checkpoint written")
-        step = states[0]["step"]
+        states = self.shards.snapshot(stop=stop)
+        steps = [int(st["step"]) for st in states]
+        if self.spec.training.mode == "sync" and len(set(steps)) != 1:
+            raise RunError(f"the shards did not agree on one step for a checkpoint ({steps}); no checkpoint written")
+        for i, st in enumerate(states):
+            if not bool(torch.isfinite(st["params"]).all()):
+                raise RunError(f"the parameters of shard {i} became non-finite (NaN or inf) at step {st['step']}; "
+                               "no checkpoint written (lower optimizer.lr, check the data, or add a nan_guard hook "
+                               "to stop at the first non-finite gradient)")
+        step = steps[0]
         path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
                             pipeline_hash=self.plan.pipeline_hash,
                             replicas={"local_steps": {str(k): v for k, v in self.local_steps.items()}},
-                            keep=spec.keep)
+                            layout=checkpoint_layout(self.spec, self.plan), keep=spec.keep)
         self._last_ckpt_step, self._last_ckpt_time = step, time.monotonic()
         self.checkpoints_written.append(path.name)
         logger.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - t0)
@@ -288,6 +298,12 @@ class Session:
         return bool(spec.every_secs and time.monotonic() - self._last_ckpt_time >= spec.every_secs)
 
     def _open_sinks(self) -> None:
+        if not self.resume:
+            # A fresh run in a directory an earlier run (without checkpoints) used: its metrics.jsonl
+            # is replaced, so are its TensorBoard events (mixed, they would draw both runs as one
+            # curve) and its model.pt (it is not this run's).
+            shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
+            (self.run_dir / "model.pt").unlink(missing_ok=True)
         self.sinks = [JsonlSink(self.run_dir / "metrics.jsonl", append=self.resume)]
         if self.spec.summary.tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / "tb"))
@@ -332,7 +348,7 @@ class Session:
                 self.records.append(rec)
                 latest = metrics
                 every = self.spec.eval.every_steps
-                if every and rec["step"] % every == 0 and rec["step"] < self.spec.training.steps:
+                if every and rec["step"] % every == 0 and rec["step"] < self.shards.last_step:
                     self.recovery.guarded(self._evaluate_now, rec["step"])
             if self.global_step != last_step:
                 ctx = StepContext(self.global_step, dict(latest))
@@ -346,7 +362,7 @@ class Session:
                     self.recovery.guarded(self.shards.stop_consistently)
                 last_step = self.global_step
             if self.progress is not None:
-                self.progress({"step": self.global_step, "steps": self.spec.training.steps,
+                self.progress({"step": self.global_step, "steps": self.shards.last_step,
                                "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
                                "dropped_stale": self.dropped_stale})
             if stats["error"]:
@@ -408,6 +424,11 @@ class Session:
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
         self.shards.close_data_plane()
         model = self._assemble(model, self.shards.pull_params())
+        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
+            raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.global_step}: "
+                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; model.pt not written (lower "
+                           "optimizer.lr, check the data, or add a nan_guard hook to stop at the first one)")
         final_eval = self._eval(model)
         if final_eval:
             self._log({"eval": final_eval}, self.global_step)

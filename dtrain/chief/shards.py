@@ -19,15 +19,13 @@ from distributed import Future
 
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
-from dtrain.plan.compiler import Plan
+from dtrain.plan.compiler import Plan, parameter_layout
+from dtrain.plan.layout import ShardLayout, reshard
 from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)
-
-NEVER = 10**12  # a hold step no shard reaches: "pause nothing yet, tell me your step"
-
 
 def task_host(address: str) -> str:
     """The host of a worker address (``tcp://[::1]:4000`` -> ``::1``)."""
@@ -49,6 +47,7 @@ class ShardGroup:
         self.futures: list[Future] = []
         self.data_plane: dict[str, Any] | None = None
         self._secret = secrets.token_bytes(32)
+        self.last_step = spec.training.steps  # lowered by a stop_at_step hook (stop_at)
         # Replica connections the ps data planes served (all generations), and through shared memory.
         self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
 
@@ -56,13 +55,14 @@ class ShardGroup:
     def _config(self, index: int) -> dict[str, Any]:
         t = self.spec.training
         return {
-            "index": index, "mode": t.mode, "steps": t.steps, "generation": self.generation,
+            "index": index, "mode": t.mode, "steps": self.last_step, "generation": self.generation,
             "holds_global_step": self.plan.shards[index].holds_global_step,
             "barrier_timeout_s": t.barrier_timeout_s, "summary_every": self.spec.summary.every_steps,
             "nan_guard": self.nan_guard,
             "num_replicas": self.plan.num_replicas, "replicas_to_aggregate": self.plan.replicas_to_aggregate,
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
+            "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
         }
 
     def create(self, init: list[torch.Tensor]) -> None:
@@ -110,14 +110,26 @@ class ShardGroup:
         self.data_plane = None
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Set every shard (params, optimizer state, step) from one checkpoint."""
-        states = checkpoint.payload["shards"]
+        """Set every shard (params, optimizer state, step) from one checkpoint: as written when the
+        placement is the same, else resharded (another number of ps tasks or another placement:
+        each variable and its optimizer state reassembled and placed anew). A checkpoint of other
+        variables (names, shapes) or another optimizer is refused with a RunError saying what
+        differs."""
+        states = _check_restorable(checkpoint, self.spec)
+        written = checkpoint.payload.get("layout") or {}
+        layout = ShardLayout.from_plan(self.plan)
+        if written.get("parts"):
+            old = ShardLayout.from_description(written)
+            if not old.same_as(layout):
+                logger.info("%s: resharding %d shard(s) onto %d", checkpoint.path.name, old.num_shards,
+                            layout.num_shards)
+                states = reshard(states, old, layout)
         if len(states) != len(self.handles) or any(
                 st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards, strict=True)):
             raise RunError(f"{checkpoint.path} was written for a different model or placement "
                            f"({len(states)} shard(s)); use another --run-dir")
         for shard, state in zip(self.handles, states, strict=True):
-            call(shard.set_state(state))
+            call(shard.set_state(state), timeout=transfer_timeout(state["params"].numel()))
 
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
@@ -142,6 +154,12 @@ class ShardGroup:
             except Exception as exc:  # a lost shard cannot be stopped; its replicas time out
                 logger.debug("request_stop failed: %s", exc)
 
+    def stop_at(self, step: int) -> None:
+        """End training at global step ``step`` (exactly: the shards refuse the updates after it)."""
+        self.last_step = min(self.last_step, step)
+        for s in self.handles:
+            call(s.stop_at(self.last_step))
+
     def hold_consistent(self) -> list[int]:
         """Pause applies with every shard at one step; returns the steps.
 
@@ -150,7 +168,9 @@ class ShardGroup:
         step are already on their way)."""
         if self.spec.training.mode == "async":
             return [call(s.hold()) for s in self.handles]
-        target = max(call(s.hold(NEVER)) for s in self.handles)
+        # (the steps, read without touching a hold: a shard may already be paused at a
+        # checkpoint step of its own, see ParameterShard._after_apply)
+        target = max(self.steps(timeout=30))
         steps: list[int] = []
         for _ in range(5):
             for s in self.handles:
@@ -168,11 +188,16 @@ class ShardGroup:
             except Exception as exc:  # a lost shard: recovery will replace it
                 logger.debug("release failed: %s", exc)
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every shard's state (params, optimizer state, step) at one consistent step."""
+    def snapshot(self, stop: bool = False) -> list[dict[str, Any]]:
+        """Every shard's state (params, optimizer state, step) at one consistent step; with
+        ``stop``, every shard also stops there (an interrupt: held first, then stopped, so no step
+        lands on one shard but not another)."""
         try:
             self.hold_consistent()
-            return [call(s.get_state(), timeout=60) for s in self.handles]
+            if stop:
+                self.request_stop()
+            return [call(s.get_state(), timeout=transfer_timeout(shard.numel))
+                    for s, shard in zip(self.handles, self.plan.shards, strict=True)]
         finally:
             self.release()
 
@@ -212,3 +237,46 @@ class ShardGroup:
 def call(future: Any, timeout: float = 30.0) -> Any:
     """The result of an actor call, waiting at most ``timeout`` seconds."""
     return future.result(timeout=timeout)
+
+
+def transfer_timeout(numel: int, state_factor: int = 4) -> float:
+    """A timeout for moving a shard's state (params and up to three optimizer tensors of float32)
+    through Dask: 60 s, plus 1 s per 20 MB (a slow 160 Mbit/s network)."""
+    return 60.0 + numel * 4 * state_factor / 20e6
+
+
+def _check_restorable(checkpoint: Checkpoint, spec: PipelineSpec) -> list[dict[str, Any]]:
+    """The checkpoint's shard states, once its variables and optimizer are known to be this
+    pipeline's (names and shapes; the optimizer's name: its settings, e.g. the learning rate, may
+    change on a resume)."""
+    payload = checkpoint.payload
+    name = checkpoint.path.name
+    written_opt = ((payload.get("spec") or {}).get("optimizer") or {}).get("name")
+    if written_opt is not None and written_opt != spec.optimizer.name:
+        raise RunError(f"{name} was written with optimizer {written_opt!r}, the pipeline has "
+                       f"{spec.optimizer.name!r}: its optimizer state cannot be used; resume with "
+                       f"optimizer.name: {written_opt}, or start over in another --run-dir")
+    written = (payload.get("layout") or {}).get("variables")
+    if written:
+        mine = dict(_variables(spec))
+        theirs = {v: tuple(shape) for v, shape in written}
+        problems = [f"{v} {list(s)} is not in the model" for v, s in theirs.items() if v not in mine]
+        problems += [f"the model's {v} {list(s)} is not in the checkpoint" for v, s in mine.items() if v not in theirs]
+        problems += [f"{v} is {list(theirs[v])} there and {list(s)} in the model" for v, s in mine.items()
+                     if v in theirs and theirs[v] != s]
+        if problems:
+            raise RunError(f"{name} holds other variables than the model ({'; '.join(problems[:5])}"
+                           + (f"; {len(problems) - 5} more" if len(problems) > 5 else "")
+                           + "): a resume needs the same model; start over in another --run-dir")
+    return list(payload["shards"])
+
+
+def _variables(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Each parameter's name and shape, in creation order (from the model on the meta device)."""
+    return [(name, tuple(shape)) for name, shape, _ in parameter_layout(spec)]
+
+
+def checkpoint_layout(spec: PipelineSpec, plan: Plan) -> dict[str, Any]:
+    """What a checkpoint records of the model and its placement, so a resume can check it and
+    reshard it."""
+    return {**ShardLayout.from_plan(plan).describe(), "variables": [[n, list(s)] for n, s in _variables(spec)]}

@@ -27,6 +27,7 @@ from dtrain.spec.pipeline import PipelineSpec
 logger = logging.getLogger(__name__)
 
 DEATH_TIMEOUT_S = 15
+SCHEDULER_TIMEOUT_S = 30  # any single question to the scheduler
 MALLOC_TRIM_THRESHOLD = 256 << 20
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit
 
@@ -65,6 +66,9 @@ def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[s
             }
             if processes:
                 options["dashboard_address"] = None
+                # Signals meant for the chief (Ctrl-C, systemd's stop) must not end these processes
+                # before it has checkpointed: see dtrain.deploy.preload.
+                options["preload"] = ["dtrain.deploy.preload"]
                 options["env"] = {
                     "OMP_NUM_THREADS": str(spec.training.torch_threads),
                     "MKL_NUM_THREADS": str(spec.training.torch_threads),
@@ -109,7 +113,12 @@ class Connection:
         """The scheduler's current workers, asked of the scheduler itself: the client's cached
         ``scheduler_info`` is periodically refreshed and can briefly list no workers, which would
         look like lost tasks."""
-        return self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
+        try:
+            info = self.client.sync(self.client.scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_TIMEOUT_S)
+        except TimeoutError:
+            raise RunError(f"the scheduler at {self.client.scheduler.address} does not answer "
+                           f"(no reply in {SCHEDULER_TIMEOUT_S} s); is it overloaded, stopped or frozen?") from None
+        return info["workers"]
 
     def close(self) -> None:
         if self.owns_client:

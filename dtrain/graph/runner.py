@@ -10,6 +10,7 @@ lives in ``dtrain.graph.ops``.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
-from dtrain.spec.errors import RunError
+from dtrain.spec.errors import RunError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
+
+logger = logging.getLogger(__name__)
 
 
 def _torch_device(device: str, soft: bool) -> torch.device:
@@ -90,12 +93,39 @@ def build_graph(plan: Any, client: Any, soft: bool = True) -> dict[str, Any]:
 def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = None, processes: bool = True,
               run_dir: Any = None) -> Any:
     """Evaluate a graph pipeline on its cluster; Result with ``fetched`` and a placement record
-    (also written to ``run_dir/summary.json`` when a run directory is given)."""
-    from dtrain.chief.rundir import Result, write_json
+    (also written to ``run_dir/summary.json`` when a run directory is given, on failure too)."""
+    from pathlib import Path
+
+    from dtrain.chief.rundir import Result, describe_exit, write_json
+
+    t0 = time.monotonic()
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        summary, fetched, plan = _evaluate(spec, client, scheduler, processes, t0)
+    except BaseException as exc:
+        if run_dir is not None and not isinstance(exc, SpecError):
+            status, error = describe_exit(exc)
+            try:
+                write_json(Path(run_dir) / "summary.json", {"name": spec.name, "status": status, "error": error,
+                                                            "wall_s": round(time.monotonic() - t0, 3)})
+            except OSError as write_exc:
+                logger.error("could not write %s: %s", Path(run_dir) / "summary.json", write_exc)
+        raise
+    if run_dir is not None:
+        write_json(Path(run_dir) / "summary.json", summary)
+    return Result(summary=summary, fetched=fetched, plan=plan, run_dir=run_dir)
+
+
+def _evaluate(spec: PipelineSpec, client: Any, scheduler: str | None, processes: bool, t0: float
+              ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    from distributed import wait
+
     from dtrain.deploy.cluster import connect
     from dtrain.plan.compiler import compile
 
-    t0 = time.monotonic()
+    # Graph nodes are small: a result that takes longer than this waits on a lost worker.
+    timeout = spec.training.call_timeout_s + spec.cluster.wait_s
     with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
         plan = compile(spec, conn.workers())
         if plan.missing_tasks:
@@ -107,10 +137,14 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
                                           pure=False)
                  for name, fut in futures.items() if name not in plan.fetch}
         try:
+            wait([*futures.values(), *where.values()], timeout=timeout)
             got = conn.client.gather([futures[n] for n in plan.fetch])
             names = dict(zip(where, conn.client.gather(list(where.values())), strict=True))
         except OpError as exc:
             raise RunError(f"graph {spec.name}: {exc}") from None
+        except TimeoutError:
+            raise RunError(f"graph {spec.name}: no result in {timeout:.0f} s (training.call_timeout_s + "
+                           "cluster.wait_s); is a worker lost?") from None
         except Exception as exc:
             raise RunError(f"graph {spec.name} failed: {type(exc).__name__}: {exc}") from None
         finally:
@@ -121,10 +155,4 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
     summary = {"name": spec.name, "status": "completed", "fetched": fetched, "placement": placement,
                "devices": {o.name: o.device for o in plan.ops if o.name in names},
                "nodes": len(futures), "wall_s": round(time.monotonic() - t0, 3)}
-    if run_dir is not None:
-        from pathlib import Path
-
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        write_json(Path(run_dir) / "summary.json", summary)
-    return Result(summary=summary, fetched=fetched, plan=plan, run_dir=run_dir)
-
+    return summary, fetched, plan

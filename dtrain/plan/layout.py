@@ -73,6 +73,58 @@ class ShardLayout:
         return {name: t.view(shapes[name]) for name, t in flat.items()}
 
 
+    # ------------------------------------------------------------------ checkpoints
+    def describe(self) -> dict[str, list]:
+        """Plain data for a checkpoint (see :meth:`from_description`)."""
+        return {"parts": [[p.shard, p.offset, p.numel, p.param, p.start] for p in self.parts],
+                "shard_numel": list(self.shard_numel)}
+
+    @classmethod
+    def from_description(cls, data: Mapping[str, list]) -> ShardLayout:
+        return cls([Part(int(s), int(o), int(n), str(name), int(st)) for s, o, n, name, st in data["parts"]],
+                   [int(n) for n in data["shard_numel"]])
+
+    def same_as(self, other: ShardLayout) -> bool:
+        return self.parts == other.parts and self.shard_numel == other.shard_numel
+
+    def unpack_flat(self, buffers: Sequence[torch.Tensor], numel: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Shard buffers -> each parameter as one flat tensor of ``numel[name]`` elements."""
+        return self.unpack(buffers, {name: torch.Size([n]) for name, n in numel.items()})
+
+
+def reshard(states: Sequence[Mapping], old: ShardLayout, new: ShardLayout) -> list[dict]:
+    """Shard states written under ``old`` (``params``, ``optimizer_state``, ``step``, ...) -> states
+    for the shards of ``new``: every variable and every per-element optimizer tensor (momentum,
+    Adam's moments, Adagrad's sums) reassembled from its slices and placed anew, so a checkpoint
+    resumes under another placement or number of ps tasks. Scalar optimizer state (Adam's and
+    Adagrad's step count), the step and the counters come from the shard that holds the global
+    step (shard 0). ValueError when the two layouts do not hold the same variables."""
+    old_numel: dict[str, int] = {}
+    for p in old.parts:
+        old_numel[p.param] = max(old_numel.get(p.param, 0), p.start + p.numel)
+    new_numel: dict[str, int] = {}
+    for p in new.parts:
+        new_numel[p.param] = max(new_numel.get(p.param, 0), p.start + p.numel)
+    if old_numel != new_numel:
+        raise ValueError(f"the layouts hold different variables: {sorted(old_numel.items())} against "
+                         f"{sorted(new_numel.items())}")
+
+    def regroup(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return new.pack(old.unpack_flat([b.reshape(-1).to(torch.float32) for b in buffers], old_numel))
+
+    params = regroup([st["params"] for st in states])
+    opt_states = [dict(st.get("optimizer_state") or {}) for st in states]
+    elementwise = [k for k, v in opt_states[0].items() if isinstance(v, torch.Tensor)
+                   and all(isinstance(s.get(k), torch.Tensor) and s[k].numel() == n
+                           for s, n in zip(opt_states, old.shard_numel, strict=True))]
+    scalars = {k: v for k, v in opt_states[0].items() if not isinstance(v, torch.Tensor)}
+    regrouped = {k: regroup([s[k] for s in opt_states]) for k in elementwise}
+    head = states[0]
+    return [{**{k: v for k, v in head.items() if k not in ("params", "optimizer_state")},
+             "params": params[i], "optimizer_state": {**scalars, **{k: regrouped[k][i] for k in elementwise}}}
+            for i in range(new.num_shards)]
+
+
 class BoundModel:
     """A model bound to persistent shard buffers: ``load_params`` copies received shard buffers
     into the parameters, ``grads_into`` copies the gradients into a shard-shaped buffer set."""

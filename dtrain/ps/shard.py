@@ -79,6 +79,8 @@ class ParameterShard:
         self._grace_until = 0.0  # monotonic time until which barrier waits may exceed their timeout
         # Checkpoint snapshots: applies pause once the step reaches hold_at, until release().
         self.hold_at: int | None = None
+        # checkpoint.every_steps: pause by itself at every multiple (see _after_apply).
+        self.checkpoint_every: int | None = config.get("checkpoint_every")
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -130,9 +132,17 @@ class ParameterShard:
         self.local_steps[replica] = local_step
 
     def _after_apply(self) -> None:
+        step = self.step
+        if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.steps \
+                and self.hold_at is None and (self.mode == "sync" or self.holds_global_step):
+            # Pause at the checkpoint step until the chief has taken its snapshot and released
+            # it: checkpoints land on exact multiples of every_steps however fast the steps are
+            # (the chief polls every 0.1 s), so a lost ps costs at most every_steps steps. Sync:
+            # every shard (they move in lockstep); async: the shard counting the global step (the
+            # others' steps differ anyway: a push may be applied on one shard and dropped on another).
+            self.hold_at = step
         if not self.holds_global_step:
             return
-        step = self.step
         if step % self.summary_every == 0 or step == self.steps:
             now = time.time()
             iv = self._interval
@@ -286,6 +296,15 @@ class ParameterShard:
         if self._cond is not None:
             async with self._cond:
                 self._cond.notify_all()
+
+    async def stop_at(self, step: int) -> int:
+        """End training at global step ``step`` (a stop_at_step hook), as at ``training.steps``:
+        the update of that step is the last one applied."""
+        self.steps = min(self.steps, int(step))
+        if self.holds_global_step and self.step >= self.steps:
+            self.stop = True
+            await self._wake()
+        return self.step
 
     async def request_stop(self) -> int:
         """Ask every replica to stop at its next reply; releases waiting replicas."""

@@ -1,7 +1,8 @@
 """Checkpoints: atomic files with a manifest, retention, the newest *valid* one used to resume
-(a truncated, corrupted or manifest-less one is skipped with a warning), loading with
-``weights_only=True``; and one sync run on the in-process cluster that writes consistent
-checkpoints and resumes from them."""
+(a truncated, corrupted or manifest-less one is moved aside into checkpoints/invalid/ with a
+warning, never deleted; one that cannot be read, or a directory of only invalid ones, stops the
+resume), loading with ``weights_only=True``; and sync runs on the in-process cluster that write
+consistent checkpoints at exact steps and resume from them, also under another placement."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 def test_retention_keeps_newest_n(tmp_path):
     _save(tmp_path, 5)
-    stale = ckpt.checkpoint_dir(tmp_path) / ".ckpt-00000007.json.tmp-999999999"  # a writer killed mid-save
+    stale = ckpt.checkpoint_dir(tmp_path) / ".ckpt-00000007.json.tmp-999999999-abcd"  # a writer killed mid-save
     stale.write_text("{")
     for step in (10, 20, 30, 40):
         _save(tmp_path, step, keep=2)
@@ -111,7 +112,7 @@ def _drop_manifest(path: Path) -> None:
 
 @pytest.mark.parametrize(("damage", "reason"), [(_truncate, "truncated"), (_flip_byte, "sha256 mismatch"),
                                                 (_drop_manifest, "manifest")])
-def test_damaged_newest_falls_back_to_previous_with_warning(tmp_path, caplog, damage, reason):
+def test_damaged_newest_falls_back_to_previous_and_is_moved_aside(tmp_path, caplog, damage, reason):
     _save(tmp_path, 10)
     newest = _save(tmp_path, 20)
     damage(newest)
@@ -123,13 +124,66 @@ def test_damaged_newest_falls_back_to_previous_with_warning(tmp_path, caplog, da
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == LOGGER]
     assert len(warnings) == 1 and "ckpt-00000020.pt" in warnings[0].getMessage()
     assert reason in warnings[0].getMessage()
+    # kept, out of the way: never deleted, never tried again first
+    assert (ckpt.checkpoint_dir(tmp_path) / "invalid" / "ckpt-00000020.pt").exists()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-00000010.pt"]
 
 
-def test_no_valid_checkpoint_gives_none(tmp_path, caplog):
+def test_no_valid_checkpoint_is_an_error_not_a_restart_from_zero(tmp_path):
     _truncate(_save(tmp_path, 10))
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert ckpt.latest(tmp_path) is None
-    assert "ckpt-00000010.pt" in caplog.text
+    _flip_byte(_save(tmp_path, 20))
+    with pytest.raises(ckpt.CheckpointError, match=r"no valid checkpoint.*ckpt-00000020.pt.*sha256.*ckpt-00000010.pt"):
+        ckpt.latest(tmp_path)
+    assert sorted(p.name for p in (ckpt.checkpoint_dir(tmp_path) / "invalid").iterdir()) == [
+        "ckpt-00000010.json", "ckpt-00000010.pt", "ckpt-00000020.json", "ckpt-00000020.pt"]
+
+
+def test_an_unreadable_checkpoint_stops_the_resume_and_stays(tmp_path, monkeypatch):
+    """An I/O error (NFS ESTALE, EIO, permissions) may pass: never skip past the checkpoint or
+    delete it, and never fall back to an older timeline."""
+    import errno
+
+    _save(tmp_path, 10)
+    newest = _save(tmp_path, 20)
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == newest.name:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint .*ckpt-00000020.pt.*Input/output"):
+        ckpt.latest(tmp_path)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["ckpt-00000010.pt", "ckpt-00000020.pt"]
+    assert not (ckpt.checkpoint_dir(tmp_path) / "invalid").exists()
+    monkeypatch.undo()
+    assert ckpt.latest(tmp_path).step == 20
+
+
+def test_the_size_is_checked_before_the_file_is_read(tmp_path, monkeypatch):
+    path = _save(tmp_path, 10)
+    with open(path, "r+b") as f:  # a huge (sparse) file behind a manifest that says otherwise
+        f.truncate(1 << 30)
+
+    def refuse(self):
+        raise AssertionError("read a file whose size was already known to be wrong")
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(ValueError, match="1073741824 bytes, manifest says"):
+        ckpt.verify(path)
+
+
+def test_a_sync_checkpoint_with_shards_at_different_steps_is_refused(tmp_path):
+    shards = _shards(20)
+    shards[1]["step"] = 21
+    path = ckpt.save(tmp_path, 20, shards, spec_data={"name": "t", "training": {"mode": "sync"}},
+                     pipeline_hash="abc")
+    with pytest.raises(ValueError, match=r"different steps \[20, 21\]"):
+        ckpt.verify(path)
+    async_path = ckpt.save(tmp_path, 30, [dict(s, step=30 + i) for i, s in enumerate(_shards(30))],
+                           spec_data={"name": "t", "training": {"mode": "async"}}, pipeline_hash="abc")
+    assert ckpt.verify(async_path)["step"] == 30  # async shards count their own applies
 
 
 def test_renamed_checkpoint_is_not_trusted(tmp_path):
@@ -150,16 +204,17 @@ def test_renamed_checkpoint_is_not_trusted(tmp_path):
 
 
 def test_retention_after_resuming_past_an_invalid_newest(tmp_path, caplog):
-    """Resumed from ckpt 20 because ckpt 30 was truncated, the run's next checkpoint (25, keep 1)
-    must survive its own retention; the invalid newer one goes."""
+    """Resumed from ckpt 20 because ckpt 30 was truncated (and moved aside), the run's next
+    checkpoint (25, keep 1) survives its own retention; the invalid one stays in invalid/."""
     _save(tmp_path, 10)
     _save(tmp_path, 20)
     _truncate(_save(tmp_path, 30))
-    assert ckpt.latest(tmp_path).step == 20
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        _save(tmp_path, 25, keep=1)
-    assert _names(tmp_path) == ["ckpt-00000025.json", "ckpt-00000025.pt"]
+        assert ckpt.latest(tmp_path).step == 20
     assert "ckpt-00000030.pt" in caplog.text
+    _save(tmp_path, 25, keep=1)
+    assert _names(tmp_path) == ["ckpt-00000025.json", "ckpt-00000025.pt", "invalid"]
+    assert (ckpt.checkpoint_dir(tmp_path) / "invalid" / "ckpt-00000030.pt").exists()
     assert ckpt.latest(tmp_path).step == 25
 
 
@@ -230,7 +285,9 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     s = result.summary
     assert s["status"] == "completed" and s["global_step"] == 60
     written = s["checkpoints"]
-    assert written and written[-1] == "ckpt-00000060.pt" and len(written) >= 2
+    # The shards pause at every multiple of every_steps until the chief has its snapshot: exactly
+    # these checkpoints, however fast the steps go by between the chief's polls.
+    assert written == ["ckpt-00000020.pt", "ckpt-00000040.pt", "ckpt-00000060.pt"]
     on_disk = [p.name for p in ckpt.list_checkpoints(run_dir)]
     assert on_disk == written[-2:]  # keep: 2
     assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if p.name.startswith(".")]  # no temp files
@@ -269,3 +326,36 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     assert 100 in steps[first_run:]
     assert [p.name for p in ckpt.list_checkpoints(run_dir)][-1] == "ckpt-00000100.pt"
     assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 60
+
+
+RESHARD = """
+name: ckpt-reshard
+cluster: {jobs: {ps: 2, worker: 2}}
+model:
+  input_shape: [64]
+  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: adam, lr: 0.01}
+training: {mode: sync, steps: 80, seed: 3}
+summary: {every_steps: 20, tensorboard: false}
+checkpoint: {every_steps: 40, keep: 2}
+"""
+
+
+@pytest.mark.parametrize("placement", [["cluster.jobs.ps=1"], ["placement.variables=greedy"]])
+def test_a_resume_under_another_placement_reshards_variables_and_adam_state(inproc_client, tmp_path, placement):
+    """Written by 2 ps tasks (round robin), resumed by 1 ps task or under greedy placement: every
+    variable and its Adam moments and step count are regrouped, and training goes on exactly as
+    an uninterrupted run's (sync, fixed seed)."""
+    spec = dtrain.loads(RESHARD, base_dir=".")
+    ref = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "ref")
+    first = spec.model_copy(deep=True)
+    first.training.steps = 40
+    dtrain.run(first, client=inproc_client, run_dir=tmp_path / "run")
+    other = dtrain.loads(RESHARD, base_dir=".", overrides=placement)
+    assert ShardLayout.from_plan(dtrain.compile(other)).describe() != ShardLayout.from_plan(dtrain.compile(spec)).describe()
+    resumed = dtrain.run(other, client=inproc_client, run_dir=tmp_path / "run", resume=True)
+    assert resumed.summary["status"] == "completed" and resumed.summary["start_step"] == 40
+    assert resumed.summary["global_step"] == 80
+    a, b = ref.model.state_dict(), resumed.model.state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6

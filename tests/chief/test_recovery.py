@@ -72,8 +72,7 @@ def test_ps_killed_run_recovers_from_checkpoint(tmp_path, mode):
                      "--set", "summary.every_steps=25", "--set", "training.barrier_timeout_s=30",
                      "--set", "training.call_timeout_s=20")
     kill_at = random.Random(f"ps-{mode}").randint(250, 450)
-    wait_for_step(proc, run_dir, kill_at)
-    ckpts_before = sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+    seen = wait_for_step(proc, run_dir, kill_at)
     killed_pid = task_pid(run_dir, "/job:ps/task:1")
     kill_pid(killed_pid)
     code, out, err = finish(proc)
@@ -84,9 +83,14 @@ def test_ps_killed_run_recovers_from_checkpoint(tmp_path, mode):
     assert summary["eval"]["accuracy"] >= 0.95
     rec = summary["recovery_log"][0]
     assert "/job:ps/task:1" in rec["lost"]
-    # Steps lost <= the checkpoint interval: the restore went back to the newest checkpoint.
-    assert ckpts_before, "a checkpoint existed before the kill"
-    assert rec["step"] - rec["restored_step"] <= every + 25 or rec["restored_step"] >= int(ckpts_before[-1][5:13])
+    # Steps lost <= the checkpoint interval. The shards pause at every multiple of every_steps
+    # until the chief has its snapshot, so once a step past a multiple was reached, that multiple's
+    # checkpoint existed: the restore must come from it (or a newer one), never from an older one
+    # or from step 0. (At exactly a multiple the chief may still be writing it.) `step` is the
+    # global step when the loss was seen.
+    assert rec["restored_step"] % every == 0
+    assert rec["restored_step"] >= (seen - 1) // every * every, (rec, seen)
+    assert rec["step"] >= seen and 0 <= rec["step"] - rec["restored_step"] <= every, rec
     assert "first_apply_s" in rec  # the time from the loss to the first update after the restore
     new_pid = json.loads((run_dir / "cluster.json").read_text())["tasks"]["/job:ps/task:1"]["pid"]
     assert new_pid != killed_pid
@@ -156,3 +160,23 @@ def test_signal_writes_a_checkpoint_and_exits(tmp_path, sig, code):
     assert ckpts and int(ckpts[-1].name[5:13]) >= seen
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in children if psutil.pid_exists(p)], timeout=20)
     assert not alive, "the embedded cluster's processes outlived the run"
+
+
+def test_in_graph_restarts_its_step_driver_from_the_checkpoint_after_a_lost_worker(tmp_path):
+    """In-graph replication: a lost worker task fails the step in flight; the chief restores
+    every shard from the newest checkpoint and restarts the driver (nothing half-applied)."""
+    run_dir = tmp_path / "run"
+    every = 50
+    proc = start_run("pipelines/digits_in_graph.yaml", run_dir, "--set", "training.steps=400",
+                     "--set", f"checkpoint={{every_steps: {every}, keep: 2}}", "--set", "summary.every_steps=10",
+                     "--set", "summary.tensorboard=false")
+    seen = wait_for_step(proc, run_dir, random.Random("in-graph").randint(80, 160))
+    kill_pid(task_pid(run_dir, "/job:worker/task:1"))
+    code, out, err = finish(proc)
+    assert code == 0, err[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] == 400 and summary["recoveries"] == 1
+    rec = summary["recovery_log"][0]
+    assert rec["lost"] == ["/job:worker/task:1"], rec
+    assert rec["restored_step"] % every == 0 and rec["restored_step"] >= (seen - 1) // every * every, (rec, seen)
+    assert summary["eval"]["accuracy"] >= 0.9

@@ -94,9 +94,8 @@ def test_long_resumed_killed_run_is_sampled_deduplicated_and_readable(tmp_path):
     assert steps[0] == 10 and steps[-1] == 2000 and steps == sorted(steps)
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     assert max(gaps) <= 2 * (2000 // MAX_ROWS)  # evenly spread, not bunched
-    by_step = {int(r[0]): r for r in rows}
-    if 1600 in by_step:
-        assert by_step[1600][1] == "0.5000"  # the resumed run's record won
+    resumed = [r for r in rows if 1510 <= int(r[0]) <= 1600]  # logged twice: once by each run
+    assert resumed and all(r[1] == "0.5000" for r in resumed)  # the resumed run's records won
     assert table.splitlines()[-2].startswith("final: step 2000 (no summary.json")
     assert table.splitlines()[-1] == "(1 unreadable line(s) in metrics.jsonl skipped)"
 

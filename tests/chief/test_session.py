@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dtrain
+from dtrain.chief import checkpoint as ckpt
 from dtrain.spec.errors import RunDirError, RunError
 from tests.helpers.paths import PIPELINES
 
@@ -144,21 +145,22 @@ def test_replicas_compute_on_cuda(inproc_client, run_dir):
     assert result.summary["final_loss"] < 2.3
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_dask_actor_data_plane(inproc_client, run_dir, mode):
-    """training.transport: dask keeps the flat buffers on ps actor calls; same protocol, same results."""
+def test_dask_actor_data_plane_async(inproc_client, run_dir):
+    """training.transport: dask keeps the flat buffers on ps actor calls (async here; sync is
+    compared bit for bit with the socket data plane below)."""
     spec = tiny().model_copy(deep=True)
-    spec.training.mode = mode
     spec.training.transport = "dask"
     result = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
     assert result.summary["status"] == "completed" and result.summary["global_step"] >= 60
     assert result.summary["final_loss"] < 2.3
+    assert result.summary["data_plane"]["connections"] == 0  # no socket was opened
 
 
-def test_shared_memory_socket_bytes_and_buckets_train_identically(inproc_client, tmp_path):
+def test_every_data_plane_trains_identically(inproc_client, tmp_path):
     """Sync between-graph is deterministic: the same pipeline through the shared-memory slots,
-    through the socket's bytes pushed whole, and through the socket's bytes pushed in buckets
-    during backward ends on the same parameters; the summary says which data plane was used."""
+    through the socket's bytes pushed whole, through the socket's bytes pushed in buckets during
+    backward, and through Dask actor calls (transport: dask) ends on the same parameters; the
+    summary says which data plane was used."""
     variants = {"shm": (True, 0.0), "tcp": (False, 0.0), "tcp-buckets": (False, 0.0005)}
     results = {}
     for name, (shm, bucket_mb) in variants.items():
@@ -167,6 +169,13 @@ def test_shared_memory_socket_bytes_and_buckets_train_identically(inproc_client,
         spec.training.shared_memory = shm
         spec.training.bucket_mb = bucket_mb
         results[name] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / name)
+    dask = tiny("").model_copy(deep=True)
+    dask.training.mode = "sync"
+    dask.training.transport = "dask"
+    via_actors = dtrain.run(dask, client=inproc_client, run_dir=tmp_path / "dask")
+    assert via_actors.summary["global_step"] == 60 and via_actors.summary["data_plane"]["connections"] == 0
+    for key, value in via_actors.model.state_dict().items():
+        assert torch.equal(value, results["shm"].model.state_dict()[key]), ("dask", key)
     for name, result in results.items():
         dp = result.summary["data_plane"]
         assert dp["transport"] == "socket" and dp["connections"] == 4  # 2 replicas x 2 shards
@@ -192,3 +201,45 @@ def test_pin_cpus_spreads_the_replicas_of_one_machine(inproc_client, run_dir):
     cpus = {st["replica"]: st["extra"]["cpus"] for st in result.replica_stats}
     # both workers are on 127.0.0.1: local ranks 0 and 1, each on its own CPU (wrapping around)
     assert cpus == {0: [allowed[0]], 1: [allowed[1 % len(allowed)]]}
+
+
+def test_bfloat16_on_the_wire_end_to_end(inproc_client, tmp_path):
+    """wire_dtype: bfloat16 through the shared-memory slots and over the socket's bytes: the same
+    rounding both ways (identical parameters), a different result from float32 (the bytes really
+    were narrowed), and still training."""
+    results = {}
+    for name, (wire, shm) in {"f32": ("float32", True), "bf16-shm": ("bfloat16", True),
+                              "bf16-tcp": ("bfloat16", False)}.items():
+        spec = tiny("").model_copy(deep=True)
+        spec.training.mode = "sync"
+        spec.training.steps = 100
+        spec.training.wire_dtype = wire
+        spec.training.shared_memory = shm
+        results[name] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / name)
+        assert results[name].summary["data_plane"]["wire_dtype"] == wire
+    a, b, f = (results[k].model.state_dict() for k in ("bf16-shm", "bf16-tcp", "f32"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], f[k]) for k in a)
+    assert results["bf16-tcp"].summary["eval"]["accuracy"] >= 0.85
+
+
+def test_checkpoints_every_secs(inproc_client, run_dir):
+    """checkpoint.every_secs alone: a checkpoint whenever that much time has passed, at whatever
+    step it is (the shards held at one step for each)."""
+    spec = dtrain.loads("""
+name: every-secs
+cluster: {jobs: {ps: 2, worker: 2}}
+model:
+  module: "tests.helpers.slowmodels:SlowMLP"
+  kwargs: {delay_s: 0.01, fast_delay_s: 0.01}
+data: {source: sklearn:digits, batch_size: 16}
+training: {mode: sync, steps: 150}
+summary: {every_steps: 10, tensorboard: false}
+checkpoint: {every_secs: 0.4, keep: 100}
+""", base_dir=".")
+    assert spec.checkpoint.every_steps is None
+    s = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary
+    steps = [int(name[5:13]) for name in s["checkpoints"]]
+    assert len(steps) >= 3 and steps == sorted(set(steps)) and steps[-1] == 150, steps
+    times = [ckpt.verify(path)["time"] for path in ckpt.list_checkpoints(run_dir)[:-1]]
+    assert all(b - a >= 0.35 for a, b in zip(times, times[1:], strict=False)), times  # paced by time

@@ -42,6 +42,9 @@ class RecordingHook(Hook):
     def on_checkpoint(self, step: int, path: str) -> None:
         self._record("on_checkpoint", [step, path])
 
+    def on_task_lost(self, task: str) -> None:
+        self._record("on_task_lost", task)
+
     def end(self, session: Any) -> None:
         self._record("end", session.global_step)
 

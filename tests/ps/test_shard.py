@@ -79,3 +79,80 @@ def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
 
     params, step, excused = asyncio.run(main())
     assert step == 1 and torch.equal(params, torch.full((8,), -2.0)) and excused == set()
+
+
+def staleness_shard(k: int, replicas: int = 2) -> ParameterShard:
+    config = {"index": 0, "mode": "async", "steps": 1000, "num_replicas": replicas, "max_staleness": k,
+              "optimizer": {"name": "sgd", "lr": 1.0}, "barrier_timeout_s": 5}
+    return ParameterShard(config, torch.zeros(4))
+
+
+def test_max_staleness_gate_holds_a_replica_too_far_ahead_until_the_slowest_reports():
+    """SSP through the shard itself, k = 2: replica 1 is still at local step 0. Replica 0's push of
+    local step 1 returns (its next, step 2, is 2 ahead); its push of local step 2 waits (step 3
+    would be 3 ahead) until replica 1 reports local step 1."""
+    async def main():
+        shard = staleness_shard(k=2)
+        g = torch.ones(4)
+        await asyncio.wait_for(shard.push_pull(g, 0, shard.step, 0.1, 1, 1), 1)
+        blocked = asyncio.create_task(shard.push_pull(g, 0, shard.step, 0.1, 1, 2))
+        await asyncio.sleep(0.3)
+        assert not blocked.done()
+        await shard.push_pull(g, 1, shard.step, 0.1, 1, 1)  # the slow replica reports step 1
+        params, step, stop, _ = await asyncio.wait_for(blocked, 2)
+        return step
+
+    assert asyncio.run(main()) == 3  # every push was applied (the waiting one before it waited)
+
+
+def test_max_staleness_drops_a_push_on_parameters_more_than_k_updates_old():
+    async def main():
+        shard = staleness_shard(k=1, replicas=3)
+        g = torch.ones(4)
+        # (local step 0 for every replica: the SSP gate lets them all go on)
+        await shard.push_pull(g, 0, 0, 0.1, 1, 0)  # step 1
+        await shard.push_pull(g, 1, 0, 0.1, 1, 0)  # version 0 is 1 update old: applied, step 2
+        before = shard.param.clone()
+        params, step, _, _ = await shard.push_pull(g, 2, 0, 0.1, 1, 0)  # 2 updates old: dropped
+        return before, params, step, shard.dropped_stale
+
+    before, after, step, dropped = asyncio.run(main())
+    assert step == 2 and dropped == 1
+    assert torch.equal(before, after) and torch.equal(after, torch.full((4,), -2.0))
+
+
+def test_a_shard_pauses_at_every_checkpoint_step_until_released():
+    """checkpoint.every_steps: the shard holds itself at each multiple, so the chief's snapshot
+    lands exactly there however fast the steps go; release() lets the next step in."""
+    async def main():
+        config = {"index": 0, "mode": "sync", "steps": 100, "num_replicas": 1, "checkpoint_every": 3,
+                  "optimizer": {"name": "sgd", "lr": 1.0}, "barrier_timeout_s": 5}
+        shard = ParameterShard(config, torch.zeros(4))
+        g = torch.ones(4)
+        for version in range(3):
+            await asyncio.wait_for(shard.push_sync(g, 0, version), 1)
+        assert shard.step == 3 and shard.hold_at == 3
+        held = asyncio.create_task(shard.push_sync(g, 0, 3))
+        await asyncio.sleep(0.2)
+        assert not held.done() and shard.step == 3  # paused for the snapshot
+        state = await shard.get_state()
+        await shard.release()
+        await asyncio.wait_for(held, 1)
+        return state["step"], shard.step, shard.hold_at
+
+    assert asyncio.run(main()) == (3, 4, None)
+
+
+def test_stop_at_ends_training_exactly_at_that_step():
+    async def main():
+        config = {"index": 0, "mode": "async", "steps": 100, "num_replicas": 1,
+                  "optimizer": {"name": "sgd", "lr": 1.0}}
+        shard = ParameterShard(config, torch.zeros(4))
+        g = torch.ones(4)
+        for _ in range(3):
+            await shard.push_pull(g, 0, shard.step)
+        await shard.stop_at(5)
+        replies = [await shard.push_pull(g, 0, shard.step) for _ in range(4)]
+        return [(step, stop) for _, step, stop, _ in replies]
+
+    assert asyncio.run(main()) == [(4, False), (5, True), (5, True), (5, True)]

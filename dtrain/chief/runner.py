@@ -1,0 +1,77 @@
+"""``dtrain.run``: a pipeline on a cluster, from start to the run directory.
+
+Everything a run can refuse (a run directory that holds checkpoints or is in use, a bad custom
+hook) is refused before any cluster starts. Then it connects (the given client's cluster, a
+running scheduler's, or an embedded one started and stopped here) and runs a graph pipeline
+(``dtrain.graph.runner``) or a training :class:`~dtrain.chief.session.Session`, holding the run
+directory's lock throughout, and writes ``summary.json`` on every exit once it has started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distributed import Client
+
+from dtrain.deploy.cluster import connect
+from dtrain.spec.errors import RunDirError, SpecError
+from dtrain.spec.pipeline import PipelineSpec
+
+from . import signals
+from .hooks import build_hooks
+from .rundir import (
+    Result,
+    RunDirLock,
+    check_run_dir,
+    default_run_dir,
+    describe_exit,
+    early_summary,
+    write_json,
+)
+from .session import Session
+
+logger = logging.getLogger(__name__)
+
+
+def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | None = None, *,
+        scheduler: str | None = None, resume: bool = False, progress: Callable[[dict[str, Any]], None] | None = None,
+        processes: bool = True) -> Result:
+    """Run a pipeline. With ``client``, on that client's cluster (it must have a worker per task,
+    named ``<job>-<index>`` or tagged with the resource ``<job>``); otherwise on
+    ``scheduler``/``cluster.scheduler``, or on an embedded cluster started (and stopped) here."""
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(spec)
+    check_run_dir(run_dir, resume)
+    if spec.is_graph:
+        from dtrain.graph.runner import run_graph
+
+        with RunDirLock(run_dir):
+            return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
+    hooks = build_hooks(spec.hooks)  # a bad custom hook is a SpecError: before anything starts
+    t0 = time.time()
+    with RunDirLock(run_dir), contextlib.ExitStack() as stack:
+        session: Session | None = None
+        try:
+            conn = stack.enter_context(connect(spec, client=client, scheduler=scheduler, processes=processes))
+            session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks)
+            # Actor handles find their client through the "current client" (this is not made the
+            # process-wide default client, which belongs to the user).
+            with conn.client.as_current():
+                return session.run()
+        except (SpecError, RunDirError):
+            raise  # an invalid pipeline: exit 2, no summary
+        except BaseException as exc:
+            if session is None or not session.summary_written:
+                status, error = describe_exit(exc)
+                try:
+                    write_json(run_dir / "summary.json", early_summary(spec, status, error, time.time() - t0))
+                except OSError as write_exc:
+                    logger.error("could not write %s: %s", run_dir / "summary.json", write_exc)
+            raise
+        finally:
+            with signals.deferred():  # a second Ctrl-C must not cut the cluster's shutdown short
+                stack.close()

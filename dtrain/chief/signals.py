@@ -1,0 +1,86 @@
+"""Signals during a run (the chief's process; embedded workers ignore them, see
+``dtrain.deploy.preload``).
+
+- ``dtrain run`` (:func:`handled`): SIGINT raises KeyboardInterrupt (exit 130); SIGTERM and
+  SIGHUP (a dropped SSH session) raise :class:`~dtrain.spec.errors.Terminated` (exit 143). The
+  session then writes a provisional ``summary.json``, checkpoints consistently and cleans up.
+- During that cleanup (:func:`deferred`, used by the session and ``dtrain.run`` in the main
+  thread, whoever installed the handlers) a further signal is counted and logged, not raised: a
+  second Ctrl-C must not cut the interrupt checkpoint or the cluster's shutdown short. The
+  :data:`FORCE`-th signal ends the process at once (the provisional summary is on disk by then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from dtrain.spec.errors import Terminated
+
+logger = logging.getLogger(__name__)
+
+HANDLED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+FORCE = 3  # the third signal during a cleanup ends the process at once
+EXIT_CODES = {signal.SIGINT: 130}  # SIGTERM and SIGHUP: 143 (the contract's code for a stop request)
+
+
+def exit_code(signum: int) -> int:
+    return EXIT_CODES.get(signum, 143)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise(signum: int, frame: Any) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(f"terminated ({signal.Signals(signum).name})")
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raised as exceptions in the main thread for the duration."""
+    if not _main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count >= FORCE:
+            logger.error("%s again: exiting now, without finishing the cleanup", name)
+            os._exit(exit_code(signum))
+        logger.warning("%s during the cleanup: finishing the checkpoint, summary and shutdown first "
+                       "(%d more to exit at once)", name, FORCE - self.count)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Count signals instead of raising them for the duration (main thread only; nests)."""
+    if not _main_thread() or isinstance(signal.getsignal(signal.SIGINT), _Counter):
+        yield  # not ours to handle, or an enclosing cleanup counts them already
+        return
+    counter = _Counter()
+    previous = {s: signal.signal(s, counter) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,147 @@
+"""Recovery on an in-process cluster of its own, where a task is lost by closing its real Dask
+worker (the scheduler sees it leave, its actor and task are gone) and brought back by starting a
+new worker of the same name: the recovery budget running out, a lost worker in async mode, and
+the on_task_lost hook. (Killed processes: test_recovery.py, test_chaos.py.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import dask
+import pytest
+from distributed import Client, Scheduler, SpecCluster, Worker
+
+import dtrain
+from dtrain.spec.errors import RunError
+from tests.helpers.hooks import read_calls
+
+PIPELINE = """
+name: inproc-recovery
+cluster: {{jobs: {{ps: 2, worker: 2}}, wait_s: 30}}
+model:
+  input_shape: [64]
+  layers: [{{type: linear, out: 16}}, {{type: relu}}, {{type: linear, out: 10}}]
+data: {{source: sklearn:digits, batch_size: 16}}
+optimizer: {{name: sgd, lr: 0.1}}
+training: {{mode: {mode}, steps: {steps}, max_recoveries: {recoveries}, call_timeout_s: 20, barrier_timeout_s: 20}}
+summary: {{every_steps: 10, tensorboard: false}}
+checkpoint: {{every_steps: 50}}
+hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls}"}}}}]
+"""
+
+
+@pytest.fixture
+def cluster():
+    workers = {f"{job}-{i}": {"cls": Worker, "options": {
+        "name": f"{job}-{i}", "nthreads": 2, "resources": {job: 1}, "host": "127.0.0.1", "dashboard": False,
+        "memory_limit": "2GiB"}} for job in ("ps", "worker") for i in range(2)}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard": False,
+                                               "dashboard_address": None}}
+    with dask.config.set({"distributed.scheduler.work-stealing": False, "distributed.admin.tick.limit": "60s"}):
+        cluster = SpecCluster(workers=workers, scheduler=scheduler, name="recovery-tests")
+        client = Client(cluster, direct_to_workers=True, set_as_default=False)
+        yield cluster, client
+        client.close()
+        cluster.close()
+
+
+def lose(cluster: SpecCluster, name: str, come_back: bool) -> None:
+    """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name."""
+    worker = cluster.workers.pop(name)
+    cluster.sync(worker.close)
+    if come_back:
+        time.sleep(0.5)
+        cluster.sync(cluster._correct_state)  # the spec still lists it: a new worker is started
+
+
+def run_in_thread(spec, client, run_dir: Path) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = dtrain.run(spec, client=client, run_dir=run_dir)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, out
+
+
+def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
+            return
+        assert thread.is_alive()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tmp_path):
+    cluster, client = cluster
+    calls = tmp_path / "calls.jsonl"
+    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100000, recoveries=0, calls=calls), base_dir=".")
+    thread, out = run_in_thread(spec, client, tmp_path / "run")
+    wait_for_step(tmp_path / "run", 30, thread)
+    lose(cluster, "ps-1", come_back=False)
+    thread.join(120)
+    assert isinstance(out.get("error"), RunError), out
+    assert "recovery attempts used up (training.max_recoveries: 0)" in str(out["error"])
+    assert "/job:ps/task:1" in str(out["error"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "recovery attempts used up" in summary["error"]
+    assert ("on_task_lost", "/job:ps/task:1") in read_calls(calls)
+
+
+def test_async_goes_on_after_a_lost_worker_and_its_replica_restarts(cluster, tmp_path):
+    cluster, client = cluster
+    calls = tmp_path / "calls.jsonl"
+    spec = dtrain.loads(PIPELINE.format(mode="async", steps=600, recoveries=2, calls=calls), base_dir=".")
+    thread, out = run_in_thread(spec, client, tmp_path / "run")
+    wait_for_step(tmp_path / "run", 100, thread)
+    lose(cluster, "worker-1", come_back=True)
+    thread.join(180)
+    assert "error" not in out, out.get("error")
+    s = out["result"].summary
+    assert s["status"] == "completed" and s["global_step"] >= 600 and s["recoveries"] == 1
+    rec = s["recovery_log"][0]
+    assert rec["lost"] == ["/job:worker/task:1"] and rec["restored_step"] is None and rec["step"] >= 100
+    assert ("on_task_lost", "/job:worker/task:1") in read_calls(calls)
+    # the replacement replica ran on the new worker-1 and contributed steps after the loss
+    assert {st["worker"] for st in out["result"].replica_stats} == {"worker-0", "worker-1"}
+    assert s["eval"]["accuracy"] >= 0.9
+
+
+def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_path, monkeypatch):
+    """ps-1 is lost; while the chief recreates the shards, ps-1 is lost once more (its restarted
+    worker closes as the actors are created): the chief recovers again, within max_recoveries."""
+    from dtrain.chief.shards import ShardGroup
+
+    cluster, client = cluster
+    calls = tmp_path / "calls.jsonl"
+    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=300, recoveries=3, calls=calls), base_dir=".")
+    real_create = ShardGroup.create
+    creates = []
+
+    def create(self, init):
+        creates.append(self.generation)
+        if len(creates) == 2:  # the first recovery's: its ps-1 goes too
+            lose(cluster, "ps-1", come_back=True)
+            raise OSError("the worker holding ps-1 was lost while its actor was created")
+        return real_create(self, init)
+
+    monkeypatch.setattr(ShardGroup, "create", create)
+    thread, out = run_in_thread(spec, client, tmp_path / "run")
+    wait_for_step(tmp_path / "run", 60, thread)
+    lose(cluster, "ps-1", come_back=True)
+    thread.join(180)
+    assert "error" not in out, out.get("error")
+    s = out["result"].summary
+    assert s["status"] == "completed" and s["global_step"] == 300
+    assert s["recoveries"] == 2 and [r["lost"] for r in s["recovery_log"]] == [["/job:ps/task:1"]] * 2
+    assert [v for e, v in read_calls(calls) if e == "on_task_lost"] == ["/job:ps/task:1"] * 2

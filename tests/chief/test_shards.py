@@ -1,0 +1,109 @@
+"""The chief's ShardGroup on real ParameterShards (their coroutines on a background event loop,
+as on a ps worker; no Dask needed for the order of the calls): an interrupt's snapshot holds
+every shard at one step before stopping them; a restore refuses what it cannot map."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dtrain
+from dtrain.chief.checkpoint import Checkpoint
+from dtrain.chief.shards import ShardGroup, checkpoint_layout
+from dtrain.ps.shard import ParameterShard
+from dtrain.spec.errors import RunError
+
+SPEC = """
+name: shards
+cluster: {jobs: {ps: 2, worker: 1}}
+model:
+  input_shape: [4]
+  layers: [{type: linear, out: 3}, {type: relu}, {type: linear, out: 2}]
+data: {source: synthetic, num_samples: 64, num_classes: 2, batch_size: 8}
+optimizer: {name: sgd, lr: 0.1}
+training: {mode: sync, steps: 100, barrier_timeout_s: 5}
+"""
+
+
+class Handle:
+    """An actor-like handle: each method call runs the shard's coroutine on ``loop`` and returns
+    a concurrent future (``.result(timeout=)``), as a Dask actor call does."""
+
+    def __init__(self, shard: ParameterShard, loop: asyncio.AbstractEventLoop):
+        self._shard, self._loop = shard, loop
+
+    def __getattr__(self, name):
+        method = getattr(self._shard, name)
+        return lambda *a, **k: asyncio.run_coroutine_threadsafe(method(*a, **k), self._loop)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def group_of(spec: dtrain.PipelineSpec, loop) -> tuple[ShardGroup, list[ParameterShard]]:
+    plan = dtrain.compile(spec)
+    group = ShardGroup(SimpleNamespace(client=None, tasks={}), spec, plan, token="t")
+    shards = [ParameterShard({**group._config(s.index), "num_replicas": 1, "replicas_to_aggregate": 1},
+                             torch.zeros(s.numel)) for s in plan.shards]
+    group.handles = [Handle(s, loop) for s in shards]
+    return group, shards
+
+
+def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loop):
+    """A replica has pushed step 0 to shard 1 (applied: step 1) but not yet to shard 0 when the
+    interrupt comes: the snapshot must wait for that push and stop both shards at step 1 (stopping
+    first, as the interrupt path once did, left shard 0 at 0 and shard 1 at 1: a checkpoint no
+    resume can start from)."""
+    spec = dtrain.loads(SPEC, base_dir=".")
+    group, shards = group_of(spec, loop)
+    grads = [torch.ones(s.numel) for s in group.plan.shards]
+    assert group.handles[1].push_sync(grads[1], 0, 0, None, 8, 1).result(5)[1] == 1
+    result: dict = {}
+
+    def interrupt() -> None:
+        result["states"] = group.snapshot(stop=True)
+
+    chief = threading.Thread(target=interrupt)
+    chief.start()
+    time.sleep(0.3)  # the chief is holding, waiting for shard 0's step 1
+    assert chief.is_alive()
+    assert group.handles[0].push_sync(grads[0], 0, 0, 0.5, 8, 1).result(5)[1] == 1
+    chief.join(10)
+    assert [st["step"] for st in result["states"]] == [1, 1]
+    assert all(s.stop for s in shards) and all(s.hold_at is None for s in shards)
+    # stopped: the next step's pushes are refused, on every shard
+    for h, g in zip(group.handles, grads, strict=True):
+        assert h.push_sync(g, 0, 1, 0.5, 8, 2).result(5)[1:3] == (1, True)
+
+
+def checkpoint_for(spec: dtrain.PipelineSpec, states: list[dict]) -> Checkpoint:
+    plan = dtrain.compile(spec)
+    return Checkpoint(10, Path("ckpt-00000010.pt"), {
+        "step": 10, "shards": states, "spec": spec.model_dump(mode="json"), "layout": checkpoint_layout(spec, plan)})
+
+
+def test_a_restore_refuses_other_variables_and_another_optimizer(loop):
+    spec = dtrain.loads(SPEC, base_dir=".")
+    group, _ = group_of(spec, loop)
+    states = [{"params": torch.zeros(s.numel), "step": 10, "optimizer_state": {}} for s in group.plan.shards]
+    wider = dtrain.loads(SPEC.replace("out: 3", "out: 5"), base_dir=".")
+    with pytest.raises(RunError, match=r"other variables than the model .*0.weight is \[5, 4\] there and \[3, 4\]"):
+        group.restore(checkpoint_for(wider, states))
+    adam = dtrain.loads(SPEC.replace("{name: sgd, lr: 0.1}", "{name: adam, lr: 0.1}"), base_dir=".")
+    with pytest.raises(RunError, match="written with optimizer 'adam', the pipeline has 'sgd'"):
+        group.restore(checkpoint_for(adam, states))
+    group.restore(checkpoint_for(spec, states))  # the same model: fine (a new lr would be too)
+    assert [h.current_step().result(5) for h in group.handles] == [10, 10]

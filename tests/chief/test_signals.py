@@ -1,0 +1,180 @@
+"""Signals to the whole process group, as a terminal's Ctrl-C, a dropped SSH session (SIGHUP) or
+systemd's default stop send them: the embedded ps and worker processes get them too, and the run
+must still write a consistent checkpoint, its summary, exit 130 (SIGINT) or 143 (SIGTERM,
+SIGHUP), and leave no process behind; ``--resume`` then goes on from that checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.chief import checkpoint as ckpt
+from tests.helpers.paths import ROOT
+
+pytestmark = pytest.mark.processes
+
+STEPS = 1200
+SETTINGS = ["--set", f"training.steps={STEPS}", "--set", "checkpoint={every_steps: 100000, keep: 30}",
+            "--set", "summary.every_steps=10", "--set", "summary.tensorboard=false", "--set", "eval={}"]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """`dtrain run` of the 2-ps sync digits pipeline in a process group of its own (its pid)."""
+    return subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/digits_sync.yaml", "--run-dir",
+                             str(run_dir), "--quiet", *SETTINGS, *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            start_new_session=True)
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return -1
+    steps = [json.loads(x).get("step", -1) for x in path.read_text().splitlines() if x.strip()]
+    return max(steps, default=-1)
+
+
+def group_gone(pgid: int, timeout: float = 30) -> bool:
+    """No process of the group is left (the chief, its embedded scheduler's workers, ...)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("dtrain-")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_signals_to_the_process_group_checkpoint_consistently_and_resume(tmp_path):
+    """10 seeded moments of one 2-ps sync run, a resume after each: SIGINT at 8 of them (two while
+    the cluster is still starting), SIGTERM and SIGHUP once each."""
+    rng = random.Random("group-signals")
+    run_dir = tmp_path / "run"
+    shm_before = shm_files()
+    signals = [signal.SIGINT] * 8 + [signal.SIGTERM, signal.SIGHUP]
+    rng.shuffle(signals)
+    early = set(rng.sample(range(10), 2))  # moments before the first step
+    resumed_from: int | None = None
+    for moment, sig in enumerate(signals):
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        proc = start(run_dir, *(["--resume"] if moment else []))
+        if moment in early:
+            time.sleep(rng.uniform(0.5, 2.0))
+            seen = None
+        else:
+            target = max(last_step(run_dir), 0) + rng.randint(20, 70)
+            deadline = time.monotonic() + 180
+            while last_step(run_dir) < target:
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, f"moment {moment}: step {target} not reached"
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0, 0.05))
+            seen = last_step(run_dir)
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+        expected = 130 if sig == signal.SIGINT else 143
+        assert proc.returncode == expected, f"moment {moment} ({sig.name}): exit {proc.returncode}\n{err[-3000:]}"
+        assert "Traceback" not in err, err[-3000:]
+        assert group_gone(proc.pid), f"moment {moment}: a process of the run outlived it"
+        if seen is None and not (run_dir / "summary.json").exists():
+            summary = {"status": "interrupted"}  # interrupted before the run started (while importing)
+        else:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "interrupted", summary
+        newest = ckpt.latest(run_dir)  # verify() refuses a sync checkpoint whose shards disagree
+        if seen is not None:
+            assert newest is not None and newest.step >= seen, (moment, seen, newest and newest.step)
+            assert {sh["step"] for sh in newest.payload["shards"]} == {newest.step}
+            assert summary["checkpoints"] and summary["checkpoints"][-1] == newest.path.name
+            assert summary["start_step"] == (resumed_from or 0)
+            assert "checkpoint ckpt-" in err and "--resume" in err
+        resumed_from = newest.step if newest is not None else 0
+    proc = start(run_dir, "--resume")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] == STEPS
+    assert summary["start_step"] == resumed_from
+    assert summary["eval"]["accuracy"] >= 0.9
+    assert group_gone(proc.pid)
+    assert shm_files() <= shm_before
+
+
+ASYNC = ["--set", "checkpoint={every_steps: 100000}", "--set", "summary.every_steps=20", "--set",
+         "summary.tensorboard=false", "--set", "training.steps=100000"]
+
+
+def start_async(run_dir: Path, *extra: str, prelude: str = "") -> subprocess.Popen:
+    """`dtrain run` of the async digits pipeline; ``prelude`` runs in the chief first (fault injection)."""
+    code = f"{prelude}\nimport sys\nfrom dtrain.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, "run", "pipelines/digits_async.yaml", "--run-dir",
+                             str(run_dir), "--quiet", *ASYNC, *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            start_new_session=True)
+
+
+def wait_step(proc: subprocess.Popen, run_dir: Path, step: int) -> int:
+    deadline = time.monotonic() + 180
+    while last_step(run_dir) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return last_step(run_dir)
+
+
+def test_a_run_directory_in_use_is_refused_and_a_second_sigterm_waits_for_the_cleanup(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_async(run_dir)
+    seen = wait_step(proc, run_dir, 60)
+    # A second run on the same directory: refused at once (exit 2), the first one untouched.
+    other = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--run-dir",
+                            str(run_dir), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "in use by another run" in other.stderr, other.stderr
+    assert proc.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGTERM)  # impatient: must not cut the checkpoint and summary short
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] == "terminated (SIGTERM)"
+    newest = ckpt.latest(run_dir)
+    assert newest is not None and newest.step >= seen and summary["checkpoints"][-1] == newest.path.name
+    assert "during the cleanup" in err
+    assert group_gone(proc.pid)
+
+
+def test_a_full_disk_for_the_summary_keeps_the_exit_code_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    prelude = """
+import errno
+import dtrain.chief.session as session
+real = session.write_json
+def write_json(path, obj):
+    if path.name == "summary.json":
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(path, obj)
+session.write_json = write_json
+"""
+    proc = start_async(run_dir, prelude=prelude)
+    wait_step(proc, run_dir, 40)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert "could not write" in err and "No space left on device" in err
+    assert ckpt.latest(run_dir) is not None  # the interrupt checkpoint was still written
+    assert group_gone(proc.pid)
