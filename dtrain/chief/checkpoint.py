@@ -124,9 +124,13 @@ def verify(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path.name}: manifest {manifest_path.name} unreadable ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("file", path.name) != path.name:
         raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this file")
+    # The size first, from stat: a huge bogus file is refused without being read into memory.
+    size = path.stat().st_size
+    if size != manifest.get("bytes"):
+        raise ValueError(f"{path.name}: {size} bytes, manifest says {manifest.get('bytes')} (truncated?)")
     data = path.read_bytes()
-    if len(data) != manifest.get("bytes"):
-        raise ValueError(f"{path.name}: {len(data)} bytes, manifest says {manifest.get('bytes')} (truncated?)")
+    if len(data) != size:
+        raise ValueError(f"{path.name}: changed while being read ({len(data)} bytes, {size} before)")
     digest = hashlib.sha256(data).hexdigest()
     if digest != manifest.get("sha256"):
         raise ValueError(f"{path.name}: sha256 mismatch (corrupt)")
