@@ -23,10 +23,13 @@ from dtrain.plan.compiler import Plan
 from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
+from dtrain.spec.sections import MAX_STEPS
 
 logger = logging.getLogger(__name__)
 
-NEVER = 10**12  # a hold step no shard reaches: "pause nothing yet, tell me your step"
+# A hold step no shard reaches ("pause nothing yet, tell me your step"): beyond training.steps'
+# bound, async overshoot included. A Python int through Dask, never packed into a wire header.
+NEVER = 2 * MAX_STEPS
 
 
 def task_host(address: str) -> str:
