@@ -1,7 +1,7 @@
 """The monitored training session: ``dtrain.run`` and the chief's loop.
 
 ``run`` refuses what it can before any cluster starts (a run directory that holds checkpoints,
-a bad custom hook), connects (the given client's cluster, a running scheduler's, or an embedded
+a bad custom hook or model, data that does not fit the model: ``preflight``), connects (the given client's cluster, a running scheduler's, or an embedded
 one started and stopped here) and runs a graph pipeline (``dtrain.graph.runner``) or a
 training :class:`Session`.
 
@@ -38,6 +38,7 @@ from dtrain.worker.tasks import replica_task
 from . import checkpoint as ckpt_io
 from .hooks import Hook, NanGuardHook, StepContext, build_hooks
 from .metrics import JsonlSink, TensorBoardSink
+from .preflight import check_before_start
 from .recovery import Recovery
 from .rundir import Result, check_run_dir, default_run_dir, save_torch, write_json
 from .shards import ShardGroup, task_host
@@ -59,7 +60,10 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
         from dtrain.graph.runner import run_graph
 
         return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
-    hooks = build_hooks(spec.hooks)  # a bad custom hook is a SpecError: before anything starts
+    # The user's code imported, the data loaded and checked against the model, the plan compiled:
+    # a pipeline that cannot run is a SpecError here, before any cluster starts (preflight.py).
+    embedded = client is None and scheduler is None and spec.cluster.scheduler is None
+    hooks = check_before_start(spec, embedded=embedded)
     with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
         session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks)
         # Actor handles find their client through the "current client" (this is not made the

@@ -25,7 +25,7 @@ from .errors import CrossFieldErrors, Problem, SpecError, dotted
 from .messages import discriminated, error_message, union_messages
 from .pipeline import PipelineSpec
 
-__all__ = ["load", "loads", "validate"]
+__all__ = ["load", "loads", "locate", "validate"]
 
 
 def load(path: str | Path, overrides: list[str] | None = None, *, scheduler: str | None = None) -> PipelineSpec:
@@ -84,6 +84,30 @@ def validate(data: dict[str, Any], filename: str = "<spec>", base_dir: str | Pat
         return PipelineSpec.model_validate(data, context={"base_dir": str(base_dir), "scheduler": scheduler})
     except ValidationError as exc:
         raise SpecError(_problems(exc, filename, data, node, overrides or {})) from None
+
+
+def locate(error: SpecError, path: str | Path, overrides: list[str] | None = None) -> SpecError:
+    """``error`` with a file and line for each problem that has none: problems found after loading
+    (``dtrain plan``/``run`` import the user's code and read the data) name only a dotted path."""
+    try:
+        node, _ = _parse(Path(path).read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, SpecError):
+        node = None
+    applied = {tuple(p.strip() for p in item.split("=", 1)[0].split(".")): item for item in overrides or []}
+    problems = [p if p.file is not None else _locate(_undotted(p.path), p.message, str(path), node, applied)
+                for p in error.problems]
+    return SpecError(_sorted(problems))
+
+
+def _undotted(path: str) -> list[str | int]:
+    """``"hooks[1].type"`` -> ``["hooks", 1, "type"]`` (the inverse of ``dotted``)."""
+    out: list[str | int] = []
+    for part in path.split(".") if path else []:
+        name, *indices = part.split("[")
+        if name:
+            out.append(name)
+        out.extend(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit())
+    return out
 
 
 # ---------------------------------------------------------------------------------------- parsing

@@ -203,9 +203,9 @@ def test_pickled_object_is_rejected_not_executed(tmp_path, caplog):
 SYNC = """
 name: ckpt-sync
 cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
+model:  # 10 ms per step on every worker: the chief (polling 10 times a second) sees steps 20 and 40 go by
+  module: "tests.helpers.slowmodels:SlowMLP"
+  kwargs: {delay_s: 0.01, fast_delay_s: 0.01}
 data: {source: sklearn:digits, batch_size: 16}
 optimizer: {name: momentum, lr: 0.05}
 training: {mode: sync, steps: 60}
