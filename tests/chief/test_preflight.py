@@ -212,3 +212,12 @@ def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer):
     tensors = [v for obj in (shard, shard.optimizer) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert ps_state_bytes(numel * 4, spec) == allocated
+
+
+def test_compile_errors_get_their_file_and_line(tmp_path, capsys):
+    """The compiler's own spec errors (a pin that names no parameter) used to print '<spec>:1:'."""
+    path = write(tmp_path, MLP.replace("source: d.npz", "source: sklearn:iris")
+                 + "placement:\n  variable_devices: {0.wieght: /job:ps/task:0}\n")
+    code, err = cmd(capsys, "plan", str(path), "--set", "training.steps=7")
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: placement.variable_devices.0.wieght: "
+                                                             "'0.wieght' names no parameter of the model"), err
