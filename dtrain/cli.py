@@ -130,10 +130,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan.compiler import compile
-    from .spec.loading import load
+    from .spec.loading import load, locate
 
-    plan = compile(load(args.pipeline, overrides=args.overrides))
+    spec = load(args.pipeline, overrides=args.overrides)
+    try:
+        # What `run` checks before it starts (the user's code imported, the data read): a plan
+        # that `run` would refuse is refused here too, as a spec error (exit 2).
+        from .chief.preflight import check_before_start
+        from .plan.compiler import compile
+
+        check_before_start(spec, embedded=spec.cluster.scheduler is None)
+        plan = compile(spec)
+    except SpecError as exc:
+        raise locate(exc, args.pipeline, args.overrides) from None
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())
     return EXIT_OK
 
@@ -150,15 +159,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .chief.rundir import check_run_dir, default_run_dir
     from .chief.runner import run
-    from .spec.loading import load
+    from .spec.loading import load, locate
 
-    spec = load(args.pipeline, overrides=args.overrides)
+    spec = load(args.pipeline, overrides=args.overrides, scheduler=args.scheduler)
     _setup_logging(quiet=args.quiet)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
     check_run_dir(run_dir, args.resume)
     bar = _Progress(enabled=not args.quiet)
     try:
         result = run(spec, run_dir=run_dir, scheduler=args.scheduler, resume=args.resume, progress=bar.update)
+    except SpecError as exc:  # found before start (the user's code, the data): give it its lines
+        raise locate(exc, args.pipeline, args.overrides) from None
     except KeyboardInterrupt as exc:
         bar.close()
         what = str(exc) if isinstance(exc, Terminated) and str(exc) else (

@@ -23,7 +23,7 @@ from dtrain.spec.errors import RunDirError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import signals
-from .hooks import build_hooks
+from .preflight import check_before_start
 from .rundir import (
     Result,
     RunDirLock,
@@ -51,7 +51,10 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
 
         with RunDirLock(run_dir):
             return run_graph(spec, client=client, scheduler=scheduler, processes=processes, run_dir=run_dir)
-    hooks = build_hooks(spec.hooks)  # a bad custom hook is a SpecError: before anything starts
+    # The user's code imported, the data loaded and checked against the model, the plan compiled:
+    # a pipeline that cannot run is a SpecError here, before any cluster starts (preflight.py).
+    embedded = client is None and scheduler is None and spec.cluster.scheduler is None
+    hooks = check_before_start(spec, embedded=embedded)
     t0 = time.time()
     with RunDirLock(run_dir), contextlib.ExitStack() as stack:
         session: Session | None = None

@@ -121,6 +121,22 @@ def _sklearn(name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(x), np.asarray(y)
 
 
+def _first_non_finite(a: np.ndarray) -> tuple[tuple[int, ...], Any, int] | None:
+    """(index, value, count) of the first NaN or infinity in ``a``, or None when all are finite."""
+    if a.dtype.kind not in "fc" or a.size == 0:
+        return None
+    bad = ~np.isfinite(a)
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
+    return index, a[index].item(), count
+
+
+_FINITE_FIX = "data files must hold finite numbers (one NaN or inf spreads to its whole column when standardised " \
+              "and makes every update NaN): fix or drop the row"
+
+
 def _npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as archive:
@@ -142,6 +158,13 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         )
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
         raise ValueError(f"{path}: 'x' must be numeric, got dtype {x.dtype}")
+    for name, a in (("x", x), ("y", y)):
+        if (bad := _first_non_finite(a)) is not None:
+            index, value, count = bad
+            cell = f"row {index[0]}" + (f", column {int(np.ravel_multi_index(index[1:], a.shape[1:]))}"
+                                        if a.ndim > 1 else "")
+            raise ValueError(f"{path}: {name}[{', '.join(map(str, index))}] is {value} ({cell}; {count} non-finite "
+                             f"value(s) in {name!r}); {_FINITE_FIX}")
     return x, y
 
 
@@ -167,6 +190,15 @@ def _table(path: Path, target: str) -> tuple[np.ndarray, np.ndarray]:
     features = [n for n in names if n != target]
     if not features:
         raise ValueError(f"{path}: no feature columns besides the target column {target!r}")
+    def row(i: int) -> str:  # a CSV's data rows start on line 2, after the header
+        return f"row {i} (line {i + 2})" if path.suffix.lower() == ".csv" else f"row {i}"
+
+    def check_finite(name: str, values: np.ndarray) -> None:
+        if (bad := _first_non_finite(values)) is not None:
+            (i,), value, count = bad
+            raise ValueError(f"{path}: {row(i)}, column {name!r} is {value} ({count} non-finite value(s) in that "
+                             f"column); {_FINITE_FIX}")
+
     cols = []
     for name in features:
         col = table.column(name)
@@ -177,10 +209,13 @@ def _table(path: Path, target: str) -> tuple[np.ndarray, np.ndarray]:
         ):
             raise ValueError(f"{path}: feature column {name!r} is not numeric ({col.type})")
         cols.append(col.to_numpy().astype(np.float64))
+        check_finite(name, cols[-1])
     ycol = table.column(target)
     if ycol.null_count:
         raise ValueError(f"{path}: target column {target!r} has {ycol.null_count} missing values")
-    return np.stack(cols, axis=1), np.asarray(ycol.to_numpy(zero_copy_only=False))
+    y = np.asarray(ycol.to_numpy(zero_copy_only=False))
+    check_finite(target, y)
+    return np.stack(cols, axis=1), y
 
 
 # --------------------------------------------------------------------------- loading

@@ -25,15 +25,16 @@ from .errors import CrossFieldErrors, Problem, SpecError, dotted
 from .messages import discriminated, error_message, union_messages
 from .pipeline import PipelineSpec
 
-__all__ = ["load", "loads", "validate"]
+__all__ = ["load", "loads", "locate", "validate"]
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+def load(path: str | Path, overrides: list[str] | None = None, *, scheduler: str | None = None) -> PipelineSpec:
     """Read and validate a pipeline file. Raises :class:`SpecError` listing every problem.
 
     ``overrides`` are ``KEY=VALUE`` strings (``training.steps=50``, ``hooks.0.every_steps=10``),
     applied to the parsed file before validation, as ``dtrain run --set`` does; each VALUE is
-    parsed as YAML. Relative data paths are resolved against the file's directory.
+    parsed as YAML. Relative data paths are resolved against the file's directory. ``scheduler``
+    (``dtrain run --scheduler``) says the tasks are served by a running cluster, not embedded.
     """
     path = Path(path)
     try:
@@ -46,11 +47,11 @@ def load(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
         raise SpecError([Problem(f"not UTF-8 text: {exc}", file=str(path), line=1)]) from None
     except OSError as exc:
         raise SpecError([Problem(f"cannot read: {exc.strerror or exc}", file=str(path), line=1)]) from None
-    return loads(text, filename=str(path), base_dir=path.resolve().parent, overrides=overrides)
+    return loads(text, filename=str(path), base_dir=path.resolve().parent, overrides=overrides, scheduler=scheduler)
 
 
 def loads(text: str, filename: str = "<string>", base_dir: str | Path = ".",
-          overrides: list[str] | None = None) -> PipelineSpec:
+          overrides: list[str] | None = None, *, scheduler: str | None = None) -> PipelineSpec:
     """Validate pipeline YAML given as a string (see :func:`load`); ``base_dir`` anchors relative data paths."""
     node, data = _parse(text, filename)
     if node is None or data is None:
@@ -61,12 +62,13 @@ def loads(text: str, filename: str = "<string>", base_dir: str | Path = ".",
             type(data), type(data).__name__)
         raise SpecError([Problem(f"the top level must be a mapping of sections (name:, cluster:, model:, ...), "
                                  f"not a {kind}", file=filename, line=node.start_mark.line + 1)])
+    _check_aliases(node, filename)  # before anything walks the tree with its aliases expanded
     duplicates = _duplicate_keys(node, filename)
     applied: dict[tuple[str, ...], str] = {}
     for item in overrides or []:
         applied[_apply_override(data, item, filename)] = item
     try:
-        spec = validate(data, filename=filename, base_dir=base_dir, node=node, overrides=applied)
+        spec = validate(data, filename=filename, base_dir=base_dir, node=node, overrides=applied, scheduler=scheduler)
     except SpecError as exc:
         raise SpecError(_sorted(duplicates + exc.problems)) from None
     if duplicates:
@@ -75,12 +77,37 @@ def loads(text: str, filename: str = "<string>", base_dir: str | Path = ".",
 
 
 def validate(data: dict[str, Any], filename: str = "<spec>", base_dir: str | Path = ".",
-             node: yaml.Node | None = None, overrides: dict[tuple[str, ...], str] | None = None) -> PipelineSpec:
+             node: yaml.Node | None = None, overrides: dict[tuple[str, ...], str] | None = None,
+             scheduler: str | None = None) -> PipelineSpec:
     """Validate already-parsed data; ``node`` (the YAML node tree) gives problems their lines."""
     try:
-        return PipelineSpec.model_validate(data, context={"base_dir": str(base_dir)})
+        return PipelineSpec.model_validate(data, context={"base_dir": str(base_dir), "scheduler": scheduler})
     except ValidationError as exc:
         raise SpecError(_problems(exc, filename, data, node, overrides or {})) from None
+
+
+def locate(error: SpecError, path: str | Path, overrides: list[str] | None = None) -> SpecError:
+    """``error`` with a file and line for each problem that has none: problems found after loading
+    (``dtrain plan``/``run`` import the user's code and read the data) name only a dotted path."""
+    try:
+        node, _ = _parse(Path(path).read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, SpecError):
+        node = None
+    applied = {tuple(p.strip() for p in item.split("=", 1)[0].split(".")): item for item in overrides or []}
+    problems = [p if p.file is not None else _locate(_undotted(p.path), p.message, str(path), node, applied)
+                for p in error.problems]
+    return SpecError(_sorted(problems))
+
+
+def _undotted(path: str) -> list[str | int]:
+    """``"hooks[1].type"`` -> ``["hooks", 1, "type"]`` (the inverse of ``dotted``)."""
+    out: list[str | int] = []
+    for part in path.split(".") if path else []:
+        name, *indices = part.split("[")
+        if name:
+            out.append(name)
+        out.extend(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit())
+    return out
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -105,6 +132,9 @@ def _parse(text: str, filename: str) -> tuple[yaml.Node | None, Any]:
         raise SpecError([_syntax_problem(exc, filename)]) from None
     except yaml.YAMLError as exc:
         raise SpecError([Problem(f"YAML error: {exc}", file=filename, line=1)]) from None
+    except RecursionError:
+        raise SpecError([Problem("YAML nests too deeply (hundreds of levels of lists or mappings): a pipeline file "
+                                 "is a few levels deep; check the brackets", file=filename, line=1)]) from None
     finally:
         loader.dispose()
     return node, data
@@ -140,6 +170,55 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, filename: str) -> Problem:
     return Problem(f"YAML syntax error: {text}{hint}", file=filename, line=line)
 
 
+MAX_ALIAS_NODES = 10_000
+"""How many YAML nodes aliases may add to a file (each use of ``*name`` counts its anchor's nodes)."""
+
+
+def _check_aliases(node: yaml.Node, filename: str) -> None:
+    """Refuse alias bombs and recursive aliases before anything expands them.
+
+    Anchors and aliases stay allowed (``<<: *defaults`` is a common way to share settings), but
+    PyYAML composes an alias as the anchored node itself, so a tree of aliases of aliases is a
+    small file that expands exponentially in every walk over it (duplicate keys, validation,
+    ``pipeline_hash``): ten nested levels of nine aliases are billions of nodes. Each node's
+    expanded size is counted once (memoised), so this check is linear in the file's size.
+    """
+    sizes: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    active: set[int] = set()
+    nodes: dict[int, yaml.Node] = {}
+
+    def size(n: yaml.Node) -> int:
+        key = id(n)
+        uses[key] = uses.get(key, 0) + 1
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise SpecError([Problem("YAML alias refers to a node that contains it (a recursive alias): a pipeline "
+                                     "is a tree; write the value out instead of the alias",
+                                     file=filename, line=n.start_mark.line + 1)])
+        active.add(key)
+        nodes[key] = n
+        total = 1
+        if isinstance(n, yaml.SequenceNode):
+            total += sum(size(item) for item in n.value)
+        elif isinstance(n, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in n.value)
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    total = size(node)
+    if total - len(sizes) > MAX_ALIAS_NODES:
+        # The anchor whose uses add the most nodes is the one to point at.
+        key = max((k for k in sizes if uses[k] > 1), key=lambda k: sizes[k] * (uses[k] - 1))
+        raise SpecError([Problem(f"YAML aliases expand this file to {total} nodes ({total - len(sizes)} beyond the "
+                                 f"file's own {len(sizes)}; at most {MAX_ALIAS_NODES} may be added by aliases): an "
+                                 "alias bomb or far too many uses of an anchor; write the values out or use fewer "
+                                 "aliases (the anchor on this line adds the most)",
+                                 file=filename, line=nodes[key].start_mark.line + 1)])
+
+
 def _duplicate_keys(node: yaml.Node, filename: str) -> list[Problem]:
     """PyYAML keeps the last of repeated keys silently; a pipeline with a repeated key is ambiguous."""
     problems: list[Problem] = []
@@ -148,7 +227,10 @@ def _duplicate_keys(node: yaml.Node, filename: str) -> list[Problem]:
         if isinstance(n, yaml.MappingNode):
             first: dict[str, int] = {}
             for k, v in n.value:
-                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                # Constructing the data flattened merge keys (<<: *anchor) into this node: the merged
+                # pairs are the anchor's own nodes, from outside this mapping, and may be overridden.
+                merged = not n.start_mark.index <= k.start_mark.index < n.end_mark.index
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge" and not merged:
                     line = k.start_mark.line + 1
                     if k.value in first:
                         problems.append(Problem(f"duplicate key {k.value!r} (first at line {first[k.value]}); "

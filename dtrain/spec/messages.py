@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from .layers import Layer
 from .pipeline import PipelineSpec
-from .sections import OptimizerSpec, did_you_mean, quoted
+from .sections import BOUND_NAMES, OptimizerSpec, did_you_mean, quoted
 
 _EXPECTED = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -95,7 +95,8 @@ def error_message(err: dict[str, Any], loc: tuple) -> str:
         bound = ctx.get(name)
         if isinstance(bound, float) and bound.is_integer():
             bound = int(bound)
-        return f"must be {op} {bound}, got {_show(value)}"
+        named = f" ({BOUND_NAMES[bound]})" if bound in BOUND_NAMES else ""
+        return f"must be {op} {bound}{named}, got {_show(value)}"
     if kind in ("too_short", "too_long"):
         n = ctx.get("min_length" if kind == "too_short" else "max_length")
         return f"needs {'at least' if kind == 'too_short' else 'at most'} {n} item(s), got {_show(value)}"
@@ -107,8 +108,22 @@ def error_message(err: dict[str, Any], loc: tuple) -> str:
             what = "a mapping of settings (key: value lines, or {key: value, ...})"
         if kind == "int_from_float":
             return f"expected a whole number, got {_show(value)}"
+        if kind == "int_parsing" and isinstance(value, str) and _scientific(value) is not None:
+            return (f"expected an integer, got the string {value!r}: YAML reads a number in e-notation without "
+                    f"a '.' (like 1e12) as a string; write the integer out: {_scientific(value)}")
         return f"expected {what}, got {_show(value)}"
     return f"{err['msg']} (got {_show(value)})"
+
+
+def _scientific(text: str) -> str | None:
+    """``"1e12"`` -> ``"1000000000000"``: the integer a string in e-notation means, if it is one."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if "e" not in text.lower() or not number.is_integer():
+        return None
+    return str(int(number))
 
 
 # ------------------------------------------------------------------- the models behind a location

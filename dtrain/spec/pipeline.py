@@ -18,9 +18,12 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from .device import DeviceSpec
 from .errors import CrossFieldErrors
+from .imports import missing_module
 from .layers import ModelSpec
 from .sections import (
     _ARITY,
+    BUILTIN_HOOKS,
+    MAX_EMBEDDED_TASKS,
     NAME,
     CheckpointSpec,
     ClusterSpec,
@@ -102,6 +105,14 @@ class PipelineSpec(Strict):
             elif dev.job is None and dev.task is not None:
                 problems.append((loc, f"{value!r} names a task without a job; write /job:NAME/task:{dev.task}"))
 
+        # One process per task on this machine, unless the tasks are served by a running cluster
+        # (cluster.scheduler, or the scheduler `dtrain run --scheduler` passes in the context).
+        total = sum(self.cluster.num_tasks(j) for j in jobs)
+        if self.cluster.scheduler is None and not (info.context or {}).get("scheduler") and total > MAX_EMBEDDED_TASKS:
+            problems.append((("cluster", "jobs"), f"the embedded cluster would start {total} worker processes, one "
+                             f"per task ({job_list}); at most {MAX_EMBEDDED_TASKS} run on one machine: lower the "
+                             "task counts, or run on a Dask cluster with cluster.scheduler (or dtrain run --scheduler)"))
+
         if self.is_graph:
             if not self.graph and not self.variables:
                 problems.append(((), "the pipeline has neither a 'model' nor a 'graph'/'variables' section; "
@@ -158,9 +169,19 @@ class PipelineSpec(Strict):
                 check_device(("model", "layers", i, "device"), layer.device)
             self._check_shapes(problems)
         self._check_data(problems, base_dir)
+        self._check_imports(problems)
         if problems:
             raise CrossFieldErrors(problems)
         return self
+
+    def _check_imports(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+        """The user's modules must be importable here; they are looked up, never imported (imports)."""
+        assert self.model is not None
+        if self.model.module is not None and (why := missing_module(self.model.module)):
+            problems.append((("model", "module"), why))
+        for i, hook in enumerate(self.hooks):
+            if hook.type not in BUILTIN_HOOKS and (why := missing_module(hook.type)):
+                problems.append((("hooks", i, "type"), f"custom hook: {why}"))
 
     def _check_data(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path) -> None:
         from dtrain.data.sources import FILE_SUFFIXES, SKLEARN_DATASETS, data_source_kind, resolve_data_path

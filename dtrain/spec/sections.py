@@ -17,12 +17,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .device import DeviceSpec
 from .errors import CrossFieldErrors
+from .sizes import memory_limit_bytes
 
 NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 
+# Upper bounds: what the runtime can carry out (a timeout becomes a socket option and a
+# Future.result deadline; a seed goes to numpy's RandomState through scikit-learn's split; a step
+# count stays far from int64's end, where the ps's counters live).
+WEEK_S = 7 * 24 * 3600
+MAX_STEPS = 2**62
+MAX_SEED = 2**32 - 1
+MAX_TASKS_PER_JOB = 256
+MAX_EMBEDDED_TASKS = 64
+MAX_BUCKET_MB = 1024
+BOUND_NAMES = {WEEK_S: "one week", MAX_STEPS: "2**62", MAX_SEED: "2**32 - 1: numpy's RandomState, which splits the "
+               "data, takes no larger seed"}
+"""Bounds that read better named than as numbers, for messages (``messages``)."""
+
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False)
+    # allow_inf_nan=False: every float field (nested ones too) refuses .inf and .nan.
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False, allow_inf_nan=False)
 
     # pydantic's lax mode reads True as 1; in YAML `steps: yes` is a boolean, never a count.
     # (A model-level check, because pydantic refuses before-validators on discriminator fields.)
@@ -66,10 +81,27 @@ def quoted(choices: typing.Iterable[str]) -> str:
     return ", ".join(repr(c) for c in choices)
 
 
+EXECUTABLE_DEVICE_TYPES = ("CPU", "GPU")
+
+
+def check_device_type(spec: DeviceSpec, value: str) -> None:
+    """Only CPU and GPU exist for dtrain's replicas: any other type (TPU, a typo) would silently
+    compute on the CPU, since soft placement falls back from GPU to CPU only."""
+    t = spec.device_type
+    if t is None or t in EXECUTABLE_DEVICE_TYPES:
+        return
+    if t.lower() == "cuda":
+        raise ValueError(f"{value!r}: a device string names a CUDA device as GPU: write /device:GPU:N or /gpu:N "
+                         "(placement.worker_device also takes cuda or cuda:N)")
+    raise ValueError(f"{value!r}: device type {t!r} does not exist here; dtrain computes on CPU and GPU only "
+                     "(placement.soft falls back from GPU to CPU, never from other types): write /device:CPU:0 "
+                     "or /device:GPU:N (/cpu:0, /gpu:N)")
+
+
 def check_device_string(value: str | None) -> str | None:
     if value is None:
         return None
-    DeviceSpec.from_string(value)  # raises ValueError with the grammar
+    check_device_type(DeviceSpec.from_string(value), value)  # from_string raises ValueError with the grammar
     return value
 
 
@@ -87,21 +119,27 @@ class SecuritySpec(Strict):
 class ClusterSpec(Strict):
     """The jobs and tasks of the cluster (TF's ClusterSpec) and where its scheduler is."""
 
-    jobs: dict[str, Annotated[int, Field(ge=1, le=256)] | list[str]] = Field(
+    jobs: dict[str, Annotated[int, Field(ge=1, le=MAX_TASKS_PER_JOB)] | list[str]] = Field(
         default_factory=lambda: {"ps": 1, "worker": 2},
         description="Job name -> number of tasks, or a list of Dask worker names/addresses, one per task "
-        "(like ClusterSpec's host lists). Task i of job J is served by the worker named 'J-i'.",
+        "(like ClusterSpec's host lists), at most 256 tasks per job. Task i of job J is served by the worker named "
+        "'J-i'. The embedded cluster (no scheduler) starts one process per task: at most 64 in all.",
     )
     scheduler: str | None = Field(
         None,
         description="Address of a running Dask scheduler (tcp://host:8786 or tls://...). "
         "Default: an embedded cluster on 127.0.0.1 with one worker process per task.",
     )
-    wait_s: float = Field(60.0, gt=0, description="How long to wait for a worker for every task before failing.")
+    wait_s: float = Field(60.0, gt=0, le=WEEK_S,
+                          description="How long to wait for a worker for every task before failing (at most a week).")
     worker_ttl_s: float = Field(
-        30.0, gt=0, description="Embedded cluster: seconds of silence after which the scheduler drops a worker."
+        30.0, gt=0, le=WEEK_S,
+        description="Embedded cluster: seconds of silence after which the scheduler drops a worker (at most a week)."
     )
-    memory_limit: str = Field("4GiB", description="Embedded cluster: memory limit of each worker process.")
+    memory_limit: str = Field(
+        "4GiB", description="Embedded cluster: memory limit of each worker process: a size such as 4GiB or 512MB "
+        "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; at least 64MiB), 'auto' (Dask's share of the machine) or 0 "
+        "(no limit).")
     nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
     dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
@@ -116,14 +154,17 @@ class ClusterSpec(Strict):
         if not jobs:
             raise ValueError(f"at least one job is needed, {example}")
         problems: list[tuple[tuple[str | int, ...], str]] = []
+        most = MAX_TASKS_PER_JOB
         for name, tasks in jobs.items():
             if not isinstance(name, str) or not re.match(NAME, name):
                 problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
             elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
-                problems.append(((name,), f"expected a number of tasks (1..256) or a list of Dask worker "
+                problems.append(((name,), f"expected a number of tasks (1..{most}) or a list of Dask worker "
                                           f"names/addresses, got {tasks!r}"))
-            elif isinstance(tasks, int) and not 1 <= tasks <= 256:
-                problems.append(((name,), f"job {name!r} needs 1..256 tasks, got {tasks}"))
+            elif isinstance(tasks, int) and not 1 <= tasks <= most:
+                problems.append(((name,), f"job {name!r} needs 1..{most} tasks, got {tasks}"))
+            elif isinstance(tasks, (list, tuple)) and len(tasks) > most:
+                problems.append(((name,), f"job {name!r} lists {len(tasks)} workers; at most {most} tasks per job"))
             elif isinstance(tasks, (list, tuple)) and not tasks:
                 problems.append(((name,), f"job {name!r} lists no tasks; list one worker name/address per task"))
             elif isinstance(tasks, (list, tuple)) and not all(isinstance(t, str) and t for t in tasks):
@@ -132,6 +173,12 @@ class ClusterSpec(Strict):
         if problems:
             raise CrossFieldErrors(problems)
         return jobs
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_limit(cls, v: str) -> str:
+        memory_limit_bytes(v)  # ValueError naming the forms accepted
+        return v
 
     def num_tasks(self, job: str) -> int:
         tasks = self.jobs.get(job, 0)
@@ -180,8 +227,14 @@ class PlacementSpec(Strict):
     @field_validator("variable_devices")
     @classmethod
     def _var_devices(cls, v: dict[str, str]) -> dict[str, str]:
-        for dev in v.values():
-            check_device_string(dev)
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name, dev in v.items():
+            try:
+                check_device_string(dev)
+            except ValueError as exc:
+                problems.append(((name,), str(exc)))
+        if problems:
+            raise CrossFieldErrors(problems)
         return v
 
 
@@ -196,6 +249,14 @@ def worker_device_spec(value: str) -> DeviceSpec:
         spec = DeviceSpec.from_string(v)
         if spec.device_type is None:
             raise ValueError(f"{value!r} names no device; write cpu, cuda, cuda:N or /gpu:N")
+        if spec.job is not None or spec.replica is not None or spec.task is not None:
+            if spec.device_type in EXECUTABLE_DEVICE_TYPES:
+                fix = repr(DeviceSpec(device_type=spec.device_type, device_index=spec.device_index).to_string())
+            else:  # both wrong: say so at once
+                fix = f"/device:CPU:0 or /device:GPU:N (device type {spec.device_type!r} does not exist here)"
+            raise ValueError(f"{value!r} names a job or task: worker_device takes only the device part (replica r "
+                             f"always runs on worker task r); write {fix}")
+        check_device_type(spec, value)
         return spec
     raise ValueError(f"{value!r} is not a device; write cpu, cuda, cuda:N or a device string like /gpu:0")
 
@@ -227,8 +288,8 @@ class DataSpec(Strict):
 
 
 class _Opt(Strict):
-    lr: float = Field(0.01, gt=0.0, description="Learning rate (> 0).")
-    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty, as torch applies it.")
+    lr: float = Field(0.01, gt=0.0, description="Learning rate (finite, > 0).")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty, as torch applies it (finite, >= 0).")
 
 
 class SgdOptimizer(_Opt):
@@ -242,11 +303,15 @@ class MomentumOptimizer(_Opt):
     dampening: float = Field(0.0, ge=0.0, lt=1.0, description="Dampening for momentum.")
 
 
+_Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 class AdamOptimizer(_Opt):
     name: Literal["adam"] = Field(description="Adam (torch.optim.Adam).")
-    lr: float = Field(0.001, gt=0.0, description="Learning rate (> 0).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Coefficients for the running averages.")
-    eps: float = Field(1e-8, gt=0.0, description="Term added to the denominator.")
+    lr: float = Field(0.001, gt=0.0, description="Learning rate (finite, > 0).")
+    betas: tuple[_Beta, _Beta] = Field(
+        (0.9, 0.999), description="Coefficients for the running averages, each in [0, 1) (as torch.optim.Adam).")
+    eps: float = Field(1e-8, gt=0.0, description="Term added to the denominator (finite, > 0).")
     amsgrad: bool = Field(False, description="AMSGrad variant.")
 
 
@@ -282,16 +347,19 @@ class TrainingSpec(Strict):
     total_num_replicas: int | None = Field(
         None, ge=1, description="Replicas, backups included (default and maximum: the worker job's task count)."
     )
-    steps: int = Field(1000, ge=1, description="The last global step.")
-    seed: int = Field(0, ge=0, description="Seed for initialisation, data order and dropout.")
+    steps: int = Field(1000, ge=1, le=MAX_STEPS, description="The last global step (at most 2**62).")
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="Seed for initialisation, data order and dropout (0 .. 2**32 - 1).")
     overlap: bool = Field(
         False, description="async: overlap the push/pull round trip with the next step's compute (staleness 1)."
     )
     max_staleness: int | None = Field(
-        None, ge=0, description="async: bounded staleness k (stale synchronous parallel). Default: unbounded."
+        None, ge=0, le=MAX_STEPS, description="async: bounded staleness k (stale synchronous parallel). Default: unbounded."
     )
-    barrier_timeout_s: float = Field(60.0, gt=0, description="sync: how long a replica waits for the others.")
-    call_timeout_s: float = Field(60.0, gt=0, description="Timeout of every call a replica makes to a ps task.")
+    barrier_timeout_s: float = Field(
+        60.0, gt=0, le=WEEK_S, description="sync: how long a replica waits for the others (at most a week).")
+    call_timeout_s: float = Field(
+        60.0, gt=0, le=WEEK_S, description="Timeout of every call a replica makes to a ps task (at most a week).")
     max_recoveries: int = Field(3, ge=0, description="Lost ps/worker recoveries before the run fails.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
     transport: Literal["dask", "socket"] = Field(
@@ -304,9 +372,9 @@ class TrainingSpec(Strict):
         "float32", description="Dtype of parameters and gradients on the wire: bfloat16 halves the bytes moved "
         "(transport: socket only; the ps keeps and applies float32).")
     bucket_mb: float = Field(
-        1.0, ge=0, description="transport: socket without shared memory: send the gradient in buckets of about "
+        1.0, ge=0, le=MAX_BUCKET_MB, description="transport: socket without shared memory: send the gradient in buckets of about "
         "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
-        "after backward sends only the rest. 0 sends it whole after backward.")
+        "after backward sends only the rest. 0 sends it whole after backward. At most 1024.")
     pin_cpus: bool = Field(
         False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
         "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")
@@ -323,8 +391,8 @@ class TrainingSpec(Strict):
 class CheckpointSpec(Strict):
     """CheckpointSaverHook: atomic checkpoints of every shard at one consistent step."""
 
-    every_steps: int | None = Field(None, ge=1, description="Save every N global steps.")
-    every_secs: float | None = Field(None, gt=0, description="Save every N seconds.")
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Save every N global steps.")
+    every_secs: float | None = Field(None, gt=0, le=WEEK_S, description="Save every N seconds (at most a week).")
     keep: int = Field(3, ge=1, description="Keep the newest N checkpoints.")
 
     @model_validator(mode="after")
@@ -337,24 +405,26 @@ class CheckpointSpec(Strict):
 class SummarySpec(Strict):
     """SummarySaverHook: metrics.jsonl and TensorBoard events."""
 
-    every_steps: int = Field(100, ge=1, description="Write a summary every N global steps.")
+    every_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Write a summary every N global steps.")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files under tb/.")
 
 
 class EvalSpec(Strict):
     """Evaluation on the test split."""
 
-    every_steps: int | None = Field(None, ge=1, description="Evaluate every N global steps (always at the end).")
+    every_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="Evaluate every N global steps (always at the end).")
 
 
 class HookSpec(Strict):
     """A hook: logging | nan_guard | step_counter | stop_at_step, or a custom one by import path."""
 
     type: str = Field(description="logging | nan_guard | step_counter | stop_at_step | 'package.module:HookClass'.")
-    every_steps: int | None = Field(None, ge=1, description="logging/step_counter: every N global steps.")
-    every_secs: float | None = Field(None, gt=0, description="logging/step_counter: every N seconds.")
-    num_steps: int | None = Field(None, ge=1, description="stop_at_step: stop after N more steps.")
-    last_step: int | None = Field(None, ge=1, description="stop_at_step: stop at this global step.")
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="logging/step_counter: every N global steps.")
+    every_secs: float | None = Field(
+        None, gt=0, le=WEEK_S, description="logging/step_counter: every N seconds (at most a week).")
+    num_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="stop_at_step: stop after N more steps.")
+    last_step: int | None = Field(None, ge=1, le=MAX_STEPS, description="stop_at_step: stop at this global step.")
     args: dict[str, Any] = Field(default_factory=dict, description="Custom hooks: keyword arguments of the class.")
 
     @field_validator("type")

@@ -258,7 +258,7 @@ def test_pickled_object_is_rejected_not_executed(tmp_path, caplog):
 SYNC = """
 name: ckpt-sync
 cluster: {jobs: {ps: 2, worker: 2}}
-model:
+model:  # fast steps: the shards pause at 20 and 40 for the chief however fast they go
   input_shape: [64]
   layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
 data: {source: sklearn:digits, batch_size: 16}

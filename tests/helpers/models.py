@@ -7,15 +7,18 @@ from torch import nn
 
 
 class BrokenMLP(nn.Module):
-    """Declares a first layer of the wrong width, so the replica's forward fails with torch's
-    own shape error (what a user's custom module with a bug looks like)."""
+    """A user's module with a bug that only real data shows: on real tensors its forward drops the
+    last feature, so the replica fails with torch's own shape error. (A layer of the wrong width
+    would be caught before start, by the forward on the meta device: chief/preflight.py.)"""
 
     def __init__(self, features: int = 64, classes: int = 10):
         super().__init__()
-        self.fc1 = nn.Linear(features + 3, 32)
+        self.fc1 = nn.Linear(features, 32)
         self.fc2 = nn.Linear(32, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            x = x[..., :-1]
         return self.fc2(torch.relu(self.fc1(x)))
 
 

@@ -106,8 +106,7 @@ def test_digits_shards_and_replicas(digits_plan):
 
 @pytest.mark.parametrize(("worker_device", "device"), [
     ("cpu", "CPU:0"), ("cuda", "GPU:0"), ("cuda:1", "GPU:1"), ("/gpu:0", "GPU:0"), ("GPU", "GPU:0"),
-    # Only the device fields count: replica r always runs on worker task r.
-    ("/job:worker/task:1/device:GPU:0", "GPU:0"),
+    ("/device:GPU:1", "GPU:1"),  # a job or task is refused by the spec: replica r always runs on worker task r
 ])
 def test_worker_device(worker_device, device):
     plan = dtrain.compile(_spec("digits_async", placement={"worker_device": worker_device}))

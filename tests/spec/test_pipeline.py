@@ -244,7 +244,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
         ("gpu:2", "/device:GPU:2"),
         ("/gpu:0", "/device:GPU:0"),
         ("/cpu:0", "/device:CPU:0"),
-        ("/job:worker/device:GPU:1", "/job:worker/device:GPU:1"),
+        ("/device:GPU:1", "/device:GPU:1"),
     ],
 )
 def test_worker_device_spec(value: str, canonical: str):
@@ -253,7 +253,9 @@ def test_worker_device_spec(value: str, canonical: str):
     assert spec.to_string() == canonical
 
 
-@pytest.mark.parametrize("value", ["tpu", "", "cuda:x", "cuda:-1", "/job:worker", "/foo:1", "gpu0"])
+@pytest.mark.parametrize("value", ["tpu", "", "cuda:x", "cuda:-1", "/job:worker", "/foo:1", "gpu0", "/tpu:0",
+                                   "/device:TPU:0", "/device:MyFunnyDevice:0", "/device:cuda:0",
+                                   "/job:worker/device:GPU:1", "/task:1/gpu:0"])
 def test_worker_device_spec_rejects(value: str):
     with pytest.raises(ValueError):
         worker_device_spec(value)
@@ -271,7 +273,8 @@ def test_device_strings_are_checked_against_the_cluster():
     assert "names task 1 but job 'ps' has 1 task(s)" in info.value.problems[0].message
     with pytest.raises(SpecError) as info:
         validate({"model": MLP, "placement": {"worker_device": "/task:1/gpu:0"}})
-    assert "names a task without a job" in str(info.value)
+    assert "worker_device takes only the device part (replica r always runs on worker task r); " \
+           "write '/device:GPU:0'" in str(info.value)
 
 
 # ------------------------------------------------------------------------------ errors

@@ -1,0 +1,192 @@
+"""What ``dtrain plan`` and ``dtrain run`` check before anything starts, beyond ``validate``.
+
+``dtrain validate`` never imports the user's code nor reads the data (``dtrain.spec``). Before a
+cluster starts, the chief does both, so that a pipeline that cannot run fails with exit 2 and a
+``FILE:LINE: path: message`` line rather than a traceback or a replica's error after start-up:
+
+- the custom hooks are imported and built (``hooks[i].type`` / ``hooks[i].args``);
+- the model is built on torch's meta device: a module that cannot be imported, a missing attribute,
+  a factory that raises or does not return an ``nn.Module`` is a problem at ``model.module``;
+- the data is loaded (as every replica loads it): a bad or non-finite file is a problem at
+  ``data.source``;
+- the data fits the model: the examples' shape against ``model.input_shape`` (and, for a custom
+  module, a forward on the meta device with the data's shape), the labels against the model's
+  outputs (labels {0, 1000000} are 1000001 classes, not 2);
+- the plan compiles (variable pins), and on the embedded cluster each ps task's parameters and
+  optimizer state fit its worker's ``cluster.memory_limit``.
+
+Problems carry dotted paths but no file: the CLI gives them their lines
+(:func:`dtrain.spec.loading.locate`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dtrain.spec.errors import Problem, SpecError
+from dtrain.spec.pipeline import PipelineSpec
+
+from .hooks import Hook, build_hooks
+
+# Float32 buffers a ParameterShard keeps per parameter, besides the parameter itself: the sync
+# accumulator and the optimizer's scratch buffer, plus the optimizer's state (dtrain.ps.optim).
+# tests/chief/test_preflight.py counts them on a real shard.
+PS_BUFFERS = 2
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 3, "adagrad": 2}  # adam: +1 with amsgrad
+
+
+def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
+    """Run every check (see the module docstring) and return the built hooks; SpecError listing
+    every problem otherwise. ``embedded``: the run starts its own cluster (memory limits apply)."""
+    problems: list[Problem] = []
+    hooks: list[Hook] = []
+    try:
+        hooks = build_hooks(spec.hooks)
+    except SpecError as exc:
+        problems += exc.problems
+    if spec.is_graph:
+        if problems:
+            raise SpecError(problems)
+        return hooks
+    skeleton = _skeleton(spec, problems)
+    data = _dataset(spec, problems)
+    if skeleton is not None and data is not None:
+        _fits(spec, skeleton, data, problems)
+    if skeleton is not None and not problems:
+        from dtrain.plan.compiler import compile
+
+        try:
+            plan = compile(spec)
+        except SpecError as exc:
+            problems += exc.problems
+        else:
+            if embedded:
+                _memory(spec, plan, problems)
+    if problems:
+        raise SpecError(problems)
+    return hooks
+
+
+def ps_state_bytes(param_bytes: int, optimizer: Any) -> int:
+    """Bytes a ps task holds for ``param_bytes`` of parameters: the parameters, their accumulator
+    and scratch buffer, and the optimizer's state (a lower bound: reply buffers come on top)."""
+    state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False)))
+    return param_bytes * (1 + PS_BUFFERS + state)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _skeleton(spec: PipelineSpec, problems: list[Problem]) -> Any:
+    from dtrain.model.build import build_model_skeleton
+    from dtrain.model.layers import NotAModuleError
+
+    model = spec.model
+    assert model is not None
+    if model.module is None:
+        return build_model_skeleton(spec)  # layers: already checked by the spec, on meta
+    try:
+        return build_model_skeleton(spec)
+    except ImportError as exc:
+        why = f"cannot be imported: {_one_line(exc)}"
+    except NotAModuleError as exc:
+        why = f"is not an nn.Module class or factory: {_one_line(exc)}"
+    except Exception as exc:  # the user's module or factory raised: anything may come out
+        why = f"failed while importing or building the model: {type(exc).__name__}: {_one_line(exc)}"
+    problems.append(Problem(f"{model.module!r} {why}", path="model.module"))
+    return None
+
+
+def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:
+    from dtrain.worker.replica import dataset_for
+
+    try:
+        return dataset_for(spec)  # cached: the chief's evaluation reuses it
+    except (ValueError, OSError) as exc:
+        problems.append(Problem(f"cannot load {spec.data.source!r}: {_one_line(exc)}", path="data.source"))
+        return None
+
+
+def _model_outputs(spec: PipelineSpec) -> str:
+    """Where the model's output size is set, for messages."""
+    model = spec.model
+    assert model is not None
+    if model.layers is None:
+        return f"model.module {model.module!r}"
+    linear = [i for i, layer in enumerate(model.layers) if layer.type == "linear"]
+    return f"model.layers[{linear[-1]}].out" if linear else "model.layers"
+
+
+def _fits(spec: PipelineSpec, skeleton: Any, data: Any, problems: list[Problem]) -> None:
+    from dtrain.model.layers import check_output, infer_shapes, output_shape
+
+    model = spec.model
+    assert model is not None
+    source = spec.data.source
+    shape = tuple(data.feature_shape)
+    if model.layers is not None:
+        want = tuple(model.input_shape or ())
+        if shape != want:
+            fix = (f"set model.input_shape: {list(shape)}"
+                   + (" and start the layers with {type: reshape, shape: " + str(list(want)) + "}"
+                      if math.prod(shape) == math.prod(want) else ""))
+            problems.append(Problem(f"the examples of {source!r} have shape {shape} ({math.prod(shape)} features) "
+                                    f"but model.input_shape is {list(want)}: {fix}", path="data.source"))
+            return
+        out = infer_shapes(want, [layer.model_dump() for layer in model.layers])[-1]
+    else:
+        try:
+            out = output_shape(skeleton, shape)
+        except NotImplementedError:
+            return  # an operation torch's meta device cannot run: the check needs real tensors
+        except Exception as exc:
+            if "meta" in str(exc).lower():  # data-dependent code (.item(), ...): not checkable on meta
+                return
+            problems.append(Problem(f"{model.module!r} fails on the examples of {source!r}, of shape {shape}: "
+                                    f"{type(exc).__name__}: {_one_line(exc)}", path="model.module"))
+            return
+    loss = model.loss
+    if loss == "cross_entropy" and data.task == "regression":
+        problems.append(Problem(f"the targets of {source!r} are not integer class labels (read as a regression "
+                                "target) but model.loss is cross_entropy: store integer labels (or set data.task: "
+                                "classification), or use loss: mse", path="data.source"))
+        return
+    classes = data.num_classes if loss == "cross_entropy" else None
+    if loss == "cross_entropy" and classes is not None and len(out) == 1 and out[0] < classes:
+        top = max(data.classes) if data.classes and all(isinstance(c, int) for c in data.classes) else None
+        labels = (f"its labels run up to {top}, so they are {classes} classes (non-negative integer labels are "
+                  "class ids)" if top is not None else f"it has {classes} classes")
+        problems.append(Problem(f"{source!r}: {labels}, but {_model_outputs(spec)} gives {out[0]} outputs per "
+                                f"example: use labels 0..{out[0] - 1}, or make the model output {classes}",
+                                path="data.source"))
+        return
+    if loss == "bce_with_logits" and data.num_classes is not None and data.num_classes > 2:
+        problems.append(Problem(f"{source!r} has {data.num_classes} classes but bce_with_logits needs labels 0 and 1 "
+                                "(one logit per example): use cross_entropy for more classes", path="data.source"))
+        return
+    try:
+        check_output(out, loss, classes)
+    except ValueError as exc:
+        path = "model.module" if model.layers is None else "model.layers"
+        problems.append(Problem(f"{exc} (with the data of {source!r})", path=path))
+
+
+def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
+    from dtrain.spec.sizes import memory_limit_bytes
+
+    limit = memory_limit_bytes(spec.cluster.memory_limit)
+    if limit is None:  # auto or no limit
+        return
+    for task, nbytes in plan.ps_bytes.items():
+        need = ps_state_bytes(nbytes, spec.optimizer)
+        if need > limit:
+            problems.append(Problem(
+                f"ps task {task} needs at least {need} bytes ({nbytes} bytes of parameters, with their accumulator, "
+                f"scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
+                f"{spec.cluster.memory_limit!r} ({limit} bytes): raise cluster.memory_limit, add ps tasks, or split "
+                "large variables with placement.variables: partitioned", path="cluster.memory_limit"))

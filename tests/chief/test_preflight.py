@@ -1,0 +1,223 @@
+"""What `dtrain plan` and `dtrain run` refuse before anything starts (review M13, M9, L6): the
+user's code is imported, the data read and checked against the model, and the plan's ps memory
+compared with the embedded workers' limit. Exit 2 with `FILE:LINE: path: message`; no cluster is
+started and nothing is written. `dtrain validate` (which never imports nor reads) still says ok."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dtrain
+from dtrain import cli
+from dtrain.chief import runner
+from dtrain.chief.preflight import ps_state_bytes
+from dtrain.ps.shard import ParameterShard
+from dtrain.spec.errors import SpecError
+
+MLP = """\
+name: pre
+cluster: {jobs: {ps: 1, worker: 1}}
+model:
+  input_shape: [4]
+  layers:
+    - {type: linear, out: 3}
+data:
+  source: d.npz
+training: {steps: 5}
+"""
+
+
+def write(tmp_path: Path, text: str, x: np.ndarray | None = None, y: np.ndarray | None = None) -> Path:
+    if x is not None:
+        np.savez(tmp_path / "d.npz", x=x, y=y)
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def cmd(capsys, *args: str) -> tuple[int, list[str]]:
+    code = cli.main(list(args))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """`run` must fail before it connects: connecting (starting or joining a cluster) is an error."""
+    def connect(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(runner, "connect", connect)
+    monkeypatch.setattr(cli, "_setup_logging", lambda quiet=False: None)
+
+
+def xy(n: int = 40, features: int = 4, classes: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, features)).astype(np.float32), np.arange(n) % classes
+
+
+# --------------------------------------------------------------------------------- the user's code
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    ("tests.helpers.models:Missing", "'tests.helpers.models:Missing' cannot be imported: 'tests.helpers.models:Missing': "
+                                     "'tests.helpers.models' has no attribute 'Missing'"),
+    ("os:getcwd", "'os:getcwd' is not an nn.Module class or factory: 'os:getcwd' returned str"),
+    ("tests.helpers.hooks:CALLS", "'tests.helpers.hooks:CALLS' is not an nn.Module class or factory"),
+    ("tests.helpers.models:TinyMLP", None),
+])
+def test_plan_imports_the_module_and_reports_it_at_model_module(tmp_path, capsys, module, message):
+    path = write(tmp_path, f"name: m\nmodel:\n  module: {module}\ndata: {{source: sklearn:digits}}\n")
+    assert cmd(capsys, "validate", str(path)) == (0, [])  # validate only looks the module up
+    code, err = cmd(capsys, "plan", str(path))
+    if message is None:
+        assert code == 0, err
+        return
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{path}:3: model.module: {message}"), err
+
+
+def test_a_module_that_raises_on_import_is_a_spec_error(tmp_path, capsys, monkeypatch):
+    (tmp_path / "raising_models.py").write_text("raise RuntimeError('no GPU driver here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "model: {module: 'raising_models:Net'}\n")
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and err == [f"{path}:1: model.module: 'raising_models:Net' failed while importing or building "
+                                 "the model: RuntimeError: no GPU driver here"]
+
+
+def test_plan_builds_custom_hooks(tmp_path, capsys):
+    path = write(tmp_path, MLP.replace("source: d.npz", "source: sklearn:iris") + "hooks:\n  - {type: logging}\n"
+                 "  - {type: 'tests.helpers.hooks:NotAHook'}\n")
+    assert cmd(capsys, "validate", str(path))[0] == 0
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:12: hooks[1].type: custom hook "), err
+    assert "not a subclass of dtrain.Hook" in err[0]
+
+
+def test_run_with_an_unimportable_module_exits_2_and_starts_nothing(tmp_path, capsys, no_cluster):
+    path = write(tmp_path, "name: m\nmodel:\n  module: tests.helpers.models:Nope\ndata: {source: sklearn:digits}\n")
+    run_dir = tmp_path / "run"
+    code, err = cmd(capsys, "run", str(path), "--run-dir", str(run_dir), "--quiet")
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:3: model.module: "), err
+    assert "has no attribute 'Nope'" in err[0]
+    assert not run_dir.exists()
+
+
+def test_python_api_run_checks_before_connecting(tmp_path, no_cluster):
+    spec = dtrain.loads("model: {module: 'os:getcwd'}\n")
+    with pytest.raises(SpecError, match=r"model.module: 'os:getcwd' is not an nn.Module"):
+        dtrain.run(spec, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------- data and model fit
+
+
+def test_labels_out_of_range_for_the_outputs(tmp_path, capsys, no_cluster):
+    x, y = xy()
+    y[[0, 5]] = 1_000_000  # before: silently 1000001 classes, then "Target out of bounds" in every replica
+    path = write(tmp_path, MLP, x, y)
+    assert cmd(capsys, "validate", str(path))[0] == 0
+    for args in (("plan", str(path)), ("run", str(path), "--run-dir", str(tmp_path / "run"))):
+        code, err = cmd(capsys, *args)
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"{path}:8: data.source: 'd.npz': its labels run up to 1000000, so they are "
+                                 "1000001 classes"), err
+        assert "but model.layers[0].out gives 3 outputs per example: use labels 0..2, or make the model output " \
+               "1000001" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_feature_count_must_match_input_shape(tmp_path, capsys):
+    x, y = xy(features=5)
+    path = write(tmp_path, MLP, x, y)
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and err == [f"{path}:8: data.source: the examples of 'd.npz' have shape (5,) (5 features) but "
+                                 "model.input_shape is [4]: set model.input_shape: [5]"]
+
+
+def test_custom_module_is_run_on_meta_with_the_datas_shape(tmp_path, capsys):
+    path = write(tmp_path, "model:\n  module: tests.helpers.models:TinyMLP\n  kwargs: {features: 67}\n"
+                 "data: {source: sklearn:digits}\n")
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{path}:2: model.module: 'tests.helpers.models:TinyMLP' fails on the examples of "
+                             "'sklearn:digits', of shape (64,): RuntimeError: "), err  # torch's meta shape error
+    # Too few outputs for the data's classes: named at the module, whose output it is.
+    path.write_text("model:\n  module: tests.helpers.models:TinyMLP\n  kwargs: {classes: 4}\n"
+                    "data: {source: sklearn:digits}\n")
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "its labels run up to 9, so they are 10 classes" in err[0]
+    assert "model.module 'tests.helpers.models:TinyMLP' gives 4 outputs" in err[0]
+
+
+def test_float_targets_with_cross_entropy(tmp_path, capsys):
+    x, _ = xy()
+    path = write(tmp_path, MLP, x, np.linspace(0, 1, len(x)))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "are not integer class labels (read as a regression target) but model.loss is " \
+                          "cross_entropy" in err[0]
+
+
+def test_non_finite_data_is_refused_before_start(tmp_path, capsys):
+    x, y = xy()
+    x[3, 1] = np.inf
+    path = write(tmp_path, MLP, x, y)
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:8: data.source: cannot load 'd.npz': ")
+    assert "x[3, 1] is inf (row 3, column 1;" in err[0]
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def test_a_ps_task_that_cannot_fit_its_memory_limit_is_refused(tmp_path, capsys):
+    text = """\
+name: huge
+cluster: {jobs: {ps: 2, worker: 1}, memory_limit: 1GiB}
+model:
+  input_shape: [64]
+  layers: [{type: linear, out: 2000000}, {type: linear, out: 10}]
+data: {source: sklearn:digits}
+optimizer: {name: adam}
+"""
+    path = write(tmp_path, text)
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 1, err  # round robin: both weights on ps task 0, the biases on task 1
+    weights = (64 * 2_000_000 + 2_000_000 * 10) * 4
+    assert err[0].startswith(f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least "
+                             f"{6 * weights} bytes ({weights} bytes of parameters, with their accumulator, scratch "
+                             "buffer and adam state), more than its worker's memory_limit '1GiB' (1073741824 bytes)")
+    # Not on a running cluster (its workers have their own limits), nor without a limit.
+    path.write_text(text.replace("memory_limit: 1GiB", "memory_limit: 1GiB, scheduler: tcp://127.0.0.1:1"))
+    assert cmd(capsys, "plan", str(path))[0] == 0
+    path.write_text(text.replace("memory_limit: 1GiB", "memory_limit: '0'"))
+    assert cmd(capsys, "plan", str(path))[0] == 0
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"name": "sgd", "lr": 0.1}, {"name": "momentum", "lr": 0.1, "momentum": 0.9}, {"name": "adam"},
+    {"name": "adam", "amsgrad": True}, {"name": "adagrad"}])
+def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer):
+    numel = 1000
+    spec = dtrain.PipelineSpec.model_validate({"model": {"input_shape": [4], "layers": [{"type": "linear", "out": 2}]},
+                                               "optimizer": optimizer}).optimizer
+    config = {"index": 0, "mode": "async", "steps": 10, "optimizer": spec.model_dump()}  # as ShardGroup passes it
+    shard = ParameterShard(config, torch.zeros(numel))
+    shard.optimizer.step(shard.param, torch.ones(numel))  # momentum's buffer is made by the first step
+    tensors = [v for obj in (shard, shard.optimizer) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert ps_state_bytes(numel * 4, spec) == allocated
+
+
+def test_compile_errors_get_their_file_and_line(tmp_path, capsys):
+    """The compiler's own spec errors (a pin that names no parameter) used to print '<spec>:1:'."""
+    path = write(tmp_path, MLP.replace("source: d.npz", "source: sklearn:iris")
+                 + "placement:\n  variable_devices: {0.wieght: /job:ps/task:0}\n")
+    code, err = cmd(capsys, "plan", str(path), "--set", "training.steps=7")
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: placement.variable_devices.0.wieght: "
+                                                             "'0.wieght' names no parameter of the model"), err
