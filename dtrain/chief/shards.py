@@ -116,6 +116,9 @@ class ShardGroup:
         variables (names, shapes) or another optimizer is refused with a RunError saying what
         differs."""
         states = _check_restorable(checkpoint, self.spec)
+        if checkpoint.payload.get("pipeline_hash") not in (None, self.plan.pipeline_hash):
+            logger.info("%s was written by another version of this pipeline (its variables and optimizer "
+                        "match; settings such as the learning rate or steps may differ)", checkpoint.path.name)
         written = checkpoint.payload.get("layout") or {}
         layout = ShardLayout.from_plan(self.plan)
         if written.get("parts"):

@@ -77,10 +77,6 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     return out
 
 
-def worker_pid() -> int:
-    """The worker process id (used by fault tests and by `dtrain plan` against a live cluster)."""
-    return os.getpid()
-
 
 # ------------------------------------------------------------------------- in-graph replication
 

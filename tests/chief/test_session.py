@@ -243,3 +243,18 @@ checkpoint: {every_secs: 0.4, keep: 100}
     assert len(steps) >= 3 and steps == sorted(set(steps)) and steps[-1] == 150, steps
     times = [ckpt.verify(path)["time"] for path in ckpt.list_checkpoints(run_dir)[:-1]]
     assert all(b - a >= 0.35 for a, b in zip(times, times[1:], strict=False)), times  # paced by time
+
+
+def test_a_diverged_run_never_completes_and_its_summary_is_strict_json(inproc_client, run_dir):
+    """lr 1e30 and no nan_guard hook: the parameters blow up; the run fails (no model.pt, no
+    non-finite checkpoint) and summary.json holds no bare NaN."""
+    spec = tiny("checkpoint: {every_steps: 20}\n").model_copy(deep=True)
+    spec.optimizer.lr = 1e30
+    with pytest.raises(RunError, match="non-finite"):
+        dtrain.run(spec, client=inproc_client, run_dir=run_dir)
+    text = (run_dir / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
+    assert summary["status"] == "failed" and "non-finite" in summary["error"]
+    assert not (run_dir / "model.pt").exists()
+    for path in ckpt.list_checkpoints(run_dir):
+        assert all(torch.isfinite(sh["params"]).all() for sh in ckpt.verify(path)["shards"])
