@@ -117,3 +117,19 @@ def test_invalid_pipeline_exits_2_and_writes_nothing(tmp_path):
     assert f"{bad}:3: training.mode:" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_unreachable_scheduler_exits_1_and_writes_nothing(tmp_path):
+    """A cluster that was never reached means a run that never started: exit 1 with the address,
+    and no run directory (a summary.json there would claim a run)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out = dtrain("run", "pipelines/digits_async.yaml", "--scheduler", f"tcp://127.0.0.1:{port}",
+                     "--run-dir", str(tmp_path / "run"), "--quiet", "--set", "cluster.wait_s=2")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"cannot reach the scheduler at tcp://127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -135,6 +135,18 @@ class RunDirLock:
             self._fd = None
 
 
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Remove a run directory this run created and left empty but for its lock file (a run that
+    never reached its cluster leaves nothing behind)."""
+    run_dir = Path(run_dir)
+    try:
+        if {p.name for p in run_dir.iterdir()} <= {".lock"}:
+            (run_dir / ".lock").unlink(missing_ok=True)
+            run_dir.rmdir()
+    except OSError:  # not empty after all, or already gone: leave it as it is
+        pass
+
+
 def early_summary(spec: Any, status: str, error: str, wall_s: float) -> dict[str, Any]:
     """summary.json for a run that ended before its session could write one (the cluster did not
     start, its task workers never came): the contract's keys, nothing trained."""

@@ -19,7 +19,7 @@ from typing import Any
 from distributed import Client
 
 from dtrain.deploy.cluster import connect
-from dtrain.spec.errors import RunDirError, SpecError
+from dtrain.spec.errors import ConnectError, RunDirError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import signals
@@ -31,6 +31,7 @@ from .rundir import (
     default_run_dir,
     describe_exit,
     early_summary,
+    remove_unused_run_dir,
     write_json,
 )
 from .session import Session
@@ -46,6 +47,18 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
     ``scheduler``/``cluster.scheduler``, or on an embedded cluster started (and stopped) here."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(spec)
     check_run_dir(run_dir, resume)
+    fresh = not run_dir.exists()
+    try:
+        return _run(spec, client, run_dir, scheduler, resume, progress, processes)
+    except ConnectError:
+        # The cluster was never reached: the run did not start, so it leaves nothing behind.
+        if fresh:
+            remove_unused_run_dir(run_dir)
+        raise
+
+
+def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: str | None, resume: bool,
+         progress: Callable[[dict[str, Any]], None] | None, processes: bool) -> Result:
     if spec.is_graph:
         from dtrain.graph.runner import run_graph
 
@@ -65,8 +78,8 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
             # process-wide default client, which belongs to the user).
             with conn.client.as_current():
                 return session.run()
-        except (SpecError, RunDirError):
-            raise  # an invalid pipeline: exit 2, no summary
+        except (SpecError, RunDirError, ConnectError):
+            raise  # an invalid pipeline (exit 2) or a cluster never reached (exit 1): no summary
         except BaseException as exc:
             if session is None or not session.summary_written:
                 status, error = describe_exit(exc)

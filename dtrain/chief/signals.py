@@ -49,12 +49,19 @@ def handled() -> Iterator[None]:
     if not _main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise) for s in HANDLED}
+    with _installed(_raise):
+        yield
+
+
+@contextlib.contextmanager
+def _installed(handler: Any) -> Iterator[None]:
+    """``handler`` for every handled signal for the duration, the previous handlers restored after."""
+    previous = {s: signal.signal(s, handler) for s in HANDLED}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 class _Counter:
@@ -77,10 +84,5 @@ def deferred() -> Iterator[None]:
     if not _main_thread() or isinstance(signal.getsignal(signal.SIGINT), _Counter):
         yield  # not ours to handle, or an enclosing cleanup counts them already
         return
-    counter = _Counter()
-    previous = {s: signal.signal(s, counter) for s in HANDLED}
-    try:
+    with _installed(_Counter()):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)

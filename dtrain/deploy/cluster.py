@@ -21,7 +21,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
 from dtrain.plan.compiler import resolve_workers
 from dtrain.spec.device import DeviceSpec
-from dtrain.spec.errors import RunError
+from dtrain.spec.errors import ConnectError, RunError
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)
@@ -180,32 +180,32 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
                 try:
                     address = str(json.loads(sched_file.read_text())["address"])
                 except (OSError, ValueError, KeyError, TypeError) as exc:
-                    raise RunError(f"cannot read the scheduler address from {sched_file}: {exc}") from None
+                    raise ConnectError(f"cannot read the scheduler address from {sched_file}: {exc}") from None
             if security is not None and "://" not in address:
                 address = f"tls://{address}"
             scheme = address.split("://", 1)[0] if "://" in address else "tcp"
             if scheme == "tls" and security is None:
-                raise RunError(f"the scheduler at {address} uses TLS: set cluster.security (ca_file, cert_file, "
+                raise ConnectError(f"the scheduler at {address} uses TLS: set cluster.security (ca_file, cert_file, "
                                f"key_file) to a certificate signed by the scheduler's CA (docs/deployment.md)")
             if security is not None and scheme != "tls":
-                raise RunError(f"cluster.security is set, so every connection must be encrypted, but the "
+                raise ConnectError(f"cluster.security is set, so every connection must be encrypted, but the "
                                f"scheduler address {address} is {scheme}://; use tls://")
             try:
                 c = Client(address, timeout=spec.cluster.wait_s, direct_to_workers=True, security=security,
                            set_as_default=False)
             except FatalCommClosedError as exc:
-                raise RunError(f"the scheduler at {address} refused the TLS connection ({exc}); is "
+                raise ConnectError(f"the scheduler at {address} refused the TLS connection ({exc}); is "
                                f"cluster.security.cert_file signed by the CA the scheduler trusts, and ca_file "
                                f"the CA that signed the scheduler's certificate?") from None
             except CommClosedError as exc:
                 hint = "; if it uses TLS, give its tls:// address and set cluster.security" if scheme == "tcp" else ""
-                raise RunError(f"the scheduler at {address} closed the connection ({exc}){hint}") from None
+                raise ConnectError(f"the scheduler at {address} closed the connection ({exc}){hint}") from None
             except OSError as exc:
-                raise RunError(f"cannot reach the scheduler at {address} within {spec.cluster.wait_s:g} s "
+                raise ConnectError(f"cannot reach the scheduler at {address} within {spec.cluster.wait_s:g} s "
                                f"(cluster.wait_s): {exc}. Is `dask scheduler` running there, and its port open "
                                f"to this machine?") from None
             except ValueError as exc:  # a malformed address
-                raise RunError(f"bad scheduler address {address!r}: {exc}") from None
+                raise ConnectError(f"bad scheduler address {address!r}: {exc}") from None
             conn = Connection(c, owns_client=True)
         else:
             cluster = embedded_cluster(spec, processes=processes)
@@ -249,7 +249,7 @@ def _security(spec: PipelineSpec) -> Any:
 
     for key, p in paths.items():
         if p is not None and not (os.path.isfile(p) and os.access(p, os.R_OK)):
-            raise RunError(f"cluster.security.{key}: no readable file {p} "
+            raise ConnectError(f"cluster.security.{key}: no readable file {p} "
                            f"(relative paths are relative to the pipeline file)")
     return Security(tls_ca_file=paths["ca_file"], tls_client_cert=paths["cert_file"],
                     tls_client_key=paths["key_file"], require_encryption=True)

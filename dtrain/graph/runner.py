@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
-from dtrain.spec.errors import RunError, SpecError
+from dtrain.spec.errors import ConnectError, RunError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def run_graph(spec: PipelineSpec, client: Any = None, scheduler: str | None = No
     try:
         summary, fetched, plan = _evaluate(spec, client, scheduler, processes, t0)
     except BaseException as exc:
-        if run_dir is not None and not isinstance(exc, SpecError):
+        if run_dir is not None and not isinstance(exc, (SpecError, ConnectError)):
             status, error = describe_exit(exc)
             try:
                 write_json(Path(run_dir) / "summary.json", {"name": spec.name, "status": status, "error": error,

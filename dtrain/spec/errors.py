@@ -59,6 +59,11 @@ class RunError(RuntimeError):
     """
 
 
+class ConnectError(RunError):
+    """The cluster could not be reached (no scheduler at the address, a refused TLS handshake, a
+    scheduler file that cannot be read): the run never started, so nothing is written (exit 1)."""
+
+
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (it holds checkpoints and --resume was not given).
 
