@@ -137,7 +137,8 @@ def _evaluate(spec: PipelineSpec, client: Any, scheduler: str | None, processes:
                                           pure=False)
                  for name, fut in futures.items() if name not in plan.fetch}
         try:
-            wait([*futures.values(), *where.values()], timeout=timeout)
+            with conn.client.as_current():  # wait() asks for the current client (not made the default)
+                wait([*futures.values(), *where.values()], timeout=timeout)
             got = conn.client.gather([futures[n] for n in plan.fetch])
             names = dict(zip(where, conn.client.gather(list(where.values())), strict=True))
         except OpError as exc:
