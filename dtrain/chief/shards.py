@@ -144,7 +144,8 @@ class ShardGroup:
         return call(self.handles[0].stats(), timeout=timeout)
 
     def pull_params(self) -> list[torch.Tensor]:
-        return [call(s.get_params())[0] for s in self.handles]
+        return [call(s.get_params(), timeout=transfer_timeout(shard.numel, state_factor=1))[0]
+                for s, shard in zip(self.handles, self.plan.shards, strict=True)]
 
     def steps(self, timeout: float = 5) -> list[int]:
         return [call(s.current_step(), timeout=timeout) for s in self.handles]
