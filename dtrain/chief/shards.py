@@ -5,12 +5,18 @@ their data plane, restores them from a checkpoint, reads progress, and moves all
 together: a consistent hold (every shard paused at one step, for a snapshot or a stop), release,
 stop, and the state a checkpoint needs. Each call has a timeout; a shard that does not answer
 raises, and the session's recovery decides whether a task was lost.
+
+While the group lives, a background thread renews every shard's lease (``ParameterShard.renew``)
+every quarter lease: a thread rather than the monitor loop, so a long evaluation, checkpoint or
+recovery never lets a lease lapse, while a dead chief (SIGKILL, OOM, a lost machine) stops its
+shards and frees their data planes within one lease (``lease_seconds``).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,17 @@ def task_host(address: str) -> str:
     return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
 
 
+def lease_seconds(spec: PipelineSpec) -> float:
+    """How long a shard outlives its chief's last renewal: well past anything the chief waits for
+    (a worker-ttl to declare a task lost, several times over), and at least a minute."""
+    return max(60.0, 4.0 * spec.cluster.worker_ttl_s)
+
+
 class ShardGroup:
     """The ps actors of one generation of a run (see the module docstring)."""
 
-    def __init__(self, conn: Connection, spec: PipelineSpec, plan: Plan, token: str, nan_guard: bool = False):
+    def __init__(self, conn: Connection, spec: PipelineSpec, plan: Plan, token: str, nan_guard: bool = False,
+                 lease_s: float | None = None):
         self.conn = conn
         self.client = conn.client
         self.spec = spec
@@ -50,6 +63,9 @@ class ShardGroup:
         self.last_step = spec.training.steps  # lowered by a stop_at_step hook (stop_at)
         # Replica connections the ps data planes served (all generations), and through shared memory.
         self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
+        self.lease_s = lease_s or lease_seconds(spec)
+        self._renewing = threading.Event()  # set: stop renewing
+        self._renewer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ creation
     def _config(self, index: int) -> dict[str, Any]:
@@ -63,6 +79,7 @@ class ShardGroup:
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
+            "lease_s": self.lease_s,
         }
 
     def create(self, init: list[torch.Tensor]) -> None:
@@ -76,6 +93,10 @@ class ShardGroup:
                                      key=f"dtrain-ps-{shard.index}-g{self.generation}-{self.token}")
             self.futures.append(fut)
         self.handles = [f.result(timeout=self.spec.cluster.wait_s) for f in self.futures]
+        self.renew()
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, name="dtrain-lease", daemon=True)
+            self._renewer.start()
         self.data_plane = None
         if self.spec.training.transport == "socket" and self.spec.training.replication == "between_graph":
             self.data_plane = self._open_data_plane()
@@ -137,6 +158,27 @@ class ShardGroup:
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
         return [(self.conn.tasks[s.task], f.key) for s, f in zip(self.plan.shards, self.futures, strict=True)]
+
+    # ------------------------------------------------------------------ the chief's lease
+    def renew(self) -> None:
+        """Renew every shard's lease (a lost shard is the monitor's business, not this call's)."""
+        for s in list(self.handles):
+            try:
+                call(s.renew(), timeout=min(10.0, self.lease_s / 4))
+            except Exception as exc:
+                logger.warning("renewing a ps shard's lease failed: %s", exc)
+
+    def _renew_loop(self) -> None:
+        with self.client.as_current():  # actor handles bind to the current client
+            while not self._renewing.wait(self.lease_s / 4):
+                self.renew()
+
+    def stop_renewing(self) -> None:
+        """The run is over: let the leases lapse (a shard left on a worker then frees itself)."""
+        self._renewing.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=15)
+        self._renewer = None
 
     # ------------------------------------------------------------------ reads
     def stats(self, timeout: float = 10) -> dict[str, Any]:

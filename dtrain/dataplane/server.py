@@ -163,6 +163,10 @@ class ShardServer:
     def close(self) -> None:
         self._closed.set()
         for s in [self._sock, *self._conns]:
+            try:  # shutdown wakes a thread blocked in accept() or recv(): close() alone does not (Linux)
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:
