@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,9 +26,9 @@ from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
+from dtrain.worker.tasks import WorkerShard
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +63,9 @@ class ShardGroup:
         # Replica connections the ps data planes served (all generations), and through shared memory.
         self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
         self.lease_s = lease_s or lease_seconds(spec)
+        # A TLS cluster (cluster.security, a TLS client, the embedded cluster) never gets a
+        # plaintext data plane (review M2).
+        self.tls = str(self.client.scheduler.address).startswith("tls://") if self.client is not None else False
         self._renewing = threading.Event()  # set: stop renewing
         self._renewer: threading.Thread | None = None
 
@@ -79,7 +81,7 @@ class ShardGroup:
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
-            "lease_s": self.lease_s,
+            "lease_s": self.lease_s, "tls": self.tls,
         }
 
     def create(self, init: list[torch.Tensor]) -> None:
@@ -88,7 +90,7 @@ class ShardGroup:
         for shard, values in zip(self.plan.shards, init, strict=True):
             addr = self.conn.tasks[shard.task]
             data = self.client.scatter(values, workers=[addr], direct=True, hash=False)
-            fut = self.client.submit(ParameterShard, self._config(shard.index), data, actor=True,
+            fut = self.client.submit(WorkerShard, self._config(shard.index), data, actor=True,
                                      workers=[addr], allow_other_workers=False, pure=False,
                                      key=f"dtrain-ps-{shard.index}-g{self.generation}-{self.token}")
             self.futures.append(fut)
@@ -103,14 +105,10 @@ class ShardGroup:
 
     def _open_data_plane(self) -> dict[str, Any]:
         """Each ps actor opens a listener on its worker's host; replicas get the endpoints and a
-        per-run secret through Dask (the control plane: TLS-protected when the cluster is)."""
-        tls = None
-        if self.spec.cluster.security is not None:
-            from dtrain.deploy.cluster import security_paths
-
-            files = security_paths(self.spec) or {}
-            tls = {name: (Path(files[f"{name}_file"]).read_text() if files.get(f"{name}_file") else None)
-                   for name in ("ca", "cert", "key")}
+        per-run secret through Dask (the control plane: TLS-protected when the cluster is). On a
+        TLS cluster the data plane is TLS too, each ps and replica with its own worker's
+        certificate (``WorkerShard``): no private key leaves its machine."""
+        tls = True if self.tls else None  # each process uses its own worker's certificate
         wire = self.spec.training.wire_dtype
         endpoints = [tuple(call(handle.open_data_plane(self._secret, task_host(self.conn.tasks[shard.task]), tls, wire)))
                      for shard, handle in zip(self.plan.shards, self.handles, strict=True)]

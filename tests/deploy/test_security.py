@@ -68,3 +68,50 @@ def test_dtrain_worker_without_host_warns_it_listens_on_every_interface():
     assert "without TLS anyone who reaches its port can run code" in out.stderr
     quiet = _worker("--host", "127.0.0.1")
     assert quiet.returncode == 1 and "every network interface" not in quiet.stderr, quiet.stderr
+
+
+def test_tls_cluster_gets_a_tls_data_plane_with_each_workers_own_certificate(tmp_path):
+    """Review M2: on a TLS cluster (here the embedded one) the data plane is TLS even without
+    cluster.security, each ps serving with its own worker's certificate; and nothing the chief
+    ships to the ps or the replicas holds a private key (it once sent the client's key, read from
+    cluster.security, to every ps and replica)."""
+    import pickle
+    import socket
+    import ssl
+
+    import torch
+
+    from dtrain.chief.shards import ShardGroup
+    from dtrain.dataplane.protocol import MAGIC, client_ssl_context
+    from dtrain.worker.tasks import tls_pems
+
+    # cluster.security names real key files (for the chief's own connections): they must stay here
+    other = tls_pems(Security.temporary())
+    files = {}
+    for name in ("ca", "cert", "key"):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text(other[name])
+    spec = dtrain.load(DIGITS, overrides=[f"cluster.security.{k}_file={files[k]}" for k in files])
+    with connect(spec, processes=False) as conn, conn.client.as_current():
+        plan = dtrain.compile(spec)
+        group = ShardGroup(conn, spec, plan, token="m2")
+        try:
+            group.create([torch.zeros(s.numel) for s in plan.shards])
+            dp = group.data_plane
+            assert dp["tls"] is True
+            shipped = pickle.dumps((dp, [group._config(s.index) for s in plan.shards]))
+            assert b"PRIVATE KEY" not in shipped
+            host, port = dp["endpoints"][0]
+            with socket.create_connection((host, port), timeout=2) as raw:  # plaintext: no greeting
+                with pytest.raises(OSError):  # (a timeout: the server waits for a TLS hello)
+                    raw.recv(len(MAGIC))
+            mine = tls_pems(conn.cluster.security)  # the run's certificate: what its workers hold
+            with client_ssl_context(mine).wrap_socket(socket.create_connection((host, port), timeout=5)) as tls:
+                assert tls.recv(len(MAGIC)) == MAGIC
+            with pytest.raises((ssl.SSLError, OSError)):  # a certificate of another CA is refused
+                with client_ssl_context(other).wrap_socket(socket.create_connection((host, port), timeout=5)) as s:
+                    s.recv(len(MAGIC))
+        finally:
+            group.stop_renewing()
+            group.close_data_plane()
+            conn.client.cancel(group.futures, force=True)
