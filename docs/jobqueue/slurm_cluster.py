@@ -49,9 +49,8 @@ cluster = SLURMCluster(
     # ports, and a plain tcp:// scheduler runs anyone's code as you. With Security.temporary()
     # dask-jobqueue writes the run's certificate and key into shared_temp_directory for the jobs
     # (keep it private: chmod 700). With files from examples/make_certs.py use
-    # distributed.Security(tls_ca_file=..., ..., require_encryption=True) instead, and name the same
-    # files in the pipeline's cluster.security: dtrain's socket data plane is TLS only then
-    # (README "Security").
+    # distributed.Security(tls_ca_file=..., ..., require_encryption=True) instead. Either way
+    # dtrain's socket data plane is TLS too, with each worker's own certificate (README "Security").
     security=Security.temporary(),
     shared_temp_directory=os.path.expanduser("~/.dtrain-jobqueue"),
     interface="ib0",                             # or "eth0": the nodes' cluster network
