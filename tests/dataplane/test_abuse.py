@@ -19,6 +19,7 @@ from dtrain.dataplane import protocol as proto
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import MAGIC, REP, REQ, DataPlaneError
 from dtrain.dataplane.server import ShardServer
+from dtrain.dataplane.shm import F_SHM
 
 from .test_transport import loop, make_shard, shm  # noqa: F401  (fixtures)
 
@@ -48,7 +49,9 @@ def closed_by_server(s: socket.socket, within: float = 5.0) -> bool:
     s.settimeout(within)
     try:
         return s.recv(1) == b""
-    except (TimeoutError, ConnectionResetError):
+    except ConnectionResetError:  # closed with our unread payload in its buffer: a reset
+        return True
+    except TimeoutError:
         return False
 
 
@@ -119,3 +122,105 @@ def test_idle_authenticated_connection_is_kept(loop, shm):  # noqa: F811
     finally:
         client.close()
         server.close()
+
+
+# ------------------------------------------------------------------ L1: every header field checked
+
+
+def test_misaligned_gradient_bytes_are_refused(loop):  # noqa: F811
+    """offset 1 / 5 bytes of a float32 shard used to be accepted (the check divided by the byte
+    view's itemsize, 1) and wrote across float boundaries."""
+    shard = make_shard(n=10)
+    server = ShardServer(shard, loop, SECRET)
+    try:
+        for offset, nbytes in ((1, 4), (0, 5), (4, 44)):
+            s = raw_client(server)
+            error, msg = request(s, proto.OP_PUSH_PULL, offset=offset, nbytes=nbytes, payload=b"\x7f" * nbytes)
+            assert error == 1 and b"not whole 4-byte values inside a shard of 40 bytes" in msg, msg
+            assert closed_by_server(s)
+            s.close()
+        assert shard.step == 0 and torch.equal(shard.param, torch.ones(10))
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("op,flags,replica,expected", [
+    (9, 0, 0, b"unknown op 9"),
+    (0, 0, 0, b"unknown op 0"),
+    (proto.OP_PART, F_SHM, 0, b"shared-memory request"),
+    (proto.OP_PUSH_PULL, F_SHM, 0, b"without shared memory"),
+    (proto.OP_PUSH_PULL, 0, 10**9, b"replica 1000000000 of a run with 2 replicas"),
+    (proto.OP_PUSH_SYNC, 0, 2, b"replica 2 of a run with 2 replicas"),
+])
+def test_bad_header_fields_get_an_error_reply(loop, op, flags, replica, expected):  # noqa: F811
+    """Each bad field is answered with an error (the connection then closed), never a silent
+    drop (an unknown op was a KeyError) and never applied (a huge replica index grew the
+    shard's per-replica dicts)."""
+    shard = make_shard(n=10, replicas=2)
+    server = ShardServer(shard, loop, SECRET)
+    try:
+        s = raw_client(server)
+        error, msg = request(s, op, flags=flags, replica=replica)
+        assert error == 1 and expected in msg, msg
+        assert closed_by_server(s)
+        s.close()
+        assert shard.step == 0 and shard.local_steps == {}
+        client = SocketShard(server.host, server.port, SECRET, replica=1, numel=10, timeout=5, shared_memory=False)
+        assert client.push_pull(torch.ones(10), 1, 0, 0.1, 4, 1).result(5)[1] == 1  # the ps still serves
+        client.close()
+    finally:
+        server.close()
+
+
+def fake_ps(reply: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A server that accepts one client's handshake, then sends ``reply`` to its first request
+    (or nothing: None)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = srv.accept()
+        conn.sendall(MAGIC + b"n" * 16)
+        proto.recv_bytes(conn, 32 + 4 + 4 + 2)
+        conn.sendall(b"\x01")
+        proto.recv_bytes(conn, REQ.size)
+        if reply is not None:
+            conn.sendall(reply)
+        time.sleep(3)
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+def test_client_bounds_the_error_length_it_reads():
+    """An unauthenticated server naming a 1 TiB error message: a clear error, no allocation."""
+    srv, t = fake_ps(REP.pack(0, 1, 1, 0, 0, 2**40))
+    client = SocketShard("127.0.0.1", srv.getsockname()[1], SECRET, replica=0, numel=4, timeout=5,
+                         shared_memory=False)
+    try:
+        with pytest.raises(DataPlaneError, match="error reply of 1099511627776 bytes"):
+            client.pull(0).result(5)
+    finally:
+        client.close()
+        srv.close()
+
+
+def test_a_silent_ps_reads_as_no_answer():
+    """SO_RCVTIMEO expiry is EAGAIN (BlockingIOError), not TimeoutError: it must read "no answer
+    from the ps in N s", from a request and from the handshake alike."""
+    srv, t = fake_ps(None)
+    client = SocketShard("127.0.0.1", srv.getsockname()[1], SECRET, replica=0, numel=4, timeout=1,
+                         shared_memory=False)
+    try:
+        with pytest.raises(DataPlaneError, match="no answer from the ps in 1 s"):
+            client.pull(0).result(5)
+    finally:
+        client.close()
+        srv.close()
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never says a word
+    try:
+        with pytest.raises(DataPlaneError, match="no answer in 1 s"):
+            SocketShard("127.0.0.1", mute.getsockname()[1], SECRET, replica=0, numel=4, timeout=1)
+    finally:
+        mute.close()
