@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dtrain.dataplane import protocol as proto
+from dtrain.dataplane import server as server_mod
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import MAGIC, REP, REQ, DataPlaneError
 from dtrain.dataplane.server import ShardServer
@@ -224,3 +225,70 @@ def test_a_silent_ps_reads_as_no_answer():
             SocketShard("127.0.0.1", mute.getsockname()[1], SECRET, replica=0, numel=4, timeout=1)
     finally:
         mute.close()
+
+
+# ------------------------------------------------------------------ M5: pre-authentication limits
+
+
+def test_handshake_has_an_absolute_deadline(loop):  # noqa: F811
+    """One byte every 0.3 s used to restart the per-read timeout forever; the handshake now ends
+    at its deadline however the bytes trickle in."""
+    server = ShardServer(make_shard(n=10), loop, SECRET, timeout=5, handshake_timeout=1)
+    s = socket.create_connection((server.host, server.port), timeout=5)
+    try:
+        assert proto.recv_bytes(s, len(MAGIC) + 16)[:len(MAGIC)] == MAGIC
+        t0, closed = time.monotonic(), False
+        s.settimeout(0.3)
+        while time.monotonic() - t0 < 6 and not closed:
+            try:
+                s.sendall(b"x")
+                closed = s.recv(1) == b""
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed and time.monotonic() - t0 < 2.5
+    finally:
+        s.close()
+        server.close()
+
+
+def test_unauthenticated_connections_are_capped(loop, caplog):  # noqa: F811
+    """200 silent connections hold at most MAX_PENDING threads (the rest are closed at once), one
+    WARNING covers the refusals, and once the deadline cuts the silent ones a replica connects
+    even while all 200 sockets are still open on the attacker's side."""
+    server = ShardServer(make_shard(n=10), loop, SECRET, timeout=5, handshake_timeout=1.5)
+    before = threading.active_count()
+    silent = []
+    try:
+        for _ in range(200):
+            silent.append(socket.create_connection((server.host, server.port), timeout=5))
+        time.sleep(0.5)
+        assert threading.active_count() - before <= server_mod.MAX_PENDING
+        time.sleep(1.5)  # past the deadline: the pending ones were cut
+        client = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5, shared_memory=False)
+        assert client.pull(0).result(5)[1] == 0
+        client.close()
+        refusals = [r for r in caplog.records if "connection(s) refused" in r.getMessage()]
+        assert 1 <= len(refusals) <= 2  # rate-limited: not one line per connection
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
+
+
+def test_closed_connections_leave_the_server_list(loop):  # noqa: F811
+    server = ShardServer(make_shard(n=10), loop, SECRET, timeout=5)
+    try:
+        for i in range(50):
+            if i % 2:
+                socket.create_connection((server.host, server.port), timeout=5).close()
+            else:
+                SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5,
+                            shared_memory=False).close()
+        deadline = time.monotonic() + 5
+        while (server._conns or server._pending) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server._conns and not server._pending and server.connections == 25
+    finally:
+        server.close()
