@@ -4,6 +4,7 @@ calls for injected errors."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import hmac
@@ -291,4 +292,51 @@ def test_closed_connections_leave_the_server_list(loop):  # noqa: F811
             time.sleep(0.05)
         assert not server._conns and not server._pending and server.connections == 25
     finally:
+        server.close()
+
+
+# ------------------------------------------------------------------ M14: the barrier grace
+
+
+def on_loop(loop, coro):  # noqa: F811
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
+
+
+def test_requests_wait_through_the_barrier_grace(loop):  # noqa: F811
+    """A lost replica is being restarted: the session granted a 3 s grace. A lone sync push must
+    wait past the server's 2 s timeout until the replacement pushes at 2.5 s (it used to get
+    "TimeoutError" from the server at 2 s, failing the recovery the grace was for)."""
+    shard = make_shard(mode="sync", n=10, replicas=2, replicas_to_aggregate=2, barrier_timeout_s=1)
+    server = ShardServer(shard, loop, SECRET, timeout=2)
+    a = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=10, shared_memory=False)
+    b = SocketShard(server.host, server.port, SECRET, replica=1, numel=10, timeout=10, shared_memory=False)
+    try:
+        on_loop(loop, shard.barrier_grace(3))
+        fa = a.push_sync(torch.ones(10), 0, 0, 1.0, 4, 1)
+        time.sleep(2.5)
+        fb = b.push_sync(torch.ones(10), 1, 0, 1.0, 4, 1)
+        assert fa.result(5)[1] == 1 and fb.result(5)[1] == 1
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+def test_a_request_given_up_on_is_cancelled(loop):  # noqa: F811
+    """Without a grace the server gives up after its timeout, answers an error and cancels the
+    coroutine (which would otherwise still write a snapshot into a buffer nobody reads)."""
+    shard = make_shard(mode="sync", n=10, replicas=2, replicas_to_aggregate=2, barrier_timeout_s=30)
+    server = ShardServer(shard, loop, SECRET, timeout=1)
+    a = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=10, shared_memory=False)
+
+    async def tasks():
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        with pytest.raises(DataPlaneError, match="no result from the ps in 1 s"):
+            a.push_sync(torch.ones(10), 0, 0, 1.0, 4, 1).result(5)
+        time.sleep(0.1)
+        assert on_loop(loop, tasks()) == []
+    finally:
+        a.close()
         server.close()
