@@ -340,3 +340,25 @@ def test_a_request_given_up_on_is_cancelled(loop):  # noqa: F811
     finally:
         a.close()
         server.close()
+
+
+# ------------------------------------------------------------------ M16: fencing
+
+
+def test_a_replaced_attempt_cannot_push(loop, shm):  # noqa: F811
+    """The session resubmitted replica 0 (attempt 2) after its worker hung; the old attempt 1
+    thaws and pushes under the same index: refused, nothing applied; attempt 2 trains."""
+    shard = make_shard(n=10)
+    server = ShardServer(shard, loop, SECRET)
+    old = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5, shared_memory=shm, attempt=1)
+    new = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5, shared_memory=shm, attempt=2)
+    try:
+        on_loop(loop, shard.set_owner(0, 2))
+        with pytest.raises(DataPlaneError, match="attempt 1 is fenced off: attempt 2 owns"):
+            old.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)
+        assert shard.step == 0 and torch.equal(shard.param, torch.ones(10)) and shard.samples_total == 0
+        assert new.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)[1] == 1
+    finally:
+        old.close()
+        new.close()
+        server.close()
