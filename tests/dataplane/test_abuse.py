@@ -8,8 +8,12 @@ import asyncio
 import errno
 import hashlib
 import hmac
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +22,7 @@ import torch
 
 from dtrain.dataplane import protocol as proto
 from dtrain.dataplane import server as server_mod
+from dtrain.dataplane import shm as shm_mod
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import MAGIC, REP, REQ, DataPlaneError
 from dtrain.dataplane.server import ShardServer
@@ -361,4 +366,54 @@ def test_a_replaced_attempt_cannot_push(loop, shm):  # noqa: F811
     finally:
         old.close()
         new.close()
+        server.close()
+
+
+# ------------------------------------------------------------------ L2: /dev/shm hygiene
+
+
+@pytest.mark.skipif(not os.path.isdir(shm_mod.SHM_DIR), reason="no /dev/shm on this machine")
+def test_a_killed_replicas_file_is_swept():
+    """A replica SIGKILLed after creating its file (before the handshake unlinks it) leaves a
+    file; the sweeper removes it once old enough, and leaves a live process's file alone."""
+    code = ("import sys, time, torch; from dtrain.dataplane.shm import SharedSlots; "
+            "o = SharedSlots.create(1000, torch.float32); print(o[1], flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    path = os.path.join(shm_mod.SHM_DIR, name)
+    mine = shm_mod.SharedSlots.create(10, torch.float32)
+    assert mine is not None
+    mine_path = os.path.join(shm_mod.SHM_DIR, mine[1])
+    try:
+        assert os.path.exists(path) and name.startswith(f"dtrain-{proc.pid:08x}")
+        assert shm_mod.sweep_stale() == []  # too recent: a creator may still be handshaking
+        old = time.time() - 2 * shm_mod.STALE_S
+        os.utime(path, (old, old))
+        os.utime(mine_path, (old, old))
+        assert shm_mod.sweep_stale() == [name]
+        assert not os.path.exists(path) and os.path.exists(mine_path)  # this process lives
+    finally:
+        mine[0].close()
+        shm_mod.unlink(mine_path)
+        shm_mod.unlink(path)
+
+
+@pytest.mark.skipif(not os.path.isdir(shm_mod.SHM_DIR), reason="no /dev/shm on this machine")
+def test_shm_offer_leaves_headroom(loop, monkeypatch):  # noqa: F811
+    """With /dev/shm 95 % full the replica offers no file: the connection uses the socket."""
+    real = os.statvfs(shm_mod.SHM_DIR)
+    fake = os.statvfs_result((real.f_bsize, 4096, 1000, 50, 50, 0, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: fake)
+    shard = make_shard(n=10)
+    server = ShardServer(shard, loop, SECRET)
+    client = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5)
+    try:
+        assert client.shm is None and server.shared_connections == 0
+        assert client.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)[1] == 1
+    finally:
+        client.close()
         server.close()
