@@ -417,3 +417,34 @@ def test_shm_offer_leaves_headroom(loop, monkeypatch):  # noqa: F811
     finally:
         client.close()
         server.close()
+
+
+# ------------------------------------------------------------------ M6: where the listener binds
+
+
+def test_data_plane_over_ipv6(loop):  # noqa: F811
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    server = ShardServer(make_shard(n=10), loop, SECRET, host="::1")
+    client = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5, shared_memory=False)
+    try:
+        assert server.host == "::1" and client.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)[1] == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_non_local_contact_host_listens_on_the_wildcard(loop):  # noqa: F811
+    """Behind NAT the worker's contact host (here TEST-NET-3, no local interface) cannot be
+    bound (EADDRNOTAVAIL failed the run): the server listens on the wildcard and still hands
+    out the contact host, which replicas reach through the NAT (here: through 127.0.0.1)."""
+    server = ShardServer(make_shard(n=10), loop, SECRET, host="203.0.113.7")
+    try:
+        assert server.host == "203.0.113.7" and server._sock.getsockname()[0] == "0.0.0.0"
+        client = SocketShard("127.0.0.1", server.port, SECRET, replica=0, numel=10, timeout=5, shared_memory=False)
+        assert client.pull(0).result(5)[1] == 0
+        client.close()
+    finally:
+        server.close()
