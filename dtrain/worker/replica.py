@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -206,7 +207,7 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         t0 = time.perf_counter()
         try:
             out = [f.result(timeout=timeout) for f in futures]
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):  # distinct classes on Python 3.10
             raise ReplicaError(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
                                "(training.call_timeout_s); is a ps task lost?") from None
         stats.wait_s += time.perf_counter() - t0
