@@ -224,7 +224,10 @@ class ShardGroup:
         its replica was resubmitted elsewhere). Set before the (re)submission."""
         futures = [s.set_owner(replica, attempt) for s in self.handles for replica, attempt in owners.items()]
         for f in futures:
-            call(f, timeout=30)
+            try:
+                call(f, timeout=30)
+            except Exception as exc:  # a shard that does not answer is handled as lost next
+                logger.warning("set_owner failed (that shard does not fence these replicas): %s", exc)
 
     def grant_barrier_grace(self, seconds: float) -> None:
         for s in self.handles:
