@@ -77,6 +77,7 @@ class ShardServer:
 
     # ------------------------------------------------------------------ accepting
     def _accept(self) -> None:
+        failures = 0  # consecutive accept() errors (logged on the first, then every 100th)
         while not self._closed.is_set():
             self._cut_overdue()
             try:
@@ -86,9 +87,13 @@ class ShardServer:
             except OSError as exc:  # EMFILE, ENOBUFS, ECONNABORTED...: transient, keep listening
                 if self._closed.is_set():
                     return
-                logger.warning("ps %d: data-plane accept failed (%s); still listening", self.shard.index, exc)
+                if failures % 100 == 0:
+                    logger.warning("ps %d: data-plane accept failed %d time(s) in a row (%s); still listening",
+                                   self.shard.index, failures + 1, exc)
+                failures += 1
                 time.sleep(0.1)
                 continue
+            failures = 0
             with self._lock:
                 full = len(self._pending) >= MAX_PENDING
                 if not full:
