@@ -443,3 +443,45 @@ def test_a_non_local_contact_host_listens_on_the_wildcard(loop):  # noqa: F811
         client.close()
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------ TLS: the same limits
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "make_certs.py"), str(d), "--host",
+                          "127.0.0.1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {"ca": (d / "ca.pem").read_text(), "cert": (d / "cluster.pem").read_text(),
+            "key": (d / "cluster-key.pem").read_text()}
+
+
+def test_tls_handshake_deadline_and_idle_connection(loop, tls):  # noqa: F811
+    """With TLS the deadline also covers the TLS handshake (a drip of ClientHello bytes is cut),
+    and an idle authenticated TLS connection is kept."""
+    server = ShardServer(make_shard(n=10), loop, SECRET, ssl_context=proto.server_ssl_context(tls), timeout=0.5,
+                         handshake_timeout=1)
+    client = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5,
+                         ssl_context=proto.client_ssl_context(tls), shared_memory=False)
+    drip = socket.create_connection((server.host, server.port), timeout=5)
+    try:
+        drip.sendall(b"\x16\x03\x01\x02\x00")  # a TLS record header announcing 512 bytes, then a trickle
+        drip.settimeout(0.3)
+        t0, closed = time.monotonic(), False
+        while time.monotonic() - t0 < 6 and not closed:
+            try:
+                drip.sendall(b"\x01")
+                closed = drip.recv(1) == b""
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed and time.monotonic() - t0 < 2.5
+        assert client.pull(0).result(5)[1] == 0  # idle 1 s past the 0.5 s server timeout
+    finally:
+        drip.close()
+        client.close()
+        server.close()
