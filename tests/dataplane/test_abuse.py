@@ -62,6 +62,22 @@ def closed_by_server(s: socket.socket, within: float = 5.0) -> bool:
         return False
 
 
+def drip_until_closed(s: socket.socket, limit: float = 6.0) -> float:
+    """Send one byte every 0.3 s until the server closes ``s``; the seconds it took (inf: never)."""
+    s.settimeout(0.3)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            s.sendall(b"\x01")
+            if s.recv(1) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - t0
+    return float("inf")
+
+
 # ------------------------------------------------------------------ M4: the listener survives
 
 
@@ -238,17 +254,7 @@ def test_handshake_has_an_absolute_deadline(loop):  # noqa: F811
     s = socket.create_connection((server.host, server.port), timeout=5)
     try:
         assert proto.recv_bytes(s, len(MAGIC) + 16)[:len(MAGIC)] == MAGIC
-        t0, closed = time.monotonic(), False
-        s.settimeout(0.3)
-        while time.monotonic() - t0 < 6 and not closed:
-            try:
-                s.sendall(b"x")
-                closed = s.recv(1) == b""
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                closed = True
-        assert closed and time.monotonic() - t0 < 2.5
+        assert drip_until_closed(s) < 2.5
     finally:
         s.close()
         server.close()
@@ -469,17 +475,7 @@ def test_tls_handshake_deadline_and_idle_connection(loop, tls):  # noqa: F811
     drip = socket.create_connection((server.host, server.port), timeout=5)
     try:
         drip.sendall(b"\x16\x03\x01\x02\x00")  # a TLS record header announcing 512 bytes, then a trickle
-        drip.settimeout(0.3)
-        t0, closed = time.monotonic(), False
-        while time.monotonic() - t0 < 6 and not closed:
-            try:
-                drip.sendall(b"\x01")
-                closed = drip.recv(1) == b""
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                closed = True
-        assert closed and time.monotonic() - t0 < 2.5
+        assert drip_until_closed(drip) < 2.5
         assert client.pull(0).result(5)[1] == 0  # idle 1 s past the 0.5 s server timeout
     finally:
         drip.close()
