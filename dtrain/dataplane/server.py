@@ -155,6 +155,9 @@ class ShardServer:
             return None
         _replica, attempt = struct.unpack("<II", answer[32:])
         shm = SharedSlots.attach(offer[0], offer[1], numel, self.wire) if offer else None
+        # Counted before the answer: once the replica reads it, the counts include it.
+        self.connections += 1
+        self.shared_connections += shm is not None
         conn.sendall(b"\x02" if shm is not None else b"\x01")
         return attempt, shm
 
@@ -185,9 +188,6 @@ class ShardServer:
             # Authenticated: no idle timeout (the replica may load data, build its model or run a
             # long step before its next request); keepalive finds a dead peer.
             proto.authenticated(conn)
-            self.connections += 1
-            if shm is not None:
-                self.shared_connections += 1
             self._requests(conn, numel, shm, attempt)
         except Exception as exc:  # one replica's broken connection must not take the ps down
             if self._closed.is_set():
