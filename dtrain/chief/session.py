@@ -107,13 +107,15 @@ class Session:
         if only is None:
             self.replica_futures = [None] * self.plan.num_replicas  # type: ignore[list-item]
         self._submits += 1
-        for r in self.plan.replicas:
-            if only is not None and r.index != only:
-                continue
+        replicas = [r for r in self.plan.replicas if only is None or r.index == only]
+        if self.shards.data_plane:  # fencing: this submission owns these replica indices now
+            self.shards.set_owners({r.index: self._submits for r in replicas})
+        for r in replicas:
             addr = self.conn.tasks[r.task]
             self.replica_futures[r.index] = self.client.submit(
                 replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
-                self.shards.data_plane, self._local_rank(r.index), workers=[addr], allow_other_workers=False, pure=False,
+                self.shards.data_plane, self._local_rank(r.index), attempt=self._submits, workers=[addr],
+                allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
 
     def _local_rank(self, index: int) -> int:

@@ -258,6 +258,17 @@ class ShardGroup:
             self.request_stop()
 
     # ------------------------------------------------------------------ recovery support
+    def set_owners(self, owners: dict[int, int]) -> None:
+        """Socket data plane fencing: the submission ``attempt`` owns each replica index, so the
+        ps refuses pushes from that replica's earlier attempts (a hung worker that thaws after
+        its replica was resubmitted elsewhere). Set before the (re)submission."""
+        futures = [s.set_owner(replica, attempt) for s in self.handles for replica, attempt in owners.items()]
+        for f in futures:
+            try:
+                call(f, timeout=30)
+            except Exception as exc:  # a shard that does not answer is handled as lost next
+                logger.warning("set_owner failed (that shard does not fence these replicas): %s", exc)
+
     def grant_barrier_grace(self, seconds: float) -> None:
         for s in self.handles:
             try:

@@ -17,6 +17,7 @@ import torch
 
 from .protocol import (
     MAGIC,
+    MAX_ERROR,
     OP_PART,
     OP_PULL,
     OP_PUSH_PULL,
@@ -46,7 +47,7 @@ class SocketShard:
 
     def __init__(self, host: str, port: int, secret: bytes, replica: int, numel: int, timeout: float = 60.0,
                  ssl_context: ssl.SSLContext | None = None, wire_dtype: str = "float32",
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, attempt: int = 0):
         self.replica = replica
         self.wire = WIRE_DTYPES[wire_dtype]
         self.timeout = timeout
@@ -56,20 +57,24 @@ class SocketShard:
             self._sock = ssl_context.wrap_socket(self._sock, server_hostname=host)
         try:
             magic = recv_bytes(self._sock, len(MAGIC))
-        except DataPlaneError:
-            magic = b""
+            nonce = recv_bytes(self._sock, 16) if magic == MAGIC else b""
+        except (OSError, DataPlaneError) as exc:
+            self._sock.close()
+            why = f"no answer in {timeout:.0f} s" if isinstance(exc, (TimeoutError, BlockingIOError)) else exc
+            raise DataPlaneError(f"the ps at {host}:{port} did not open the data plane: {why}") from None
         if magic != MAGIC:
+            self._sock.close()
             raise DataPlaneError(f"{host}:{port} is not a dtrain ps data plane (or another dtrain version)")
-        digest = hmac.new(secret, recv_bytes(self._sock, 16), hashlib.sha256).digest()
+        digest = hmac.new(secret, nonce, hashlib.sha256).digest()
         self.shm: SharedSlots | None = None
         offer = SharedSlots.create(numel, self.wire) if shared_memory else None
         name = offer[1] if offer else ""
         try:
-            self._sock.sendall(digest + struct.pack("<IH", replica, len(name)) + name.encode()
+            self._sock.sendall(digest + struct.pack("<IIH", replica, attempt, len(name)) + name.encode()
                                + (offer[2] if offer else b""))
             answer = recv_bytes(self._sock, 1)
         except (OSError, DataPlaneError) as exc:
-            answer = b""
+            answer = b"timeout" if isinstance(exc, (TimeoutError, BlockingIOError)) else b""
             logger.info("data-plane handshake with %s:%d failed: %s", host, port, exc)
         finally:
             if offer:
@@ -78,6 +83,8 @@ class SocketShard:
             if offer:
                 offer[0].close()
             self._sock.close()
+            if answer == b"timeout":
+                raise DataPlaneError(f"no answer from the ps at {host}:{port} in {timeout:.0f} s (data-plane handshake)")
             raise DataPlaneError(f"the ps at {host}:{port} refused the data-plane handshake (a wrong per-run "
                                  "secret: is this replica from another run?)")
         if offer:
@@ -130,6 +137,8 @@ class SocketShard:
             recv_exact(self._sock, memoryview(self._header))
             step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
             if error:
+                if nbytes > MAX_ERROR:  # not allocated: the server is not authenticated
+                    raise DataPlaneError(f"an error reply of {nbytes} bytes from the ps (at most {MAX_ERROR})")
                 raise DataPlaneError(recv_bytes(self._sock, nbytes).decode(errors="replace"))
             if self.shm is not None:
                 if nbytes:
@@ -148,7 +157,7 @@ class SocketShard:
             if target is not buf:
                 buf.copy_(target)
             return buf, step, bool(stop), generation
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO expiry is EAGAIN
             raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
             raise DataPlaneError(f"data-plane connection failed: {exc}") from None

@@ -16,7 +16,9 @@ socket — no kernel copies, and backward writes the gradient straight into a sl
 Protocol (little-endian):
 
 - handshake: server sends ``MAGIC`` + a 16-byte nonce; the client answers
-  ``HMAC-SHA256(secret, nonce)`` (32 bytes) + its replica index (u32). A wrong answer closes the
+  ``HMAC-SHA256(secret, nonce)`` (32 bytes) + its replica index (u32) + its attempt id (u32: the
+  session's submission of that replica; pushes from an attempt other than the one the session
+  made the replica's owner, ``ParameterShard.set_owner``, are refused). A wrong answer closes the
   connection: only processes that got the per-run secret through Dask can push gradients. Then
   the client sends a u16 name length (0: no offer) + a /dev/shm file name + a 16-byte token that
   the file starts with; the server answers one byte (0: refused, 1: accepted, use the socket's
@@ -29,7 +31,13 @@ Protocol (little-endian):
   ``flags``: bit 0 shared memory (``nbytes`` 0), bit 1 the gradient slot, bit 2 the reply slot.
 - reply: header ``<q step, B stop, B error, H pad, I generation, Q nbytes>`` then the parameters
   (none with shared memory: they are in the reply slot); ``error`` replies carry a UTF-8
-  message instead.
+  message instead (at most ``MAX_ERROR`` bytes). A header the server cannot serve (an unknown
+  op, a replica index beyond the run's, bytes outside the shard or not whole values, shared
+  memory where there is none or on a ``part``, a fenced-off attempt) gets an error reply, then
+  the server closes the connection.
+- limits: the handshake has an absolute deadline; an authenticated connection has no idle
+  timeout (keepalive instead); requests wait on the ps for the server's timeout, longer while a
+  barrier grace runs.
 
 The server runs each request on the worker's event loop (``run_coroutine_threadsafe``) through
 the same ``ParameterShard`` methods as the actor path, so sync barriers, staleness and snapshots
@@ -48,11 +56,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DTRN2"
+MAGIC = b"DTRN3"
 REQ = struct.Struct("<BBHIqqdIQQ")
 REP = struct.Struct("<qBBHIQ")
 OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4
 OPS = {OP_PUSH_PULL: "push_pull", OP_PUSH_SYNC: "push_sync"}
+MAX_ERROR = 64 << 10  # the longest error message a client accepts (the server truncates to it)
 
 
 class DataPlaneError(RuntimeError):
@@ -83,6 +92,17 @@ def tune(sock: socket.socket, timeout: float) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
         except OSError:  # capped by the kernel: fine
             pass
+
+
+def authenticated(sock: socket.socket) -> None:
+    """The server's side of an authenticated connection: no receive timeout (a replica may load
+    its data, build its model or run a long step between two requests), and TCP keepalive so a
+    peer whose machine died is still found (about 2 min)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def recv_bytes(sock: socket.socket, n: int) -> bytes:

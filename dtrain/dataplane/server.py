@@ -1,11 +1,22 @@
 """The ps side of the data plane: ``ShardServer`` serves one ParameterShard to its replicas,
 one thread per authenticated connection, running every request on the ps's event loop through
 the shard's own methods (so sync barriers, staleness and checkpoint holds are identical to the
-actor path). See ``protocol`` for the bytes."""
+actor path). See ``protocol`` for the bytes.
+
+Abuse and faults (anyone who can reach the port can connect): a handshake has an absolute
+deadline (a 1-byte drip cannot keep it alive) and at most ``MAX_PENDING`` connections may be in
+their handshake at once (more are closed at once); refused handshakes are logged rate-limited;
+a transient ``accept()`` error (EMFILE...) never stops the listener. An authenticated
+connection has no idle timeout (a replica may load its data or run a long step between
+requests; TCP keepalive and the session's liveness checks find dead peers), every header field
+is checked with integer tests and a bad one is answered with an error reply, then the
+connection closed, and the server logs at WARNING every connection it ends itself."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import errno
 import hashlib
 import hmac
 import logging
@@ -14,6 +25,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -24,85 +36,209 @@ from .shm import F_SHM, SharedSlots
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING = 64  # connections in their handshake at once; more are closed at once
+_VALID_OPS = (proto.OP_PUSH_PULL, proto.OP_PUSH_SYNC, proto.OP_PULL, proto.OP_PART)
+
+
+class _Refused(Exception):
+    """A request the server answers with an error reply, then closes the connection."""
+
 
 class ShardServer:
-    """Serves one ParameterShard to replicas over TCP (started inside the ps actor)."""
+    """Serves one ParameterShard to replicas over TCP (started inside the ps actor).
+
+    ``timeout``: the per-request wait on the ps (extended while the shard grants a barrier
+    grace) and the socket send timeout; ``handshake_timeout``: the absolute deadline of a
+    connection's handshake (default ``min(timeout, 10)``)."""
 
     def __init__(self, shard: Any, loop: asyncio.AbstractEventLoop, secret: bytes, host: str = "127.0.0.1",
-                 ssl_context: ssl.SSLContext | None = None, timeout: float = 120.0, wire_dtype: str = "float32"):
+                 ssl_context: ssl.SSLContext | None = None, timeout: float = 120.0, wire_dtype: str = "float32",
+                 handshake_timeout: float | None = None):
         self.shard = shard
         self.wire = proto.WIRE_DTYPES[wire_dtype]
         self.loop = loop
         self.secret = secret
         self.timeout = timeout
+        self.handshake_timeout = min(timeout, 10.0) if handshake_timeout is None else handshake_timeout
         self.ssl_context = ssl_context
-        self._sock = socket.create_server((host, 0), backlog=64)
-        self.host, self.port = self._sock.getsockname()[:2]
+        self._sock = _listen(host, shard.index)
+        self._sock.settimeout(0.25)  # the accept loop also cuts handshakes past their deadline
+        self.host, self.port = host, self._sock.getsockname()[1]  # replicas connect to ``host``
         self._closed = threading.Event()
-        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()  # open connections (closed ones leave in _serve)
+        self._pending: dict[socket.socket, float] = {}  # in their handshake: deadline (monotonic)
+        self._refusals = 0  # refused handshakes not yet logged (rate-limited)
+        self._refusal_logged = 0.0
         self.connections = 0  # replica connections that passed the handshake
         self.shared_connections = 0  # ... of which use shared memory
         self._thread = threading.Thread(target=self._accept, name=f"dtrain-ps{shard.index}-accept", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ accepting
     def _accept(self) -> None:
+        failures = 0  # consecutive accept() errors (logged on the first, then every 100th)
         while not self._closed.is_set():
+            self._cut_overdue()
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"dtrain-ps{self.shard.index}-conn").start()
+            except TimeoutError:
+                continue
+            except OSError as exc:  # EMFILE, ENOBUFS, ECONNABORTED...: transient, keep listening
+                if self._closed.is_set():
+                    return
+                if failures % 100 == 0:
+                    logger.warning("ps %d: data-plane accept failed %d time(s) in a row (%s); still listening",
+                                   self.shard.index, failures + 1, exc)
+                failures += 1
+                time.sleep(0.1)
+                continue
+            failures = 0
+            with self._lock:
+                full = len(self._pending) >= MAX_PENDING
+                if not full:
+                    self._pending[conn] = time.monotonic() + self.handshake_timeout
+                    self._conns.add(conn)
+            if full:
+                self._note_refusal("too many connections in their handshake")
+                _close(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"dtrain-ps{self.shard.index}-conn").start()
+            except RuntimeError as exc:  # can't start new thread
+                logger.warning("ps %d: data-plane connection dropped: %s", self.shard.index, exc)
+                self._forget(conn)
+                _close(conn)
 
-    def _handshake(self, conn: socket.socket, numel: int) -> tuple[bool, SharedSlots | None]:
-        """HMAC challenge and the replica's shared-memory offer (a file name and a token); the
-        answer is one byte: 0 refused (wrong secret), 1 accepted, 2 accepted with shared memory."""
+    def _cut_overdue(self) -> None:
+        """Shut down connections whose handshake ran past its deadline (their thread then ends)."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [c for c, deadline in self._pending.items() if deadline < now]
+            for c in overdue:
+                del self._pending[c]
+        for c in overdue:
+            self._note_refusal("handshake deadline passed")
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+            self._conns.discard(conn)
+
+    def _note_refusal(self, why: str) -> None:
+        """Refused handshakes: one WARNING at most every 10 s, with how many were refused."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now - self._refusal_logged >= 10.0:
+            logger.warning("ps %d: %d data-plane connection(s) refused (last: %s)", self.shard.index,
+                           self._refusals, why)
+            self._refusals, self._refusal_logged = 0, now
+
+    def _handshake(self, conn: socket.socket, numel: int) -> tuple[int, SharedSlots | None] | None:
+        """HMAC challenge, the replica's attempt id and shared-memory offer (a file name and a
+        token); the answer is one byte: 0 refused (wrong secret), 1 accepted, 2 accepted with
+        shared memory. Returns (attempt, slots), or None when refused."""
         nonce = os.urandom(16)
         conn.sendall(proto.MAGIC + nonce)
-        answer = proto.recv_bytes(conn, 32 + 4)
+        answer = proto.recv_bytes(conn, 32 + 4 + 4)
         (name_len,) = struct.unpack("<H", proto.recv_bytes(conn, 2))
         offer = (proto.recv_bytes(conn, name_len).decode(errors="replace"), proto.recv_bytes(conn, 16)) if name_len else None
         expected = hmac.new(self.secret, nonce, hashlib.sha256).digest()
         if not hmac.compare_digest(answer[:32], expected):
-            logger.warning("ps %d: data-plane handshake refused (bad secret)", self.shard.index)
+            self._note_refusal("bad secret")
             conn.sendall(b"\x00")
-            return False, None
+            return None
+        _replica, attempt = struct.unpack("<II", answer[32:])
         shm = SharedSlots.attach(offer[0], offer[1], numel, self.wire) if offer else None
+        # Counted before the answer: once the replica reads it, the counts include it.
+        self.connections += 1
+        self.shared_connections += shm is not None
         conn.sendall(b"\x02" if shm is not None else b"\x01")
-        return True, shm
+        return attempt, shm
 
+    # ------------------------------------------------------------------ serving
     def _serve(self, conn: socket.socket) -> None:
         shm: SharedSlots | None = None
+        raw = conn
+        authenticated = False
         try:
             proto.tune(conn, self.timeout)
             if self.ssl_context is not None:
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
-            self._conns.append(conn)
+                conn = self.ssl_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                with self._lock:  # track the TLS socket (the raw one is detached now)
+                    if raw not in self._pending:
+                        return
+                    self._pending[conn] = self._pending.pop(raw)
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
+                conn.do_handshake()
             numel = self.shard.param.numel()
-            ok, shm = self._handshake(conn, numel)
-            if not ok:
+            accepted = self._handshake(conn, numel)
+            with self._lock:
+                in_time = self._pending.pop(conn, None) is not None
+            if accepted is None or not in_time:
                 return
-            self.connections += 1
+            attempt, shm = accepted
+            authenticated = True
+            # Authenticated: no idle timeout (the replica may load data, build its model or run a
+            # long step before its next request); keepalive finds a dead peer.
+            proto.authenticated(conn)
+            self._requests(conn, numel, shm, attempt)
+        except Exception as exc:  # one replica's broken connection must not take the ps down
+            if self._closed.is_set():
+                pass
+            elif authenticated:
+                logger.warning("ps %d: data-plane connection ended: %s", self.shard.index, exc)
+            else:  # anyone can reach the port: no log line per failed handshake
+                self._note_refusal(f"handshake failed: {exc}")
+        finally:
+            self._forget(raw)
+            self._forget(conn)
             if shm is not None:
-                self.shared_connections += 1
-            f32 = self.wire == torch.float32
-            # Per-connection buffers: the received gradient (float32) and the reply's snapshot,
-            # each only where the wire or the shared slots cannot serve directly.
-            grad = torch.empty(numel, dtype=torch.float32) if shm is None or not f32 else None
-            wire_in = None if shm is not None else (grad if f32 else torch.empty(numel, dtype=self.wire))
-            reply = torch.empty(numel, dtype=torch.float32) if shm is None or not f32 else None
-            wire_out = None if f32 or shm is not None else torch.empty(numel, dtype=self.wire)
-            gview = proto.tensor_view(wire_in) if wire_in is not None else None
-            header = bytearray(proto.REQ.size)
-            while not self._closed.is_set():
-                try:
-                    proto.recv_exact(conn, memoryview(header))
-                except (proto.DataPlaneError, OSError):
-                    return
-                op, flags, _pad, replica, version, local_step, loss, samples, offset, nbytes = proto.REQ.unpack(header)
+                shm.close()
+            _close(conn)
+
+    def _requests(self, conn: socket.socket, numel: int, shm: SharedSlots | None, attempt: int) -> None:
+        """The request loop of one authenticated connection. Every header field is checked with
+        integer tests (no allocation); a bad one is answered with an error reply and ends it."""
+        f32 = self.wire == torch.float32
+        # Per-connection buffers: the received gradient (float32) and the reply's snapshot,
+        # each only where the wire or the shared slots cannot serve directly.
+        grad = torch.empty(numel, dtype=torch.float32) if shm is None or not f32 else None
+        wire_in = None if shm is not None else (grad if f32 else torch.empty(numel, dtype=self.wire))
+        reply = torch.empty(numel, dtype=torch.float32) if shm is None or not f32 else None
+        wire_out = None if f32 or shm is not None else torch.empty(numel, dtype=self.wire)
+        gview = proto.tensor_view(wire_in) if wire_in is not None else None
+        gbytes = len(gview) if gview is not None else 0
+        itemsize = torch.empty((), dtype=self.wire).element_size()
+        num_replicas = self.shard.num_replicas
+        header = bytearray(proto.REQ.size)
+        hview = memoryview(header)
+        while not self._closed.is_set():
+            try:
+                proto.recv_exact(conn, hview)
+            except proto.DataPlaneError:
+                return  # the replica closed its end between requests: its normal end
+            op, flags, _pad, replica, version, local_step, loss, samples, offset, nbytes = proto.REQ.unpack(header)
+            try:
+                if op not in _VALID_OPS:
+                    raise _Refused(f"unknown op {op} (a newer or broken client)")
+                if replica >= num_replicas:
+                    raise _Refused(f"replica {replica} of a run with {num_replicas} replicas")
+                if op != proto.OP_PULL and op != proto.OP_PART:
+                    owner = self.shard.owners.get(replica)
+                    if owner is not None and owner != attempt:
+                        raise _Refused(f"replica {replica}'s attempt {attempt} is fenced off: attempt {owner} "
+                                       "owns that replica now (a replaced replica came back)")
                 if flags & F_SHM:
-                    if shm is None:
-                        raise proto.DataPlaneError("a shared-memory request on a connection without shared memory")
+                    if shm is None or op == proto.OP_PART or nbytes:
+                        raise _Refused(f"a shared-memory request (op {op}, {nbytes} bytes) on a connection "
+                                       f"{'without' if shm is None else 'with'} shared memory")
                     src, out = shm.grad[(flags >> 1) & 1], shm.param[(flags >> 2) & 1]
                     if f32:
                         g, target = src, out  # the apply reads the slot, the snapshot lands in one
@@ -112,26 +248,24 @@ class ShardServer:
                                  narrow_into=None if f32 else out, send=False)
                     continue
                 if nbytes:
-                    if offset + nbytes > len(gview) or offset % gview.itemsize:
-                        raise proto.DataPlaneError(f"gradient bytes [{offset}, {offset + nbytes}) outside a shard of "
-                                             f"{len(gview)} bytes")
+                    if offset + nbytes > gbytes or offset % itemsize or nbytes % itemsize:
+                        raise _Refused(f"gradient bytes [{offset}, {offset + nbytes}) not whole {itemsize}-byte "
+                                       f"values inside a shard of {gbytes} bytes")
                     proto.recv_exact(conn, gview[offset:offset + nbytes])
-                if op == proto.OP_PART:
-                    continue  # a bucket: the push that completes the gradient follows
-                if wire_in is not grad:
-                    grad.copy_(wire_in)
-                self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
-                             narrow_into=wire_out, send=True)
-        except Exception as exc:  # one replica's broken connection must not take the ps down
-            if not self._closed.is_set():
-                logger.info("ps %d: data-plane connection ended: %s", self.shard.index, exc)
-        finally:
-            if shm is not None:
-                shm.close()
-            try:
-                conn.close()
-            except OSError:
-                pass
+            except _Refused as exc:
+                logger.warning("ps %d: data-plane request refused, connection closed: %s", self.shard.index, exc)
+                self._error(conn, str(exc))
+                return
+            if op == proto.OP_PART:
+                continue  # a bucket: the push that completes the gradient follows
+            if wire_in is not grad:
+                grad.copy_(wire_in)
+            self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
+                         narrow_into=wire_out, send=True)
+
+    def _error(self, conn: socket.socket, message: str) -> None:
+        msg = message.encode()[:proto.MAX_ERROR]
+        conn.sendall(proto.REP.pack(0, 1, 1, 0, 0, len(msg)) + msg)
 
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
                 local_step: int, loss: float, samples: int, out: torch.Tensor,
@@ -144,11 +278,11 @@ class ShardServer:
             coro = self.shard.pull(version, out=out)
         else:
             coro = getattr(self.shard, proto.OPS[op])(grad, replica, version, loss_value, samples, local_step, out=out)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            params, step, stop, generation = asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+            params, step, stop, generation = self._result(future)
         except Exception as exc:
-            msg = f"{type(exc).__name__}: {exc}".encode()
-            conn.sendall(proto.REP.pack(0, 1, 1, 0, 0, len(msg)) + msg)
+            self._error(conn, f"{type(exc).__name__}: {exc}")
             return
         if narrow_into is not None:
             narrow_into.copy_(params)
@@ -160,14 +294,55 @@ class ShardServer:
         conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, len(payload)))
         conn.sendall(payload)
 
+    def _result(self, future: concurrent.futures.Future) -> Any:
+        """The request's result, waiting ``timeout`` and longer while the shard grants a barrier
+        grace (a lost replica is being restarted); a request given up on is cancelled (its
+        coroutine would otherwise still count the gradient and write a snapshot nobody reads)."""
+        while True:
+            try:
+                return future.result(self.timeout)
+            except concurrent.futures.TimeoutError:
+                remaining = self.shard.grace_until - time.monotonic()
+                if remaining > 0 and not self._closed.is_set():
+                    continue
+                future.cancel()
+                raise TimeoutError(f"no result from the ps in {self.timeout:.0f} s") from None
+
     def close(self) -> None:
         self._closed.set()
-        for s in [self._sock, *self._conns]:
-            try:  # shutdown wakes a thread blocked in accept() or recv(): close() alone does not (Linux)
+        with self._lock:
+            conns = list(self._conns)
+        try:  # wakes the accept thread now: close() alone leaves a listener accepting until it returns
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        _close(self._sock)
+        for s in conns:  # shutdown wakes a thread blocked in recv (close alone would not)
+            try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            try:
-                s.close()
-            except OSError:
-                pass
+            _close(s)
+
+
+def _listen(host: str, index: int) -> socket.socket:
+    """A listener for replicas that connect to ``host``: an IPv6 literal gets an IPv6 socket, and
+    a host that is no local interface (a worker's contact address behind NAT or in a container,
+    ``--contact-address``/``--listen-address``) the wildcard address of its family."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, 0), family=family, backlog=64)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    logger.info("ps %d: %s is no local address (a contact address?): the data plane listens on %s", index,
+                host, wildcard)
+    return socket.create_server((wildcard, 0), family=family, backlog=64)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass

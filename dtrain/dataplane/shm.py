@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 
 import torch
 
@@ -22,6 +23,9 @@ SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(r"^dtrain-[0-9a-f]{16,64}$")
 _SHM_HEADER = 4096  # the token lives here; slots start page-aligned
 F_SHM = 1  # request flag: the gradient and the reply travel through the shared slots
+MIN_FREE = 0.10  # an offer must leave this fraction of /dev/shm free (DataLoader, NCCL, other users)
+STALE_S = 300.0  # a dead creator's file older than this is swept
+_swept = False
 
 
 def _align(n: int, a: int = 4096) -> int:
@@ -54,9 +58,16 @@ class SharedSlots:
         here, and the connection falls back to the socket, instead of a SIGBUS mid-training)."""
         if not os.path.isdir(SHM_DIR):
             return None
-        name = f"dtrain-{secrets.token_hex(16)}"
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep_stale()
+        # The creator's pid leads the name, so a sweeper can tell a dead creator's leftovers.
+        name = f"dtrain-{os.getpid():08x}{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)
         size = cls.nbytes(numel, dtype)
+        if not has_headroom(size):
+            return None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError:
@@ -114,3 +125,45 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def has_headroom(size: int) -> bool:
+    """Whether ``size`` more bytes leave MIN_FREE of /dev/shm free: the slots are reserved up
+    front, and a full /dev/shm breaks other users of it on the machine."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if free - size < MIN_FREE * total:
+        logger.info("shared memory: %d MB more would leave less than %d%% of %s free (%d of %d MB): "
+                    "the data plane uses the socket", size >> 20, MIN_FREE * 100, SHM_DIR, free >> 20, total >> 20)
+        return False
+    return True
+
+
+def sweep_stale(min_age_s: float = STALE_S) -> list[str]:
+    """Unlink this user's ``dtrain-*`` files whose creator is dead and that are older than
+    ``min_age_s`` (a replica killed between creating its file and the handshake's end leaves
+    one). Harmless even if wrong: a file is needed only until the ps has mapped it."""
+    removed, now, uid = [], time.time(), os.getuid()
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if SHM_NAME.match(n) and len(n) == 7 + 8 + 32]
+    except OSError:
+        return removed
+    for n in names:
+        path = os.path.join(SHM_DIR, n)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            if st.st_uid != uid or now - st.st_mtime < min_age_s:
+                continue
+            os.kill(int(n[7:15], 16), 0)
+            continue  # its creator lives
+        except ProcessLookupError:
+            unlink(path)
+            removed.append(n)
+        except OSError:  # gone meanwhile, or a pid we may not signal (alive)
+            continue
+    if removed:
+        logger.info("shared memory: swept %d stale file(s) of dead processes from %s", len(removed), SHM_DIR)
+    return removed

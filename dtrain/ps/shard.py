@@ -57,7 +57,9 @@ class ParameterShard:
         self.barrier_timeout_s: float = config.get("barrier_timeout_s", 60.0)
         self.summary_every: int = config.get("summary_every", 100)
         self.nan_guard: bool = config.get("nan_guard", False)
-        num_replicas = config.get("num_replicas", 1)
+        num_replicas = self.num_replicas = config.get("num_replicas", 1)
+        # Fencing (the socket data plane): replica index -> the attempt the session submitted last.
+        self.owners: dict[int, int] = {}
         if config.get("torch_threads"):
             # The apply's intra-op threads (else torch takes every core of the ps's machine, which
             # its replicas are using; dtrain worker processes get no OMP_NUM_THREADS).
@@ -268,6 +270,17 @@ class ParameterShard:
                 return
             except (asyncio.TimeoutError, TimeoutError):
                 continue  # a grace may have been granted meanwhile: check again
+
+    @property
+    def grace_until(self) -> float:
+        """Monotonic time until which waits may exceed their barrier timeout (the data-plane
+        server waits on requests that long)."""
+        return self._grace_until
+
+    async def set_owner(self, replica: int, attempt: int) -> None:
+        """The session's (re)submission ``attempt`` owns ``replica``: pushes from its other
+        attempts (a hung replica that came back after its replacement) are refused."""
+        self.owners[replica] = attempt
 
     async def current_step(self) -> int:
         return self.step

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -161,9 +163,11 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
     return cpus
 
 
-def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_local_step: int = 0,
-                owns_replies: bool = False, local_rank: int | None = None) -> ReplicaStats:
-    """Train until the ps says stop. Returns the replica's own counters. ``owns_replies``: the
+def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]], *,
+                start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None) -> ReplicaStats:
+    """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
+    or a function that opens them, called once the model is built and the data loaded (socket
+    connections then do not sit idle through a slow start). ``owns_replies``: the
     handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
     this replica's rank among the replicas on its machine; with ``training.pin_cpus`` its compute
     thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends)."""
@@ -179,9 +183,11 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any], *, start_lo
         os.sched_setaffinity(0, before)
 
 
-def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any], start_local_step: int,
-                 owns_replies: bool) -> ReplicaStats:
+def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
+                 start_local_step: int, owns_replies: bool) -> ReplicaStats:
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
+    if callable(shards):
+        shards = shards()
     slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
     if rep.zero_copy and all(s is not None for s in slots):
         # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
@@ -201,7 +207,7 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any], start_loca
         t0 = time.perf_counter()
         try:
             out = [f.result(timeout=timeout) for f in futures]
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):  # distinct classes on Python 3.10
             raise ReplicaError(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
                                "(training.call_timeout_s); is a ps task lost?") from None
         stats.wait_s += time.perf_counter() - t0

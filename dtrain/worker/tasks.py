@@ -79,9 +79,10 @@ class WorkerShard(ParameterShard):
         return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype)
 
 
-def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any]) -> list[Any]:
+def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0) -> list[Any]:
     """Socket data-plane handles (``training.transport: socket``), one per shard (TLS with this
-    worker's own certificate when the chief asks for it: ``tls`` True)."""
+    worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``: this
+    submission of the replica (the ps refuses pushes from its other attempts)."""
     from dtrain.dataplane.client import SocketShard
     from dtrain.dataplane.protocol import client_ssl_context
 
@@ -92,24 +93,34 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any])
     timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
-                        shared_memory=data_plane.get("shared_memory", True))
+                        shared_memory=data_plane.get("shared_memory", True), attempt=attempt)
             for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)]
 
 
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
                  start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
-                 local_rank: int | None = None) -> dict[str, Any]:
+                 local_rank: int | None = None, attempt: int = 0) -> dict[str, Any]:
     """One long-running replica: trains until the ps says stop, returns its counters.
 
     With ``data_plane`` (endpoints, secret, tls) the flat buffers travel over the socket data
-    plane; otherwise over ps actor calls."""
+    plane, its connections opened once the model is built and the data loaded, under
+    ``attempt`` (the session's submission of this replica, for fencing); otherwise over ps
+    actor calls."""
     secede()
-    shards = socket_handles(spec, plan, index, data_plane) if data_plane else shard_handles(refs)
+    opened: list[Any] = []
+
+    def open_handles() -> list[Any]:
+        # Called by run_replica once its model is built and its data loaded: a connection opened
+        # before would sit idle through that (the ps used to drop it after about 2 minutes).
+        opened.extend(socket_handles(spec, plan, index, data_plane, attempt))
+        return opened
+
+    shards = open_handles if data_plane else shard_handles(refs)
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
                             owns_replies=bool(data_plane), local_rank=local_rank)
     finally:
-        for s in shards:
+        for s in opened:
             close = getattr(s, "close", None)
             if close is not None:
                 close()

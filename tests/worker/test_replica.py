@@ -7,7 +7,11 @@ import threading
 
 import pytest
 
-from dtrain.worker.replica import pin_compute_thread
+import dtrain
+from dtrain.plan.compiler import compile as compile_plan
+from dtrain.worker import replica as replica_mod
+from dtrain.worker.replica import pin_compute_thread, run_replica
+from tests.helpers.paths import PIPELINES
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
@@ -29,3 +33,29 @@ def test_pin_compute_thread_pins_only_the_calling_thread():
     assert seen["cpus1"] == [allowed[1 % len(allowed)]]
     assert seen[f"cpus{len(allowed)}"] == [allowed[0]]  # wraps around
     assert sorted(os.sched_getaffinity(0)) == allowed  # this thread was never pinned
+
+
+def test_data_plane_handles_open_after_the_model_and_the_data(monkeypatch):
+    """Reliability M3: a replica opens its socket connections once its model is built and its
+    data loaded, so they never sit idle through a slow start (the ps used to drop them)."""
+    spec = dtrain.load(PIPELINES / "digits_async.yaml")
+    plan = compile_plan(spec)
+    events: list[str] = []
+    real_dataset_for = replica_mod.dataset_for
+
+    def dataset_for(s):
+        data = real_dataset_for(s)
+        events.append("data loaded")
+        return data
+
+    class Opened(Exception):
+        pass
+
+    def open_handles():
+        events.append("connect")
+        raise Opened
+
+    monkeypatch.setattr(replica_mod, "dataset_for", dataset_for)
+    with pytest.raises(Opened):
+        run_replica(spec, plan, 0, open_handles, owns_replies=True)
+    assert events == ["data loaded", "connect"]
