@@ -37,3 +37,16 @@ def test_quickstart_is_two_make_commands():
     makefile = (ROOT / "Makefile").read_text()
     assert "\nrun:" in makefile and "\ntest:" in makefile
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_states_the_trust_model():
+    """Review M10/M2: a pipeline file is code; validate is safe, plan and run execute it; the
+    data plane without TLS is authenticated only at its handshake."""
+    section = " ".join(README.split("### Security", 1)[1].split("\n## ", 1)[0].split())
+    assert "A pipeline file is code" in section
+    assert "`model.module`" in section and "`hooks[].type`" in section
+    assert "`dtrain validate` never imports or executes them" in section
+    assert "`dtrain plan` and `dtrain run` import and call them" in section
+    assert "authenticated once, at its handshake" in section
+    assert "no integrity or confidentiality" in section
+    assert "Security.temporary()" in section and "without `--host` listens on every interface" in section

@@ -15,10 +15,12 @@ name. The run directory is written here (on the login node's file system).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from dask_jobqueue import SLURMCluster
 from distributed import Client
+from distributed.security import Security
 
 import dtrain
 
@@ -34,6 +36,7 @@ JOB_OPTIONS = {
 # The jobs may wait in the queue: give dtrain time to see every task's worker.
 spec = dtrain.load(PIPELINE, overrides=["cluster.wait_s=1800"])
 
+os.makedirs(os.path.expanduser("~/.dtrain-jobqueue"), mode=0o700, exist_ok=True)
 cluster = SLURMCluster(
     cores=2, memory="8GB", processes=1,          # defaults; overridden per job below
     queue="compute", account="my-project", walltime="04:00:00",
@@ -41,8 +44,17 @@ cluster = SLURMCluster(
         "source ~/venvs/dtrain/bin/activate",   # the same environment as this process
         "export DASK_DISTRIBUTED__WORKER__DAEMON=False",
     ],
+    # The scheduler and the workers bind their node's cluster interface (not every interface), and
+    # speak TLS with a certificate made for this run: on a shared cluster any user can reach their
+    # ports, and a plain tcp:// scheduler runs anyone's code as you. With Security.temporary()
+    # dask-jobqueue writes the run's certificate and key into shared_temp_directory for the jobs
+    # (keep it private: chmod 700). With files from examples/make_certs.py use
+    # distributed.Security(tls_ca_file=..., ..., require_encryption=True) instead. Either way
+    # dtrain's socket data plane is TLS too, with each worker's own certificate (README "Security").
+    security=Security.temporary(),
+    shared_temp_directory=os.path.expanduser("~/.dtrain-jobqueue"),
+    interface="ib0",                             # or "eth0": the nodes' cluster network
     scheduler_options={"dashboard_address": ":8787"},
-    # TLS: security=distributed.Security(...) here, and cluster.security in the pipeline.
 )
 
 # One worker spec per task. SpecCluster (which SLURMCluster is) passes the spec's key as the
@@ -56,7 +68,7 @@ for job in spec.cluster.jobs:
         cluster.worker_spec[name] = {"cls": cluster.job_cls, "options": options}
 cluster.scale(jobs=len(cluster.worker_spec))       # submit the SLURM jobs (no new names added)
 
-with Client(cluster, direct_to_workers=True) as client:
+with Client(cluster, direct_to_workers=True, security=cluster.security) as client:
     result = dtrain.run(spec, client=client, run_dir=f"runs/{spec.name}")
     print(result.summary["status"], result.summary.get("eval"))
 cluster.close()                                    # scancel the jobs

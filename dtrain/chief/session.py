@@ -199,6 +199,7 @@ class Session:
             error = f"{type(exc).__name__}: {exc}"
             raise RunError(error) from exc
         finally:
+            self.shards.stop_renewing()
             with signals.deferred():
                 if status != "completed":
                     self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional

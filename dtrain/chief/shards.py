@@ -5,13 +5,18 @@ their data plane, restores them from a checkpoint, reads progress, and moves all
 together: a consistent hold (every shard paused at one step, for a snapshot or a stop), release,
 stop, and the state a checkpoint needs. Each call has a timeout; a shard that does not answer
 raises, and the session's recovery decides whether a task was lost.
+
+While the group lives, a background thread renews every shard's lease (``ParameterShard.renew``)
+every quarter lease: a thread rather than the monitor loop, so a long evaluation, checkpoint or
+recovery never lets a lease lapse, while a dead chief (SIGKILL, OOM, a lost machine) stops its
+shards and frees their data planes within one lease (``lease_seconds``).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from pathlib import Path
+import threading
 from typing import Any
 
 import torch
@@ -21,9 +26,9 @@ from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
+from dtrain.worker.tasks import WorkerShard
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +37,17 @@ def task_host(address: str) -> str:
     return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
 
 
+def lease_seconds(spec: PipelineSpec) -> float:
+    """How long a shard outlives its chief's last renewal: well past anything the chief waits for
+    (a worker-ttl to declare a task lost, several times over), and at least a minute."""
+    return max(60.0, 4.0 * spec.cluster.worker_ttl_s)
+
+
 class ShardGroup:
     """The ps actors of one generation of a run (see the module docstring)."""
 
-    def __init__(self, conn: Connection, spec: PipelineSpec, plan: Plan, token: str, nan_guard: bool = False):
+    def __init__(self, conn: Connection, spec: PipelineSpec, plan: Plan, token: str, nan_guard: bool = False,
+                 lease_s: float | None = None):
         self.conn = conn
         self.client = conn.client
         self.spec = spec
@@ -50,6 +62,12 @@ class ShardGroup:
         self.last_step = spec.training.steps  # lowered by a stop_at_step hook (stop_at)
         # Replica connections the ps data planes served (all generations), and through shared memory.
         self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
+        self.lease_s = lease_s or lease_seconds(spec)
+        # A TLS cluster (cluster.security, a TLS client, the embedded cluster) never gets a
+        # plaintext data plane (review M2).
+        self.tls = str(self.client.scheduler.address).startswith("tls://") if self.client is not None else False
+        self._renewing = threading.Event()  # set: stop renewing
+        self._renewer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ creation
     def _config(self, index: int) -> dict[str, Any]:
@@ -63,6 +81,7 @@ class ShardGroup:
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
+            "lease_s": self.lease_s, "tls": self.tls,
         }
 
     def create(self, init: list[torch.Tensor]) -> None:
@@ -71,25 +90,25 @@ class ShardGroup:
         for shard, values in zip(self.plan.shards, init, strict=True):
             addr = self.conn.tasks[shard.task]
             data = self.client.scatter(values, workers=[addr], direct=True, hash=False)
-            fut = self.client.submit(ParameterShard, self._config(shard.index), data, actor=True,
+            fut = self.client.submit(WorkerShard, self._config(shard.index), data, actor=True,
                                      workers=[addr], allow_other_workers=False, pure=False,
                                      key=f"dtrain-ps-{shard.index}-g{self.generation}-{self.token}")
             self.futures.append(fut)
         self.handles = [f.result(timeout=self.spec.cluster.wait_s) for f in self.futures]
+        self.renew()
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, name="dtrain-lease", daemon=True)
+            self._renewer.start()
         self.data_plane = None
         if self.spec.training.transport == "socket" and self.spec.training.replication == "between_graph":
             self.data_plane = self._open_data_plane()
 
     def _open_data_plane(self) -> dict[str, Any]:
         """Each ps actor opens a listener on its worker's host; replicas get the endpoints and a
-        per-run secret through Dask (the control plane: TLS-protected when the cluster is)."""
-        tls = None
-        if self.spec.cluster.security is not None:
-            from dtrain.deploy.cluster import security_paths
-
-            files = security_paths(self.spec) or {}
-            tls = {name: (Path(files[f"{name}_file"]).read_text() if files.get(f"{name}_file") else None)
-                   for name in ("ca", "cert", "key")}
+        per-run secret through Dask (the control plane: TLS-protected when the cluster is). On a
+        TLS cluster the data plane is TLS too, each ps and replica with its own worker's
+        certificate (``WorkerShard``): no private key leaves its machine."""
+        tls = True if self.tls else None  # each process uses its own worker's certificate
         wire = self.spec.training.wire_dtype
         endpoints = [tuple(call(handle.open_data_plane(self._secret, task_host(self.conn.tasks[shard.task]), tls, wire)))
                      for shard, handle in zip(self.plan.shards, self.handles, strict=True)]
@@ -137,6 +156,27 @@ class ShardGroup:
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
         return [(self.conn.tasks[s.task], f.key) for s, f in zip(self.plan.shards, self.futures, strict=True)]
+
+    # ------------------------------------------------------------------ the chief's lease
+    def renew(self) -> None:
+        """Renew every shard's lease (a lost shard is the monitor's business, not this call's)."""
+        for s in list(self.handles):
+            try:
+                call(s.renew(), timeout=min(10.0, self.lease_s / 4))
+            except Exception as exc:
+                logger.warning("renewing a ps shard's lease failed: %s", exc)
+
+    def _renew_loop(self) -> None:
+        with self.client.as_current():  # actor handles bind to the current client
+            while not self._renewing.wait(self.lease_s / 4):
+                self.renew()
+
+    def stop_renewing(self) -> None:
+        """The run is over: let the leases lapse (a shard left on a worker then frees itself)."""
+        self._renewing.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=15)
+        self._renewer = None
 
     # ------------------------------------------------------------------ reads
     def stats(self, timeout: float = 10) -> dict[str, Any]:

@@ -312,6 +312,10 @@ class ShardServer:
         self._closed.set()
         with self._lock:
             conns = list(self._conns)
+        try:  # wakes the accept thread now: close() alone leaves a listener accepting until it returns
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         _close(self._sock)
         for s in conns:  # shutdown wakes a thread blocked in recv (close alone would not)
             try:

@@ -5,6 +5,10 @@ workers) with one worker per task, named ``<job>-<index>`` and tagged with the r
 ``<job>=1``, everything bound to 127.0.0.1 (the dashboard included). Workers get a death timeout
 so that a worker orphaned by a killed client exits by itself, and the scheduler a short
 worker-ttl so that a hung worker is dropped in seconds rather than Dask's default 5 minutes.
+
+The embedded cluster speaks TLS with a per-run certificate (``distributed.Security.temporary()``,
+held only in memory): a plain ``tcp://`` scheduler on 127.0.0.1 would run pickled code for any
+local user who finds its port (../shared/dask-notes.md §6), and only this process holds the key.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+from distributed.security import Security
 
 from dtrain.plan.compiler import resolve_workers
 from dtrain.spec.device import DeviceSpec
@@ -54,8 +59,8 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
     }
 
 
-def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
-    """The SpecCluster worker entries: one per task of every job."""
+def worker_specs(spec: PipelineSpec, processes: bool = True, security: Any = None) -> dict[str, dict[str, Any]]:
+    """The SpecCluster worker entries: one per task of every job (TLS with ``security`` when given)."""
     out: dict[str, dict[str, Any]] = {}
     for job in spec.cluster.jobs:
         for i in range(spec.cluster.num_tasks(job)):
@@ -64,6 +69,8 @@ def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[s
                 "name": name, "nthreads": spec.cluster.nthreads, "resources": {job: 1},
                 "host": "127.0.0.1", "memory_limit": spec.cluster.memory_limit, "death_timeout": DEATH_TIMEOUT_S,
             }
+            if security is not None:
+                options.update(security=security, protocol="tls://")
             if processes:
                 options["dashboard_address"] = None
                 # Signals meant for the chief (Ctrl-C, systemd's stop) must not end these processes
@@ -82,15 +89,17 @@ def worker_specs(spec: PipelineSpec, processes: bool = True) -> dict[str, dict[s
 
 
 def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
-    """Start the embedded cluster (blocking until every worker has joined)."""
+    """Start the embedded cluster (blocking until every worker has joined), TLS-only with a
+    per-run certificate (the module docstring); its ``security`` is what a client needs."""
+    security = Security.temporary()
     scheduler = {"cls": Scheduler, "options": {
-        "host": "127.0.0.1", "port": 0,
+        "host": "127.0.0.1", "port": 0, "protocol": "tls://", "security": security,
         "dashboard_address": "127.0.0.1:0",
         "dashboard": spec.cluster.dashboard,
     }}
     with dask.config.set(dask_config(spec)):
-        return SpecCluster(workers=worker_specs(spec, processes), scheduler=scheduler, name=spec.name,
-                           shutdown_on_close=True)
+        return SpecCluster(workers=worker_specs(spec, processes, security), scheduler=scheduler, name=spec.name,
+                           security=security, shutdown_on_close=True)
 
 
 @dataclass
@@ -210,7 +219,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
         else:
             cluster = embedded_cluster(spec, processes=processes)
             try:
-                c = Client(cluster, direct_to_workers=True, set_as_default=False)
+                c = Client(cluster, direct_to_workers=True, security=cluster.security, set_as_default=False)
             except BaseException:
                 cluster.close()
                 raise

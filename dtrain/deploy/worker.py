@@ -67,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
         tls = _tls_files(args)
         env = _environment(args)
         address = _address(args, bool(tls))
+        _warn_all_interfaces(args, bool(tls))
         if args.wait_s > 0:
             address = _probe(args, address, bool(tls))
     except _Stop as stop:
@@ -77,6 +78,18 @@ def main(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os.execvpe(cmd[0], cmd, env)
     return EXIT_FAILED  # pragma: no cover - exec does not return
+
+
+def _warn_all_interfaces(args: argparse.Namespace, use_tls: bool) -> None:
+    """Without ``--host`` Dask listens on every interface (0.0.0.0): say so, louder without TLS,
+    where anyone who reaches the port can run code as this user (README "Security")."""
+    if args.host is not None or any(a.startswith(("--listen-address", "--host")) for a in args.dask_args):
+        return
+    risk = ("connections are TLS-authenticated" if use_tls else
+            "without TLS anyone who reaches its port can run code as this user")
+    print(f"dtrain worker: warning: no --host given, so this worker listens on every network interface "
+          f"({risk}); pass --host with the interface the scheduler and the other workers reach, "
+          f"e.g. --host 127.0.0.1 or --host \"$(hostname -i)\"", file=sys.stderr)
 
 
 def _check_task(args: argparse.Namespace) -> str:

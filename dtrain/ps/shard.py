@@ -18,11 +18,17 @@ Wire protocol (one round trip per shard per step, one flat tensor each way):
 Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in a ring of
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
 Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
+
+A lease keeps a shard only as long as its chief lives (``renew``): a chief that is killed (or
+whose machine is lost) stops renewing, and after ``lease_s`` the shard stops its replicas (the
+stop flag and an error in every reply) and closes its data plane, so a long-lived worker pool
+does not train on, and hold listeners and memory, for a run nobody watches.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
@@ -31,6 +37,8 @@ import torch
 
 from .optim import make_optimizer
 from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
+
+logger = logging.getLogger(__name__)
 
 
 class BarrierTimeout(RuntimeError):
@@ -83,6 +91,10 @@ class ParameterShard:
         self.hold_at: int | None = None
         # checkpoint.every_steps: pause by itself at every multiple (see _after_apply).
         self.checkpoint_every: int | None = config.get("checkpoint_every")
+        # The chief's lease (module docstring): armed by the first renew(); None: no lease.
+        self.lease_s: float | None = config.get("lease_s")
+        self._lease: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -303,6 +315,28 @@ class ParameterShard:
                 "dropped_stale": self.dropped_stale, "samples": self.samples_total,
                 "local_steps": dict(self.local_steps), "generation": self.generation,
                 "last_apply_time": self.last_apply_time}
+
+    async def renew(self) -> int:
+        """The chief is alive: the lease runs ``lease_s`` seconds from now (see the module docstring)."""
+        if self._expiry is not None:
+            raise RuntimeError(self.error)
+        if self.lease_s:
+            if self._lease is not None:
+                self._lease.cancel()
+            self._lease = asyncio.get_running_loop().call_later(self.lease_s, self._expire)
+        return self.step
+
+    def _expire(self) -> None:
+        """No renewal for ``lease_s``: the chief is gone. Stop the replicas (they read the stop flag
+        and the error at their next reply; waiting ones are woken) and free the data plane."""
+        self.error = self.error or (f"ps shard {self.index}: no word from the chief for {self.lease_s:g} s "
+                                    f"(its lease): stopped, data plane closed")
+        self.stop = True
+        logger.warning("%s", self.error)
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()  # kept in _server: close_data_plane still reports what it served
+        self._expiry = asyncio.get_running_loop().create_task(self._wake())
 
     async def _wake(self) -> None:
         """Let every waiter re-check its condition (after stop, hold or release changed)."""

@@ -40,13 +40,55 @@ def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
     return [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
 
 
+def tls_pems(security: Any) -> dict[str, str | None] | None:
+    """A worker's own TLS (its ``distributed.Security``: ``dtrain worker --tls-*``, or the embedded
+    cluster's per-run certificate) as PEM texts for the data plane; None when it has none. Each
+    process uses its own certificate and key: no private key travels through Dask (review M2)."""
+    from pathlib import Path
+
+    cfg = security.get_tls_config_for_role("worker") if security is not None else {}
+    if not (cfg.get("ca_file") and cfg.get("cert")):
+        return None
+
+    def pem(value: str | None) -> str | None:  # Security holds file names, or the texts (temporary())
+        return None if not value else value if "-----BEGIN" in value else Path(value).read_text()
+
+    return {"ca": pem(cfg["ca_file"]), "cert": pem(cfg["cert"]), "key": pem(cfg.get("key"))}
+
+
+def own_tls() -> dict[str, str | None]:
+    """This worker's TLS for a data plane the chief asked to encrypt (RuntimeError without one)."""
+    worker = get_worker()
+    tls = tls_pems(worker.security)
+    if tls is None:
+        raise RuntimeError(f"worker {worker.name} has no TLS certificate, but the cluster uses TLS: start it "
+                           f"with --tls-ca-file, --tls-cert and --tls-key (docs/deployment.md#tls)")
+    return tls
+
+
+class WorkerShard(ParameterShard):
+    """The ParameterShard actor as the chief creates it: a data plane asked for TLS (``tls=True``)
+    serves with this worker's own certificate (``own_tls``), so ps/ needs no Dask."""
+
+    def __init__(self, config: dict[str, Any], init: torch.Tensor):
+        super().__init__(config, init)
+        self._tls = own_tls() if config.get("tls") else None  # read here: get_worker() is this task's
+
+    async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1", tls: Any = None,
+                              wire_dtype: str = "float32") -> tuple[str, int]:
+        return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype)
+
+
 def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0) -> list[Any]:
-    """Socket data-plane handles (``training.transport: socket``), one per shard. ``attempt``:
-    this submission of the replica (the ps refuses pushes from its other attempts)."""
+    """Socket data-plane handles (``training.transport: socket``), one per shard (TLS with this
+    worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``: this
+    submission of the replica (the ps refuses pushes from its other attempts)."""
     from dtrain.dataplane.client import SocketShard
     from dtrain.dataplane.protocol import client_ssl_context
 
     tls = data_plane.get("tls")
+    if tls is True:
+        tls = own_tls()
     ctx = client_ssl_context(tls) if tls else None
     timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,

@@ -107,3 +107,71 @@ def test_a_restore_refuses_other_variables_and_another_optimizer(loop):
         group.restore(checkpoint_for(adam, states))
     group.restore(checkpoint_for(spec, states))  # the same model: fine (a new lr would be too)
     assert [h.current_step().result(5) for h in group.handles] == [10, 10]
+
+
+def _accept_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dtrain-ps") and t.name.endswith("-accept")}
+
+
+def _refused(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_shards_stop_and_free_their_data_plane_when_the_chief_stops_renewing(inproc_client):
+    """Review M7: a dead chief's shards must not train on and hold their listeners forever. While
+    the group renews, a 1.5 s lease never lapses; once renewal stops (as when the chief is
+    killed), every shard stops within the lease (replicas read the stop flag and the error) and
+    its listener and accept thread are gone."""
+    from dtrain.deploy.cluster import connect
+
+    spec = dtrain.loads(SPEC.replace("mode: sync", "mode: async"), base_dir=".")
+    lease = 1.5
+    before = _accept_threads()
+    with connect(spec, client=inproc_client) as conn, conn.client.as_current():
+        plan = dtrain.compile(spec)
+        group = ShardGroup(conn, spec, plan, token=f"lease{time.monotonic_ns()}", lease_s=lease)
+        try:
+            group.create([torch.zeros(s.numel) for s in plan.shards])
+            endpoints = group.data_plane["endpoints"]
+            mine = _accept_threads() - before
+            assert len(endpoints) == 2 and len(mine) == 2
+            time.sleep(2 * lease)  # renewed every lease / 4: alive and serving
+            assert all(not call_stats(h)["stop"] for h in group.handles)
+            assert not any(_refused(h, p) for h, p in endpoints)
+            import socket
+
+            from dtrain.dataplane.protocol import MAGIC
+
+            waiting = socket.create_connection(endpoints[0], timeout=5)  # mid-handshake: served by a thread
+            assert len(waiting.recv(len(MAGIC) + 16, socket.MSG_WAITALL)) == len(MAGIC) + 16
+            group.stop_renewing()
+            t0 = time.monotonic()
+            deadline = t0 + lease + 2.0
+            while time.monotonic() < deadline and not all(call_stats(h)["stop"] for h in group.handles):
+                time.sleep(0.1)
+            stats = [call_stats(h) for h in group.handles]
+            assert all(s["stop"] for s in stats) and "lease" in stats[0]["error"], stats
+            assert time.monotonic() - t0 < lease + 1.0
+            assert all(_refused(h, p) for h, p in endpoints)
+            assert waiting.recv(1) == b""  # its connection closed too
+            waiting.close()
+            for t in mine:
+                t.join(timeout=2)
+            assert not any(t.is_alive() for t in mine)
+            _, _, stop, _ = group.handles[0].pull(0).result(timeout=5)
+            assert stop  # a replica's next reply tells it to stop
+            with pytest.raises(Exception, match="lease"):
+                group.handles[1].renew().result(timeout=5)
+        finally:
+            group.stop_renewing()
+            inproc_client.cancel(group.futures, force=True)
+
+
+def call_stats(handle) -> dict:
+    return handle.stats().result(timeout=5)

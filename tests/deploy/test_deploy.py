@@ -231,6 +231,61 @@ def test_digits_async_on_scheduler_and_four_dtrain_worker_processes(plain, tmp_p
     assert plain.worker_names() == {"ps-0", "ps-1", "worker-0", "worker-1"}  # the workers outlive the run
 
 
+def _training_threads() -> tuple[list[str], int]:
+    """(the data plane's dtrain-ps* threads, the threads running replica code) in this worker."""
+    import sys
+    import threading
+
+    names = [t.name for t in threading.enumerate() if t.name.startswith("dtrain-ps")]
+    busy = 0
+    for frame in sys._current_frames().values():
+        while frame is not None and "/dtrain/worker/" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        busy += frame is not None
+    return names, busy
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_chief_leaves_no_training_on_the_workers(plain, tmp_path):
+    """Review M7: SIGKILL `dtrain run` mid-training. The workers outlive it; within its lease
+    (60 s: the minimum, with worker_ttl_s 10) plus a margin every ps shard stops its replicas and closes its data
+    plane, so no dtrain-ps* thread and no replica code is left running in any worker."""
+    from distributed import Client
+
+    with open(tmp_path / "chief.log", "wb") as log:
+        chief = subprocess.Popen([PY, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--scheduler",
+                                  plain.address, "--run-dir", str(tmp_path / "run"), "--quiet",
+                                  "--set", "training.steps=10000000", "--set", "cluster.worker_ttl_s=10"],
+                                 cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        with Client(plain.address, timeout=30, set_as_default=False) as c:
+            deadline = time.monotonic() + 180
+            while True:  # training: both ps listening, both replicas in their loop
+                seen = c.run(_training_threads)
+                ps = [n for w in seen.values() for n in w[0] if n.endswith("-accept")]
+                if len(ps) == 2 and sum(w[1] for w in seen.values()) >= 2:
+                    break
+                assert chief.poll() is None, (tmp_path / "chief.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.5)
+            time.sleep(2)
+            os.kill(chief.pid, signal.SIGKILL)
+            chief.wait(30)
+            killed = time.monotonic()
+            while True:
+                seen = c.run(_training_threads)
+                if not any(names or busy for names, busy in seen.values()):
+                    break
+                assert time.monotonic() - killed < 60 + 45, f"still training {time.monotonic() - killed:.0f} s " \
+                                                            f"after the chief was killed: {seen}"
+                time.sleep(1)
+    finally:
+        if chief.poll() is None:
+            os.kill(chief.pid, signal.SIGKILL)
+            chief.wait(30)
+    assert plain.worker_names() == {"ps-0", "ps-1", "worker-0", "worker-1"}
+
+
 @pytest.mark.timeout(600)
 def test_missing_ps_task_exits_1_naming_it_after_wait_s(plain, tmp_path):
     plain.stop_worker("ps-1")
