@@ -161,6 +161,13 @@ class PipelineSpec(Strict):
                      if self.placement.worker_device.startswith("/") else None)
         for name, dev in self.placement.variable_devices.items():
             check_device(("placement", "variable_devices", name), dev)
+            if DeviceSpec.from_string(dev).device_type == "GPU":
+                # A shard is one flat float32 buffer in its task's CPU memory: a GPU type would only
+                # change what `dtrain plan` prints.
+                problems.append((("placement", "variable_devices", name),
+                                 f"{dev!r}: variables live in their ps task's CPU memory (the ps applies updates "
+                                 "there); a GPU device type is not supported for variables: pin the task only, "
+                                 "e.g. /job:ps/task:0 (replicas compute on GPUs: placement.worker_device)"))
 
         model = self.model
         assert model is not None

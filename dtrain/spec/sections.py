@@ -212,7 +212,8 @@ class PlacementSpec(Strict):
     variable_devices: dict[str, str] = Field(
         default_factory=dict,
         description="Pin variables by name (torch's named_parameters() name, or a prefix ending in '.') to a device, "
-        "e.g. {'0.weight': /job:ps/task:1}. Pinned to a ps task: it keeps its task and still advances round robin.",
+        "e.g. {'0.weight': /job:ps/task:1}. Pinned to a ps task: it keeps its task and still advances round robin. "
+        "Variables live in their task's CPU memory: a GPU device type is refused.",
     )
     min_slice_bytes: int = Field(
         256 * 1024, ge=1, description="partitioned: variables of at least this many bytes are split over ps tasks."

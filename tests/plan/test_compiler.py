@@ -176,8 +176,17 @@ def test_pin_outside_ps_job_gets_its_own_shard():
 
 
 def test_pin_device_type_only_gets_a_ps_task():
-    plan = dtrain.compile(_spec("digits_async", placement={"variable_devices": {"0.weight": "/device:GPU:0"}}))
-    assert _devices(plan)["0.weight"] == "/job:ps/task:0/device:GPU:0"
+    """replica_device_setter's merge: a pin with only a device type still gets a ps task (and
+    advances round robin). The placement rule is TF's; the spec refuses a GPU type on variables
+    (the ps holds them in CPU memory: tests/specs/invalid/variable_device_gpu.yaml)."""
+    from dtrain.plan.placement import VariableRequest, place_variables
+    from dtrain.spec.device import DeviceSpec
+
+    reqs = [VariableRequest("w", (4,), 16, DeviceSpec.from_string("/device:GPU:0")), VariableRequest("b", (4,), 16)]
+    assert [d.to_string() for d in place_variables(reqs, "ps", 2, "round_robin")] == [
+        "/job:ps/task:0/device:GPU:0", "/job:ps/task:1/device:CPU:0"]
+    plan = dtrain.compile(_spec("digits_async", placement={"variable_devices": {"0.weight": "/device:CPU:0"}}))
+    assert _devices(plan)["0.weight"] == "/job:ps/task:0/device:CPU:0"
     assert _devices(plan)["0.bias"] == "/job:ps/task:1/device:CPU:0"
     assert_consistent(plan)
 
