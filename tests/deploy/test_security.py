@@ -115,3 +115,19 @@ def test_tls_cluster_gets_a_tls_data_plane_with_each_workers_own_certificate(tmp
             group.stop_renewing()
             group.close_data_plane()
             conn.client.cancel(group.futures, force=True)
+
+
+def test_embedded_workers_drop_only_the_shutdown_heartbeat_error():
+    """The preload's filter drops the heartbeat failure Dask logs when the embedded scheduler (in
+    the chief's process) goes away during shutdown, and keeps every other worker error."""
+    import logging
+
+    from dtrain.deploy.preload import _QuietHeartbeat
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg, None, None)
+
+    f = _QuietHeartbeat()
+    assert not f.filter(record("Failed to communicate with scheduler during heartbeat."))
+    assert f.filter(record("Unexpected exception during heartbeat. Closing worker."))
+    assert f.filter(record("Compute Failed"))
