@@ -124,7 +124,26 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _load_chain(ctx: ssl.SSLContext, cert_pem: str, key_pem: str | None) -> None:
-    """load_cert_chain needs files: write the PEMs to a private temporary directory."""
+    """load_cert_chain needs files. On Linux the PEMs go into anonymous memory files (memfd): no
+    file on disk, so a process killed meanwhile leaves nothing behind (every embedded-cluster
+    process does this since its data plane is TLS); elsewhere, a private temporary directory."""
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fds = []
+        try:
+            paths = []
+            for pem in (cert_pem, key_pem):
+                if pem:
+                    fd = os.memfd_create("dtrain-tls")
+                    fds.append(fd)
+                    os.write(fd, pem.encode())
+                    paths.append(f"/proc/self/fd/{fd}")
+                else:
+                    paths.append(None)
+            ctx.load_cert_chain(paths[0], paths[1])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="dtrain-tls-") as d:
