@@ -1,0 +1,163 @@
+"""Embedding tables: the ``embedding`` / ``embedding_bag`` layers, their seeded chunked
+initialisation, and the *gathered* form a replica computes with.
+
+A table (``Table``) exists in two forms:
+
+- **full**: a ``weight`` parameter of (num_embeddings, dim), as ``nn.Embedding`` has. This is what
+  ``dtrain.build_model(spec)`` builds (reference runs, ``model.pt``) and what the ps tasks hold,
+  partitioned by rows.
+- **gathered**: no parameter at all. Before each step the replica hands the module the sorted
+  unique ids the batch touches and their rows (``gather``); forward maps the batch's ids into
+  those rows, and backward leaves the rows' gradient in ``rows.grad``: exactly the sparse
+  gradient (unique ids, summed row gradients) that is pushed to the ps.
+
+Initialisation never depends on where rows live: rows are drawn in chunks of ``CHUNK_ROWS``, chunk
+``c`` from its own generator seeded by (seed, table name, c), so a ps holding any subset of rows
+draws the same values the full table has. Pure torch: no Dask, no spec.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK_ROWS = 1 << 16
+TABLE_TYPES = ("embedding", "embedding_bag")
+
+
+def chunk_seed(seed: int, name: str, chunk: int) -> int:
+    """The generator seed of chunk ``chunk`` of table ``name`` (stable across processes)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode()) * 7919 + int(chunk) * 104_729) % (2**63 - 1)
+
+
+def _chunk(seed: int, name: str, chunk: int, num_embeddings: int, dim: int, std: float) -> torch.Tensor:
+    start = chunk * CHUNK_ROWS
+    n = min(CHUNK_ROWS, num_embeddings - start)
+    g = torch.Generator().manual_seed(chunk_seed(seed, name, chunk))
+    out = torch.empty((n, dim), dtype=torch.float32)
+    out.normal_(0.0, std, generator=g)
+    return out
+
+
+def init_rows(seed: int, name: str, num_embeddings: int, dim: int, std: float, rows: torch.Tensor | range,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The initial values of the table's ``rows`` (global ids: a ``range`` or an increasing int64
+    tensor), into ``out`` when given. Memory: ``out`` plus one chunk."""
+    if isinstance(rows, range):
+        if rows.step < 1:
+            raise ValueError("rows must be increasing")
+        first, last, step = rows.start, rows.stop - 1, rows.step
+        count = len(rows)
+    else:
+        rows = rows.to(torch.int64)
+        count = rows.numel()
+        first, last = (int(rows[0]), int(rows[-1])) if count else (0, -1)
+    if out is None:
+        out = torch.empty((count, dim), dtype=torch.float32)
+    if count == 0:
+        return out
+    if first < 0 or last >= num_embeddings:
+        raise ValueError(f"rows [{first}, {last}] outside the table of {num_embeddings} rows")
+    done = 0
+    for c in range(first // CHUNK_ROWS, last // CHUNK_ROWS + 1):
+        lo, hi = c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, num_embeddings)
+        if isinstance(rows, range):  # rows in [lo, hi): arithmetic, no index tensor
+            k0 = max(0, -(-(lo - first) // step))
+            k1 = min(count, -(-(hi - first) // step))
+            if k1 <= k0:
+                continue
+            local = torch.arange(first + k0 * step, first + k1 * step, step) - lo
+        else:
+            k0 = int(torch.searchsorted(rows, lo))
+            k1 = int(torch.searchsorted(rows, hi))
+            if k1 <= k0:
+                continue
+            local = rows[k0:k1] - lo
+        block = _chunk(seed, name, c, num_embeddings, dim, std)
+        torch.index_select(block, 0, local, out=out[done:done + (k1 - k0)])
+        done += k1 - k0
+    assert done == count
+    return out
+
+
+class Table(nn.Module):
+    """An ``embedding`` (ids (B, F) -> (B, F, D)) or ``embedding_bag`` (-> (B, D), ``mode`` sum or
+    mean) layer, full or gathered (module docstring). ``name`` is the table's parameter name
+    (``"0.weight"``): it seeds the initialisation and names the table in plans and ``model.pt``."""
+
+    def __init__(self, num_embeddings: int, dim: int, kind: str = "embedding", mode: str = "mean",
+                 sparse: bool = True, init_std: float = 1.0, name: str = "", seed: int = 0,
+                 gathered: bool = False):
+        super().__init__()
+        if kind not in TABLE_TYPES:
+            raise ValueError(f"unknown table kind {kind!r}; use {' or '.join(TABLE_TYPES)}")
+        self.num_embeddings, self.dim, self.kind, self.mode = int(num_embeddings), int(dim), kind, mode
+        self.sparse, self.init_std, self.name, self.seed = sparse, float(init_std), name, int(seed)
+        self.gathered = gathered
+        self.ids: torch.Tensor | None = None  # gathered: the sorted unique ids of this step
+        self.rows: torch.Tensor | None = None  # gathered: their rows (a leaf that collects the gradient)
+        if not gathered:
+            self.weight = nn.Parameter(torch.empty((self.num_embeddings, self.dim)))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The seeded chunked initialisation (its own generators: the global RNG is not used, so
+        the other layers' initial values do not depend on whether this table is full or gathered)."""
+        weight = getattr(self, "weight", None)
+        if weight is None or weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            values = init_rows(self.seed, self.name, self.num_embeddings, self.dim, self.init_std,
+                               range(self.num_embeddings))
+            weight.copy_(values)
+
+    def gather(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Gathered form: this step's sorted unique ``ids`` and their ``rows`` (made a leaf that
+        requires grad: after backward ``self.rows.grad`` is the rows' summed gradient)."""
+        self.ids = ids
+        self.rows = rows.detach().requires_grad_(True)
+
+    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index into the weight or rows, weight or rows) for ids ``x``."""
+        if not self.gathered:
+            return x, self.weight
+        if self.ids is None or self.rows is None:
+            raise RuntimeError(f"table {self.name}: no rows gathered for this step")
+        pos = torch.searchsorted(self.ids, x)
+        if pos.numel() and (int(pos.max()) >= len(self.ids) or not bool((self.ids[pos] == x).all())):
+            raise RuntimeError(f"table {self.name}: the batch has ids that were not gathered")
+        return pos, self.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype.is_floating_point:
+            raise TypeError(f"table {self.name or self.kind} takes integer ids, got {x.dtype} features")
+        if x.device.type == "meta":
+            shape = (*x.shape, self.dim) if self.kind == "embedding" else (x.shape[0], self.dim)
+            return torch.empty(shape, device="meta")
+        index, weight = self.lookup(x.long())
+        sparse = self.sparse and not self.gathered
+        if self.kind == "embedding":
+            return F.embedding(index, weight, sparse=sparse)
+        return F.embedding_bag(index, weight, mode=self.mode, sparse=sparse)
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind} {self.num_embeddings}x{self.dim}" + (f", mode={self.mode}" if self.kind != "embedding"
+                else "") + (", gathered" if self.gathered else "") + (", sparse" if self.sparse else ""))
+
+
+def tables_of(module: nn.Module) -> list[tuple[str, Table]]:
+    """(weight name, module) of every sparse Table in ``module``, in ``named_modules`` order."""
+    out = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, Table) and sub.sparse:
+            out.append((f"{prefix}.weight" if prefix else "weight", sub))
+    return out
+
+
+def table_info(table: Table) -> dict[str, Any]:
+    return {"num_embeddings": table.num_embeddings, "dim": table.dim, "kind": table.kind, "mode": table.mode,
+            "init_std": table.init_std}
