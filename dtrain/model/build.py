@@ -85,13 +85,17 @@ def _model_section(spec: Any) -> Any:
     return model
 
 
-def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None = None) -> nn.Module:
+def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None = None,
+                gathered_tables: bool = False) -> nn.Module:
     """The pipeline's model (a ``dtrain.PipelineSpec``), initialised with ``training.seed`` unless
-    ``seed`` is given. ``torch.load("runs/NAME/model.pt", weights_only=True)`` loads into it."""
+    ``seed`` is given. ``torch.load("runs/NAME/model.pt", weights_only=True)`` loads into it.
+    ``gathered_tables``: sparse embedding tables are built without their rows (a replica's model,
+    ``dtrain.model.tables``); by default they are built whole (the initial table the ps holds)."""
     model = _model_section(spec)
     seed = spec.training.seed if seed is None else seed
     if model.layers is not None:
-        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed)
+        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed,
+                            gathered_tables=gathered_tables)
     return build_custom(model.module, model.kwargs, device, seed=seed)
 
 

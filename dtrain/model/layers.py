@@ -213,9 +213,21 @@ def _check_input_shape(input_shape: Sequence[int]) -> Shape:
     return shape
 
 
+def _table(index: int, p: Mapping[str, Any]) -> nn.Module:
+    from .tables import Table
+
+    return Table(_int(p, "num_embeddings"), _int(p, "dim"), p["type"], mode=str(p.get("mode", "mean")),
+                 sparse=bool(p.get("sparse", True)), init_std=float(p.get("init_std", 1.0)), name=f"{index}.weight",
+                 seed=int(p.get("_seed", 0)), gathered=bool(p.get("_gathered", False)) and bool(p.get("sparse", True)))
+
+
 def _build_one(index: int, in_shape: Shape, layers: Sequence[Mapping[str, Any]]) -> nn.Module:
     layer = layers[index]
     kind = layer.get("type")
+    if kind in ("embedding", "embedding_bag"):
+        if index:
+            raise LayerError(index, f"{_describe(index, layers)} takes integer ids: it must be the first layer")
+        return _table(index, layer)
     if kind not in LAYER_TYPES:
         raise LayerError(
             index,
@@ -280,6 +292,7 @@ def build_layers(
     layers: Sequence[Mapping[str, Any]],
     device: str | torch.device = "cpu",
     seed: int | None = None,
+    gathered_tables: bool = False,
 ) -> nn.Sequential:
     """Build ``nn.Sequential`` with one index per YAML layer (names ``0.weight``, ``0.bias``...).
 
@@ -289,6 +302,10 @@ def build_layers(
     and every device gets identical weights.
     """
     ins, _ = _walk(input_shape, layers)
+    # Tables (embedding layers) are seeded with the run's seed (their own generators) and, for a
+    # replica, built gathered: no table, only the rows of each step (dtrain.model.tables).
+    layers = [dict(layer, _seed=seed or 0, _gathered=gathered_tables) if layer.get("type") in
+              ("embedding", "embedding_bag") else layer for layer in layers]
     target = torch.device(device)
     build_on = torch.device("cpu") if seed is not None and target.type != "meta" else target
     with torch.device(build_on):

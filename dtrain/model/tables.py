@@ -100,6 +100,7 @@ class Table(nn.Module):
         self.gathered = gathered
         self.ids: torch.Tensor | None = None  # gathered: the sorted unique ids of this step
         self.rows: torch.Tensor | None = None  # gathered: their rows (a leaf that collects the gradient)
+        self._init_seed: int | None = None  # the seed the weight was last initialised with
         if not gathered:
             self.weight = nn.Parameter(torch.empty((self.num_embeddings, self.dim)))
             self.reset_parameters()
@@ -108,8 +109,9 @@ class Table(nn.Module):
         """The seeded chunked initialisation (its own generators: the global RNG is not used, so
         the other layers' initial values do not depend on whether this table is full or gathered)."""
         weight = getattr(self, "weight", None)
-        if weight is None or weight.device.type == "meta":
-            return
+        if weight is None or weight.device.type == "meta" or self._init_seed == self.seed:
+            return  # (the values depend on the seed only: drawing them again would give the same)
+        self._init_seed = self.seed
         with torch.no_grad():
             values = init_rows(self.seed, self.name, self.num_embeddings, self.dim, self.init_std,
                                range(self.num_embeddings))
@@ -133,11 +135,11 @@ class Table(nn.Module):
         return pos, self.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype.is_floating_point:
-            raise TypeError(f"table {self.name or self.kind} takes integer ids, got {x.dtype} features")
-        if x.device.type == "meta":
+        if x.device.type == "meta":  # shape inference
             shape = (*x.shape, self.dim) if self.kind == "embedding" else (x.shape[0], self.dim)
             return torch.empty(shape, device="meta")
+        if x.dtype.is_floating_point:
+            raise TypeError(f"table {self.name or self.kind} takes integer ids, got {x.dtype} features")
         index, weight = self.lookup(x.long())
         sparse = self.sparse and not self.gathered
         if self.kind == "embedding":

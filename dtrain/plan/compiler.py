@@ -19,6 +19,7 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import worker_device_spec
 
 from .placement import VariableRequest, partition, place_variables
+from .tables import TablePlan, format_tables, plan_tables
 
 FLOAT32_BYTES = 4
 
@@ -49,6 +50,7 @@ class ShardPlan:
     numel: int
     bytes: int
     holds_global_step: bool
+    table_bytes: int = 0  # rows of sparse tables this task holds (not in the flat buffer)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Plan:
     replicas: tuple[ReplicaPlan, ...] = ()
     layers: tuple[LayerPlan, ...] = ()
     ops: tuple[OpPlan, ...] = ()
+    tables: tuple[TablePlan, ...] = ()
     fetch: tuple[str, ...] = ()
     ps_bytes: Mapping[str, int] = field(default_factory=dict)
     missing_tasks: tuple[str, ...] = ()
@@ -129,11 +132,13 @@ class Plan:
                 shape = "x".join(map(str, v.shape)) or "scalar"
                 lines.append(f"  {v.name:<{w}}  {shape:>12}  {v.bytes:>10} B  -> {v.device}"
                              f"  [shard {v.shard} @ {v.offset}]")
+        lines.extend(format_tables(self.tables))
         if self.shards:
             lines.append("ps tasks:")
             for s in self.shards:
                 where = s.address or s.worker
                 lines.append(f"  {s.task:<18} {s.bytes:>10} B  {s.numel:>9} params  on {where}"
+                             + (f"  + {s.table_bytes} B of table rows" if s.table_bytes else "")
                              + ("  (global_step)" if s.holds_global_step else ""))
         if self.replicas:
             lines.append("replicas:")
@@ -242,11 +247,20 @@ def _worker_of(spec: PipelineSpec, job: str, task: int) -> str:
 
 
 def parameter_layout(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, numel) of every parameter, in creation order, without allocating."""
+    """(name, shape, numel) of every dense parameter (sparse tables excluded), in creation order,
+    without allocating."""
+    return _layout_and_tables(spec)[0]
+
+
+def _layout_and_tables(spec: PipelineSpec) -> tuple[list[tuple[str, tuple[int, ...], int]], list[tuple[str, Any]]]:
     from dtrain.model.build import build_model_skeleton
     from dtrain.model.layers import param_layout
+    from dtrain.model.tables import tables_of
 
-    return param_layout(build_model_skeleton(spec))
+    skeleton = build_model_skeleton(spec)
+    tables = tables_of(skeleton)
+    names = {name for name, _ in tables}
+    return [entry for entry in param_layout(skeleton) if entry[0] not in names], tables
 
 
 def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
@@ -254,8 +268,9 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     num_ps = spec.cluster.num_tasks(ps_job)
     requests: list[VariableRequest] = []
     pins = spec.placement.variable_devices
-    layout = parameter_layout(spec)
-    _check_pins(pins, [name for name, _, _ in layout])
+    layout, table_modules = _layout_and_tables(spec)
+    _check_pins(pins, [name for name, _, _ in layout], [name for name, _ in table_modules])
+    tables = plan_tables(table_modules, ps_job, num_ps, spec.placement.embedding_partition)
     for name, shape, numel in layout:
         pin = _pin_for(name, pins)
         nbytes = numel * FLOAT32_BYTES
@@ -284,9 +299,10 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     shards = []
     for i, key in enumerate(shard_keys):
         dev = DeviceSpec.from_string(key)
+        table_bytes = sum(p.bytes for t in tables for p in t.parts if p.shard == i)
         shards.append(ShardPlan(i, key, _worker_of(spec, dev.job, dev.task), addresses.get(key), fill[key],
-                                fill[key] * FLOAT32_BYTES, key == f"/job:{ps_job}/task:0"))
-    ps_bytes = {s.task: s.bytes for s in shards if s.task.startswith(f"/job:{ps_job}/")}
+                                fill[key] * FLOAT32_BYTES, key == f"/job:{ps_job}/task:0", table_bytes))
+    ps_bytes = {s.task: s.bytes + s.table_bytes for s in shards if s.task.startswith(f"/job:{ps_job}/")}
 
     # Only the device fields of worker_device count: replica r always runs on worker task r.
     wd = worker_device_spec(spec.placement.worker_device)
@@ -314,7 +330,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     return Plan(
         name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.training.steps,
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
-        replicas=tuple(replicas), layers=tuple(layers), ps_bytes=ps_bytes,
+        replicas=tuple(replicas), layers=tuple(layers), tables=tables, ps_bytes=ps_bytes,
         missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
     )
 
@@ -329,10 +345,16 @@ def _pin_for(name: str, pins: Mapping[str, str]) -> DeviceSpec | None:
     return None
 
 
-def _check_pins(pins: Mapping[str, str], names: list[str]) -> None:
+def _check_pins(pins: Mapping[str, str], names: list[str], tables: list[str] = ()) -> None:  # type: ignore[assignment]
     """A pin that matches no parameter is a typo: say so instead of silently ignoring it."""
     problems = []
     for key in pins:
+        if key in tables:
+            problems.append(Problem(f"{key!r} is a sparse embedding table: its rows are partitioned over every ps "
+                                    "task (placement.embedding_partition), so it cannot be pinned; remove the pin "
+                                    "(or set sparse: false on the layer to make it an ordinary variable)",
+                                    path=f"placement.variable_devices.{key}"))
+            continue
         if key in names or (key.endswith(".") and any(n.startswith(key) for n in names)):
             continue
         hint = "" if key.endswith(".") or not any(n.startswith(key + ".") for n in names) \

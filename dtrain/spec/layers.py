@@ -76,15 +76,31 @@ class NormLayer(_Layer):
     type: Literal["batch_norm1d", "layer_norm"] = Field(description="Normalisation over features.")
 
 
+class EmbeddingLayer(_Layer):
+    type: Literal["embedding"] = Field(
+        description="Embedding table: integer ids (batch, fields) -> (batch, fields, dim); must be the first layer.")
+    num_embeddings: int = Field(ge=1, description="Rows of the table (ids are 0 .. num_embeddings - 1).")
+    dim: int = Field(ge=1, description="Width of each row.")
+    sparse: bool = Field(True, description="Keep the table on the ps tasks, partitioned by rows, and move only the "
+                                           "rows a batch touches (false: an ordinary dense parameter).")
+    init_std: float = Field(1.0, gt=0, description="Standard deviation of the rows' normal initialisation.")
+
+
+class EmbeddingBagLayer(EmbeddingLayer):
+    type: Literal["embedding_bag"] = Field(  # type: ignore[assignment]
+        description="Embedding table pooled over the fields: ids (batch, fields) -> (batch, dim); first layer only.")
+    mode: Literal["sum", "mean"] = Field("mean", description="How the fields' rows are pooled.")
+
+
 Layer = Annotated[
     LinearLayer | ActivationLayer | LeakyReluLayer | DropoutLayer | FlattenLayer | ReshapeLayer
-    | Conv2dLayer | Pool2dLayer | NormLayer,
+    | Conv2dLayer | Pool2dLayer | NormLayer | EmbeddingLayer | EmbeddingBagLayer,
     Field(discriminator="type"),
 ]
 
 LAYER_NAMES = (
     "linear", "relu", "tanh", "gelu", "sigmoid", "silu", "elu", "identity", "leaky_relu", "dropout", "flatten",
-    "reshape", "conv2d", "max_pool2d", "avg_pool2d", "batch_norm1d", "layer_norm",
+    "reshape", "conv2d", "max_pool2d", "avg_pool2d", "batch_norm1d", "layer_norm", "embedding", "embedding_bag",
 )
 
 
@@ -125,6 +141,15 @@ class ModelSpec(Strict):
         if self.layers is not None and not self.layers:
             raise CrossFieldErrors([(("layers",), "'layers' is empty; list at least one layer, "
                                                   "e.g. - {type: linear, out: 10}")])
+        if self.layers:
+            for i, layer in enumerate(self.layers[1:], start=1):
+                if layer.type in ("embedding", "embedding_bag"):
+                    raise CrossFieldErrors([(("layers", i, "type"), f"an {layer.type} layer takes the integer ids of "
+                                             "the input, so it must be the first layer; move it to layers[0]")])
+            if self.layers[0].type in ("embedding", "embedding_bag") and self.input_shape is not None \
+                    and len(self.input_shape) != 1:
+                raise CrossFieldErrors([(("input_shape",), f"an {self.layers[0].type} model takes ids of shape "
+                                         f"(batch, fields): input_shape must be [fields], got {self.input_shape}")])
         if self.input_shape is not None and not self.input_shape:
             raise CrossFieldErrors([(("input_shape",), "'input_shape' is empty; give the shape of one example, "
                                                        "e.g. [64] or [1, 28, 28]")])

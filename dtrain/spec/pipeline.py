@@ -177,9 +177,21 @@ class PipelineSpec(Strict):
             self._check_shapes(problems)
         self._check_data(problems, base_dir)
         self._check_imports(problems)
+        self._check_tables(problems)
         if problems:
             raise CrossFieldErrors(problems)
         return self
+
+    def has_sparse_tables(self) -> bool:
+        """Whether the layers hold a sparse embedding table (``model.module``: known once built)."""
+        layers = self.model.layers if self.model is not None else None
+        return bool(layers) and layers[0].type in ("embedding", "embedding_bag") and layers[0].sparse
+
+    def _check_tables(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+        """What sparse tables cannot do (torch's sparse gradients cannot either: docs/sparse.md)."""
+        if not self.has_sparse_tables():
+            return
+        problems.extend(sparse_limits(self))
 
     def _check_imports(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
         """The user's modules must be importable here; they are looked up, never imported (imports)."""
@@ -266,3 +278,28 @@ class PipelineSpec(Strict):
         for i, name in enumerate(self.fetch):
             if name not in seen:
                 problems.append((("fetch", i), f"{name!r} is not a variable or op; known: {', '.join(seen) or 'none'}"))
+
+
+def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    """Settings a model with sparse embedding tables cannot use, one problem each (also checked
+    for ``model.module`` models once their tables are known, at compile time)."""
+    out: list[tuple[tuple[str | int, ...], str]] = []
+    opt, t = spec.optimizer, spec.training
+    fix = "sparse tables take sgd, adagrad or adam (lazy Adam, torch.optim.SparseAdam)"
+    if opt.name == "momentum":
+        out.append((("optimizer", "name"), f"momentum does not apply to sparse gradients (torch neither); {fix}, or "
+                                           "set sparse: false on the embedding layer"))
+    if opt.weight_decay:
+        out.append((("optimizer", "weight_decay"), "weight_decay does not apply to sparse gradients (torch neither): "
+                                                   "remove it, or set sparse: false on the embedding layer"))
+    if getattr(opt, "amsgrad", False):
+        out.append((("optimizer", "amsgrad"), f"amsgrad does not apply to sparse gradients (torch.optim.SparseAdam "
+                                              "has none): remove it, or set sparse: false on the embedding layer"))
+    if t.replication == "in_graph":
+        out.append((("training", "replication"), "sparse tables need replication: between_graph (each replica "
+                                                 "gathers its own rows); remove replication: in_graph"))
+    if t.overlap:
+        out.append((("training", "overlap"), "overlap does not apply to sparse tables (the next batch's rows come "
+                                             "with the reply); remove it"))
+    return out
+

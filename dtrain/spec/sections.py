@@ -218,6 +218,10 @@ class PlacementSpec(Strict):
     min_slice_bytes: int = Field(
         256 * 1024, ge=1, description="partitioned: variables of at least this many bytes are split over ps tasks."
     )
+    embedding_partition: Literal["mod", "div"] = Field(
+        "mod", description="How sparse embedding tables are split by rows over the ps tasks (TensorFlow's "
+        "partition_strategy): mod puts id i on task i % P, div gives each task a contiguous range.",
+    )
 
     @field_validator("worker_device")
     @classmethod
