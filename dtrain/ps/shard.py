@@ -37,6 +37,8 @@ import torch
 
 from .optim import make_optimizer
 from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
+from .rows import TablePart
+from .sparse import Reply, Sparse, SparseRows
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
 
 
-class ParameterShard:
+class ParameterShard(SparseRows):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -67,6 +69,10 @@ class ParameterShard:
         # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
         self.param = init.detach().to(torch.float32).clone()
         self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])
+        # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
+        # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
+        self.tables: dict[str, TablePart] = {
+            t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
         self.acc = torch.zeros_like(self.param)
         self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas)
         self.policy = AsyncPolicy(config.get("max_staleness"))
@@ -127,6 +133,8 @@ class ParameterShard:
         if scale != 1.0:
             grad.mul_(scale)
         self.optimizer.step(self.param, grad)
+        for part in self.tables.values():  # every part counts the step, touched or not (as torch's table)
+            part.apply(scale)
         self.last_apply_time = time.time()
         self._after_apply()
 
@@ -194,16 +202,19 @@ class ParameterShard:
 
     # ------------------------------------------------------------------ remote methods
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
-                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, int, bool, int]:
-        """Async mode: apply this gradient now (unless too stale), reply with fresh parameters."""
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
+                        sparse: Sparse | None = None) -> Reply:
+        """Async mode: apply this gradient now (unless too stale), reply with fresh parameters.
+        ``sparse``: table name -> (ids, their row gradients, the next batch's ids); the reply then
+        has a fifth element, table name -> the rows of the next batch's ids."""
         await self._wait_unheld()
-        if self.stop or self.error is not None:
-            return self._reply(out)
+        if self.stop or self.error is not None or self._bad_ids(sparse, replica):
+            return self._sparse_reply(out, sparse)
         self._observe(replica, loss, samples, local_step)
         if self.error is None and not self._bad_grad(grad, replica):
             decision = self.policy.push(version)
             if isinstance(decision, Apply):
+                self._add_rows(sparse)
                 self._apply(grad)
         if self.gate is not None:
             self.gate.report(replica, local_step)
@@ -214,28 +225,32 @@ class ParameterShard:
                     await self._wait(cond, lambda: self.stop or self.gate.may_proceed(replica, local_step + 1),
                                      f"replica {replica} waited for slower replicas (max_staleness "
                                      f"{self.gate.max_staleness})")
-        return self._reply(out)
+        return self._sparse_reply(out, sparse)
 
     async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
-                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, int, bool, int]:
-        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean."""
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
+                        sparse: Sparse | None = None) -> Reply:
+        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean
+        (of the dense gradients, and of the row gradients: summed per id, divided by the count)."""
         await self._wait_unheld(version)
         cond = self._condition()
         async with cond:
-            if self.stop or self.error is not None:
-                return self._reply(out)
+            if self.stop or self.error is not None or self._bad_ids(sparse, replica):
+                cond.notify_all()
+                return self._sparse_reply(out, sparse)
             self._observe(replica, loss, samples, local_step)
             if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
                 cond.notify_all()
-                return self._reply(out)
+                return self._sparse_reply(out, sparse)
             decision = self.sync.push(replica, version)
             if isinstance(decision, Drop):
-                return self._reply(out)
+                return self._sparse_reply(out, sparse)
             if len(self.sync.contributors) == 1 or isinstance(decision, Apply) and decision.count == 1:
                 self.acc.copy_(grad)
+                self._clear_rows()
             else:
                 self.acc.add_(grad)
+            self._add_rows(sparse)
             if isinstance(decision, Apply):
                 # The optimizer reads the gradient only inside step(), so the accumulator is
                 # reused and refilled next step (no fresh buffer per step).
@@ -244,17 +259,27 @@ class ParameterShard:
             elif isinstance(decision, Accumulate):
                 await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
                                  f"replica {replica} waited for the other replicas' gradients of step {version}")
-            return self._reply(out)
+            return self._sparse_reply(out, sparse)
 
-    async def pull(self, min_step: int = 0, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
+    async def pull(self, min_step: int = 0, out: torch.Tensor | None = None, sparse: Sparse | None = None) -> Reply:
         """The current parameters, once this shard has applied ``min_step`` steps. ``out`` (here
-        and in the pushes): write the reply's snapshot there instead of into the ring."""
+        and in the pushes): write the reply's snapshot there instead of into the ring. ``sparse``:
+        as for the pushes (only the ids to gather count)."""
         if self.step < min_step and not self.stop:
             cond = self._condition()
             async with cond:
                 await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
                                  f"pull waited for shard {self.index} to reach step {min_step}")
-        return self._reply(out)
+        if sparse is not None and self._bad_ids({k: (None, None, v[2]) for k, v in sparse.items()}, -1):
+            return self._sparse_reply(out, {})
+        return self._sparse_reply(out, sparse)
+
+    def _sparse_reply(self, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
+        if sparse is None:
+            return self._reply(out)
+        rows = {} if self.error is not None else self._rows(sparse)
+        return (*self._reply(out), rows)
+
 
     async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
         """Wait for ``predicate`` for barrier_timeout_s, or longer while a grace granted by the
@@ -386,14 +411,21 @@ class ParameterShard:
     async def get_state(self) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict)."""
         state = self.optimizer.state_dict()
-        return {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
-                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+        out = {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
+               "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+        if self.tables:  # the live tensors (applies are held while a snapshot is taken): no copy
+            out["tables"] = {name: part.state() for name, part in self.tables.items()}
+        return out
 
     async def set_state(self, state: dict[str, Any]) -> int:
         """Restore from :meth:`get_state`'s output (a checkpoint)."""
         with torch.no_grad():
             self.param.copy_(state["params"])
         self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
+        for name, part in self.tables.items():
+            if name in (state.get("tables") or {}):
+                part.load_state(state["tables"][name])
+            part.clear()
         step = int(state["step"])
         self.sync.reset(step)
         self.policy.reset(step)

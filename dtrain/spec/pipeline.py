@@ -293,7 +293,7 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
         out.append((("optimizer", "weight_decay"), "weight_decay does not apply to sparse gradients (torch neither): "
                                                    "remove it, or set sparse: false on the embedding layer"))
     if getattr(opt, "amsgrad", False):
-        out.append((("optimizer", "amsgrad"), f"amsgrad does not apply to sparse gradients (torch.optim.SparseAdam "
+        out.append((("optimizer", "amsgrad"), "amsgrad does not apply to sparse gradients (torch.optim.SparseAdam "
                                               "has none): remove it, or set sparse: false on the embedding layer"))
     if t.replication == "in_graph":
         out.append((("training", "replication"), "sparse tables need replication: between_graph (each replica "
