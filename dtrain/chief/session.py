@@ -24,11 +24,13 @@ from distributed import Future
 
 from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
+from dtrain.model.tables import tables_of
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.replica import dataset_for, evaluate
+from dtrain.worker.tables import evaluate_gathered
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
@@ -63,6 +65,7 @@ class Session:
         if self.plan.missing_tasks:
             raise RunError("no worker for task(s) " + ", ".join(self.plan.missing_tasks))
         self.layout = ShardLayout.from_plan(self.plan)
+        self._table_names = {t.name for t in self.plan.tables}  # sparse tables: rows on the ps, not in the layout
         self.token = uuid.uuid4().hex[:8]
         self.hooks: list[Hook] = build_hooks(spec.hooks) if hooks is None else hooks
         self.shards = ShardGroup(conn, spec, self.plan, self.token,
@@ -158,7 +161,7 @@ class Session:
             if self.conn.dashboard_link:
                 logger.info("Dask dashboard: %s", self.conn.dashboard_link)
             torch.manual_seed(self.spec.training.seed)
-            init_model = build_model(self.spec)
+            init_model = build_model(self.spec, gathered_tables=True)  # tables: initialised on the ps
             self.init_buffers = self.layout.pack(dict(init_model.named_parameters()))
             # --resume: the newest valid checkpoint; an unreadable one, or checkpoints none of which
             # is valid, is an error (CheckpointError), never a silent restart from step 0.
@@ -402,7 +405,9 @@ class Session:
             raise RunError(final["error"])
 
     def _evaluate_now(self, step: int) -> dict[str, Any]:
-        model = self._assemble(build_model(self.spec), self.shards.pull_params())
+        tables = bool(self.plan.tables)  # gathered: each evaluation batch pulls only its rows
+        model = self._assemble(build_model(self.spec, gathered_tables=tables), self.shards.pull_params(),
+                               with_tables=False)
         result = self._eval(model)
         if result:
             self._log({"eval": result}, step)
@@ -413,11 +418,17 @@ class Session:
         data = dataset_for(self.spec)
         x = torch.as_tensor(data.x_test)
         y = torch.as_tensor(data.y_test)
+        if any(getattr(t, "gathered", False) for _, t in tables_of(model)):
+            return evaluate_gathered(model, x, y, self.spec.model.loss, self.shards.gather_rows)
         return evaluate(model, x, y, self.spec.model.loss)
 
-    def _assemble(self, model: torch.nn.Module, buffers: list[torch.Tensor]) -> torch.nn.Module:
-        shapes = {n: p.shape for n, p in model.named_parameters()}
+    def _assemble(self, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True
+                  ) -> torch.nn.Module:
+        """``model`` with the ps's parameters (and, ``with_tables``, the sparse tables' rows, whole)."""
+        shapes = {n: p.shape for n, p in model.named_parameters() if n not in self._table_names}
         params = self.layout.unpack(buffers, shapes)
+        if with_tables:
+            params.update({t.name: self.shards.pull_table(t.name) for t in self.plan.tables})
         extra = {}
         if self.replica_stats and self.replica_stats[0].get("extra", {}).get("buffers"):
             extra = self.replica_stats[0]["extra"]["buffers"]

@@ -26,6 +26,7 @@ from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
+from dtrain.plan.tables import div_starts, table_config
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
@@ -82,6 +83,9 @@ class ShardGroup:
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
             "lease_s": self.lease_s, "tls": self.tls,
+            # Sparse tables: this ps task's part of each (the ps tasks are the first shards).
+            "tables": [table_config(t, index, self.spec.training.seed) for t in self.plan.tables
+                       if index < len(t.parts)],
         }
 
     def create(self, init: list[torch.Tensor]) -> None:
@@ -186,6 +190,27 @@ class ShardGroup:
     def pull_params(self) -> list[torch.Tensor]:
         return [call(s.get_params(), timeout=transfer_timeout(shard.numel, state_factor=1))[0]
                 for s, shard in zip(self.handles, self.plan.shards, strict=True)]
+
+    def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of table ``name`` for global ``ids`` (any order), from the ps tasks holding them."""
+        table = next(t for t in self.plan.tables if t.name == name)
+        part = ids % len(table.parts) if table.partition == "mod" else torch.searchsorted(
+            torch.tensor(div_starts(table.num_embeddings, len(table.parts))[1:-1]), ids, right=True)
+        out = torch.empty((len(ids), table.dim), dtype=torch.float32)
+        for p in range(len(table.parts)):
+            sel = torch.nonzero(part == p).flatten()
+            if len(sel):
+                out[sel] = call(self.handles[p].gather_rows(name, ids[sel]), timeout=transfer_timeout(len(sel) * table.dim))
+        return out
+
+    def pull_table(self, name: str, chunk_rows: int = 1 << 20) -> torch.Tensor:
+        """The whole table ``name`` (for ``model.pt``), fetched in chunks of rows."""
+        table = next(t for t in self.plan.tables if t.name == name)
+        out = torch.empty((table.num_embeddings, table.dim), dtype=torch.float32)
+        for lo in range(0, table.num_embeddings, chunk_rows):
+            ids = torch.arange(lo, min(lo + chunk_rows, table.num_embeddings))
+            out[lo:lo + len(ids)] = self.gather_rows(name, ids)
+        return out
 
     def steps(self, timeout: float = 5) -> list[int]:
         return [call(s.current_step(), timeout=timeout) for s in self.handles]

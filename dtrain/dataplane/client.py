@@ -31,6 +31,7 @@ from .protocol import (
     tensor_view,
     tune,
 )
+from .rows import F_SPARSE, encode, read_rows
 from .shm import F_SHM, SHM_DIR, SharedSlots, unlink
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ class SocketShard:
 
     def __init__(self, host: str, port: int, secret: bytes, replica: int, numel: int, timeout: float = 60.0,
                  ssl_context: ssl.SSLContext | None = None, wire_dtype: str = "float32",
-                 shared_memory: bool = True, attempt: int = 0):
+                 shared_memory: bool = True, attempt: int = 0, tables: dict[str, int] | None = None):
         self.replica = replica
+        self.tables = dict(tables or {})  # sparse tables on this shard: name -> row width
         self.wire = WIRE_DTYPES[wire_dtype]
         self.timeout = timeout
         self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -120,20 +122,36 @@ class SocketShard:
         return 0
 
     def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                   local_step: int, head: int | None = None) -> tuple[torch.Tensor, int, bool, int]:
+                   local_step: int, head: int | None = None, sparse: dict | None = None) -> tuple:
+        reply = self._dense_roundtrip(op, grad, version, loss, samples, local_step, head, sparse)
+        if sparse is None:
+            return reply
+        try:
+            return (*reply, read_rows(self._sock, sparse, self.tables, self.wire))
+        except (TimeoutError, BlockingIOError):
+            raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
+        except OSError as exc:
+            raise DataPlaneError(f"data-plane connection failed: {exc}") from None
+
+    def _dense_roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
+                         local_step: int, head: int | None, sparse: dict | None) -> tuple[torch.Tensor, int, bool, int]:
         try:
             if self._part_error is not None:
                 raise self._part_error
             loss_f = float("nan") if loss is None else loss
             slot = self._next
             self._next ^= 1
+            sparse_flag = F_SPARSE if sparse is not None else 0
             if self.shm is not None:
                 gslot = self._grad_slot(grad) if grad is not None else 0
-                self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2, 0, self.replica, version,
-                                            local_step, loss_f, samples, 0, 0))
+                self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2 | sparse_flag, 0, self.replica,
+                                            version, local_step, loss_f, samples, 0, 0))
             else:
                 end = 0 if grad is None else grad.numel() if head is None else head
-                self._send(op, grad, 0, end, version, local_step, loss_f, samples)
+                self._send(op, grad, 0, end, version, local_step, loss_f, samples, sparse_flag)
+            if sparse is not None:
+                for part in encode(sparse, self.wire):
+                    self._sock.sendall(part)
             recv_exact(self._sock, memoryview(self._header))
             step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
             if error:
@@ -168,7 +186,7 @@ class SocketShard:
         return self.shm is None
 
     def _send(self, op: int, grad: torch.Tensor | None, start: int, end: int, version: int = 0,
-              local_step: int = 0, loss: float = 0.0, samples: int = 0) -> None:
+              local_step: int = 0, loss: float = 0.0, samples: int = 0, flags: int = 0) -> None:
         """A request header and ``grad[start:end]`` in the wire dtype (narrowed here, on this
         thread, off the compute path), to be stored at that offset of the ps's gradient."""
         payload, offset = b"", 0
@@ -177,7 +195,7 @@ class SocketShard:
                 self._wire_out[start:end].copy_(grad[start:end])
                 grad = self._wire_out
             payload, offset = tensor_view(grad[start:end]), start * grad.element_size()
-        self._sock.sendall(REQ.pack(op, 0, 0, self.replica, version, local_step, loss, samples, offset,
+        self._sock.sendall(REQ.pack(op, flags, 0, self.replica, version, local_step, loss, samples, offset,
                                     len(payload)))
         if payload:
             self._sock.sendall(payload)
@@ -194,16 +212,19 @@ class SocketShard:
         self._pool.submit(self._send_part, grad, start, end)
 
     def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None) -> Future:
-        """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`)."""
-        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step, head)
+                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
+        """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`).
+        ``sparse``: rows to push and to gather (``dtrain.ps.sparse``); the reply then has the rows."""
+        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step, head,
+                                 sparse)
 
     def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step, head)
+                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
+        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step, head,
+                                 sparse)
 
-    def pull(self, min_step: int = 0) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PULL, None, min_step, None, 0, 0)
+    def pull(self, min_step: int = 0, sparse: dict | None = None) -> Future:
+        return self._pool.submit(self._roundtrip, OP_PULL, None, min_step, None, 0, 0, None, sparse)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import protocol as proto
+from .rows import F_SPARSE, encode_rows, read_request
 from .shm import F_SHM, SharedSlots
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ class ShardServer:
         gbytes = len(gview) if gview is not None else 0
         itemsize = torch.empty((), dtype=self.wire).element_size()
         num_replicas = self.shard.num_replicas
+        dims = {name: part.dim for name, part in getattr(self.shard, "tables", {}).items()}
         header = bytearray(proto.REQ.size)
         hview = memoryview(header)
         while not self._closed.is_set():
@@ -235,23 +237,28 @@ class ShardServer:
                     if owner is not None and owner != attempt:
                         raise _Refused(f"replica {replica}'s attempt {attempt} is fenced off: attempt {owner} "
                                        "owns that replica now (a replaced replica came back)")
+                sparse = None
+                if flags & F_SPARSE and op == proto.OP_PART:
+                    raise _Refused("a sparse block on a part")
                 if flags & F_SHM:
                     if shm is None or op == proto.OP_PART or nbytes:
                         raise _Refused(f"a shared-memory request (op {op}, {nbytes} bytes) on a connection "
                                        f"{'without' if shm is None else 'with'} shared memory")
+                    sparse = self._sparse(conn, flags, dims)
                     src, out = shm.grad[(flags >> 1) & 1], shm.param[(flags >> 2) & 1]
                     if f32:
                         g, target = src, out  # the apply reads the slot, the snapshot lands in one
                     else:
                         g, target = grad.copy_(src) if op != proto.OP_PULL else grad, reply
                     self._answer(conn, op, g, replica, version, local_step, loss, samples, target,
-                                 narrow_into=None if f32 else out, send=False)
+                                 narrow_into=None if f32 else out, send=False, sparse=sparse, dims=dims)
                     continue
                 if nbytes:
                     if offset + nbytes > gbytes or offset % itemsize or nbytes % itemsize:
                         raise _Refused(f"gradient bytes [{offset}, {offset + nbytes}) not whole {itemsize}-byte "
                                        f"values inside a shard of {gbytes} bytes")
                     proto.recv_exact(conn, gview[offset:offset + nbytes])
+                sparse = self._sparse(conn, flags, dims)
             except _Refused as exc:
                 logger.warning("ps %d: data-plane request refused, connection closed: %s", self.shard.index, exc)
                 self._error(conn, str(exc))
@@ -261,7 +268,16 @@ class ShardServer:
             if wire_in is not grad:
                 grad.copy_(wire_in)
             self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
-                         narrow_into=wire_out, send=True)
+                         narrow_into=wire_out, send=True, sparse=sparse, dims=dims)
+
+    def _sparse(self, conn: socket.socket, flags: int, dims: dict[str, int]) -> dict | None:
+        """The request's sparse block (flag ``F_SPARSE``), checked against this shard's tables."""
+        if not flags & F_SPARSE:
+            return None
+        try:
+            return read_request(conn, dims, self.wire)
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
 
     def _error(self, conn: socket.socket, message: str) -> None:
         msg = message.encode()[:proto.MAX_ERROR]
@@ -269,30 +285,36 @@ class ShardServer:
 
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
                 local_step: int, loss: float, samples: int, out: torch.Tensor,
-                narrow_into: torch.Tensor | None, send: bool) -> None:
+                narrow_into: torch.Tensor | None, send: bool, sparse: dict | None = None,
+                dims: dict[str, int] | None = None) -> None:
         """Run the request on the ps's event loop (the actor's own methods), snapshot into ``out``,
         narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the header, then the
         parameters when ``send`` (with shared memory they are already in the reply slot)."""
         loss_value = None if np.isnan(loss) and samples == 0 else loss
+        extra = {} if sparse is None else {"sparse": sparse}
         if op == proto.OP_PULL:
-            coro = self.shard.pull(version, out=out)
+            coro = self.shard.pull(version, out=out, **extra)
         else:
-            coro = getattr(self.shard, proto.OPS[op])(grad, replica, version, loss_value, samples, local_step, out=out)
+            coro = getattr(self.shard, proto.OPS[op])(grad, replica, version, loss_value, samples, local_step, out=out,
+                                                      **extra)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            params, step, stop, generation = self._result(future)
+            params, step, stop, generation, *rest = self._result(future)
         except Exception as exc:
             self._error(conn, f"{type(exc).__name__}: {exc}")
             return
+        tail = encode_rows(sparse, rest[0], dims or {}, self.wire) if sparse is not None else []
         if narrow_into is not None:
             narrow_into.copy_(params)
             params = narrow_into
         if not send:
             conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, 0))
-            return
-        payload = proto.tensor_view(params)
-        conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, len(payload)))
-        conn.sendall(payload)
+        else:
+            payload = proto.tensor_view(params)
+            conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, len(payload)))
+            conn.sendall(payload)
+        for part in tail:
+            conn.sendall(part)
 
     def _result(self, future: concurrent.futures.Future) -> Any:
         """The request's result, waiting ``timeout`` and longer while the shard grants a barrier

@@ -27,6 +27,7 @@ from dtrain.model.layers import get_loss
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
 from dtrain.worker.buckets import GradBuckets
+from dtrain.worker.tables import SparseRouter
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ReplicaModel:
         self.spec = spec
         self.index = index
         self.device = device or torch_device(plan.replicas[index].device, spec.placement.soft)
-        self.model = build_model(spec, device=self.device)
+        self.model = build_model(spec, device=self.device, gathered_tables=bool(getattr(plan, "tables", ())))
         self.model.train()
         self.loss_fn = get_loss(spec.model.loss)
         self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
@@ -119,6 +120,7 @@ class ReplicaModel:
                                      shuffle=spec.data.shuffle)
         if start_local_step:
             self.batches.seek(start_local_step)  # resume: the data order continues where it stopped
+        self._peeked: Any = None  # the next batch's indices, once drawn ahead (sparse tables)
         self.xb = torch.empty((b, *self.x.shape[1:]), dtype=self.x.dtype, device=self.device)
         self.yb = torch.empty((b, *self.y.shape[1:]), dtype=self.y.dtype, device=self.device)
         for p in self.model.parameters():
@@ -129,7 +131,7 @@ class ReplicaModel:
     def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
         """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
         buffers): written there directly by backward when zero-copy is on, else copied."""
-        idx = torch.from_numpy(self.batches.next_indices()).to(self.device)
+        idx = torch.from_numpy(self._take_indices()).to(self.device)
         torch.index_select(self.x, 0, idx, out=self.xb)
         torch.index_select(self.y, 0, idx, out=self.yb)
         if self.zero_copy:
@@ -142,6 +144,18 @@ class ReplicaModel:
         if not self.zero_copy:
             self.bound.grads_into(grads)
         return float(loss.detach()), len(idx)
+
+    def peek_inputs(self) -> torch.Tensor:
+        """The next batch's inputs, drawn ahead (its ids pick the rows the next reply brings)."""
+        if self._peeked is None:
+            self._peeked = self.batches.next_indices()
+        return self.x[torch.from_numpy(self._peeked).to(self.x.device)]
+
+    def _take_indices(self) -> Any:
+        if self._peeked is not None:
+            idx, self._peeked = self._peeked, None
+            return idx
+        return self.batches.next_indices()
 
     def load(self, buffers: list[torch.Tensor]) -> None:
         """Take the parameters of a reply: as views (zero-copy: the buffers are ours until the next
@@ -213,11 +227,27 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         stats.wait_s += time.perf_counter() - t0
         return out
 
+    router = SparseRouter(rep.model, plan.tables, len(shards), rep.device) if getattr(plan, "tables", ()) else None
+
+    def sparse(s: int, with_grads: bool = True, _cache: dict = {}) -> dict[str, Any]:  # noqa: B006
+        """The ``sparse`` keyword of shard ``s``'s request (none without tables)."""
+        if router is None:
+            return {}
+        if s == 0 or "requests" not in _cache:
+            _cache["requests"] = router.requests(with_grads)
+        block = _cache["requests"][s]
+        return {"sparse": block} if block else {}
+
     # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
-    replies = wait([s.pull(0) for s in shards])
+    if router is not None:
+        router.plan_next(rep.peek_inputs())
+    replies = wait([s.pull(0, **sparse(i, False)) for i, s in enumerate(shards)])
     version = replies[0][1]
     if t.mode == "sync":
-        replies, version = _consistent(replies, shards, wait)
+        replies, version = _consistent(replies, shards, wait, lambda i: sparse(i, False) and
+                                       {"sparse": router.requests(False)[i]})
+    if router is not None and not any(r[2] for r in replies):
+        router.take(replies)
     rep.load([r[0] for r in replies])
     versions = [r[1] for r in replies]
     stop = any(r[2] for r in replies)
@@ -234,12 +264,17 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         k += 1
         stats.local_steps = k - start_local_step
         stats.samples += n
+        if router is not None:
+            router.plan_next(rep.peek_inputs())
         if t.mode == "sync":
             futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
-                                 **_head(heads, s)) for s, sh in enumerate(shards)]
-            replies, version = _consistent(wait(futs), shards, wait)
+                                 **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
+            replies, version = _consistent(wait(futs), shards, wait, lambda i: sparse(i) and
+                                           {"sparse": router.requests(False)[i]})
             rep.load([r[0] for r in replies])
             stop = any(r[2] for r in replies)
+            if router is not None and not stop:
+                router.take(replies)
             continue
         if t.overlap and pending is not None:
             # Staleness 1: this step's gradient was computed while the previous push was in flight.
@@ -248,7 +283,7 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
             versions = [r[1] for r in replies]
             stop = any(r[2] for r in replies)
         futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
-                             **_head(heads, s)) for s, sh in enumerate(shards)]
+                             **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
         if t.overlap:
             pending = futs
             continue
@@ -256,12 +291,16 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         rep.load([r[0] for r in replies])
         versions = [r[1] for r in replies]
         stop = any(r[2] for r in replies)
+        if router is not None and not stop:
+            router.take(replies)
     if pending is not None:
         replies = wait(pending)
         versions = [r[1] for r in replies]
     if buckets is not None:
         stats.extra["parts_sent"] = buckets.parts_sent
         buckets.remove()
+    if router is not None:
+        stats.extra["rows_received"] = router.rows_moved
     stats.final_step = versions[0] if t.mode == "async" else version
     stats.wall_s = time.perf_counter() - t_start
     if index == 0:
@@ -275,8 +314,8 @@ def _head(heads: list[int | None] | None, s: int) -> dict[str, int]:
     return {"head": heads[s]} if heads is not None and heads[s] is not None else {}
 
 
-def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list[Any], wait: Any
-                ) -> tuple[list[tuple[torch.Tensor, int, bool, int]], int]:
+def _consistent(replies: list[tuple[Any, ...]], shards: list[Any], wait: Any,
+                extra: Callable[[int], dict[str, Any]] = lambda s: {}) -> tuple[list[tuple[Any, ...]], int]:
     """Sync needs every shard's parameters from one step: re-pull lagging shards until they agree.
 
     (A replica never computes on parameters taken from two different steps of two shards.)
@@ -288,7 +327,7 @@ def _consistent(replies: list[tuple[torch.Tensor, int, bool, int]], shards: list
         if min(steps) == target or any(r[2] for r in replies):
             return replies, target
         lagging = [s for s, st in enumerate(steps) if st < target]
-        for s, reply in zip(lagging, wait([shards[s].pull(target) for s in lagging]), strict=True):
+        for s, reply in zip(lagging, wait([shards[s].pull(target, **(extra(s) or {})) for s in lagging]), strict=True):
             replies[s] = reply
     raise ReplicaError("shards did not converge on one step after 100 pulls")
 

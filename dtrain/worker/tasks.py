@@ -93,7 +93,8 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
     timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
-                        shared_memory=data_plane.get("shared_memory", True), attempt=attempt)
+                        shared_memory=data_plane.get("shared_memory", True), attempt=attempt,
+                        tables={t.name: t.dim for t in plan.tables if s.index < len(t.parts)})
             for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)]
 
 

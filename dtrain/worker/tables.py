@@ -1,0 +1,133 @@
+"""A replica's side of sparse embedding tables: which rows each step needs, from which ps task,
+and the sparse gradient each task gets back (docs/sparse.md).
+
+The replica's model holds its tables *gathered* (``dtrain.model.tables.Table``): no table, only
+the current batch's unique ids and their rows. Each push carries, per ps task, the ids of the
+rows this batch touched that the task holds, their summed row gradients, and the ids of the
+*next* batch that the task holds; the reply brings those rows, after the update. So the rows
+ride on the push's own round trip: a step costs no extra request, and the whole table never
+crosses the wire. No Dask here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtrain.model.tables import Table, tables_of
+from dtrain.plan.tables import TablePlan, div_starts
+
+
+class TableRoute:
+    """One table: its plan, its gathered module, and the routing of one batch's ids."""
+
+    def __init__(self, plan: TablePlan, module: Table):
+        self.plan = plan
+        self.module = module
+        self.num_parts = len(plan.parts)
+        self._bounds = torch.tensor(div_starts(plan.num_embeddings, self.num_parts)[1:-1], dtype=torch.int64)
+
+    def part_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The part (== ps task) holding each global id."""
+        if self.plan.partition == "mod":
+            return ids % self.num_parts
+        return torch.searchsorted(self._bounds, ids, right=True)
+
+    def split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Positions in ``ids`` (sorted unique) of the ids each part holds."""
+        part = self.part_of(ids)
+        return [torch.nonzero(part == p).flatten() for p in range(self.num_parts)]
+
+
+class SparseRouter:
+    """Routes a replica's tables' rows (see the module docstring). ``num_shards``: the plan's shards
+    (the ps tasks come first: part ``p`` lives on shard ``p``)."""
+
+    def __init__(self, model: torch.nn.Module, plans: tuple[TablePlan, ...], num_shards: int,
+                 device: torch.device):
+        by_name = {t.name: t for t in plans}
+        self.routes = [TableRoute(by_name[name], module) for name, module in tables_of(model)]
+        missing = set(by_name) - {r.plan.name for r in self.routes}
+        if missing:
+            raise ValueError(f"the plan's tables {sorted(missing)} are not in the replica's model")
+        self.num_shards = num_shards
+        self.device = device
+        self.next: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # per table: (ids, positions per part)
+        self.current: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self.rows_moved = 0  # rows received, for the benchmark's bytes per step
+
+    @property
+    def active(self) -> bool:
+        return bool(self.routes)
+
+    def plan_next(self, inputs: torch.Tensor) -> None:
+        """The next batch's input ids (every table reads the model's input: the first layer)."""
+        ids = torch.unique(inputs.detach().to("cpu", torch.int64))
+        self.next = [(ids, route.split(ids)) for route in self.routes]
+
+    def requests(self, with_grads: bool) -> list[dict[str, tuple[Any, Any, Any]]]:
+        """Per shard: table name -> (pushed ids, their row gradients, wanted ids of the next batch)."""
+        out: list[dict[str, tuple[Any, Any, Any]]] = [{} for _ in range(self.num_shards)]
+        for t, route in enumerate(self.routes):
+            name = route.plan.name
+            grads = route.module.rows.grad if with_grads and route.module.rows is not None else None
+            for p in range(route.num_parts):
+                push_ids = push_grads = None
+                if grads is not None and self.current:
+                    ids, positions = self.current[t]
+                    push_ids = ids[positions[p]]
+                    push_grads = grads.detach().to("cpu")[positions[p]]
+                nids, npos = self.next[t]
+                out[p][name] = (push_ids, push_grads, nids[npos[p]])
+        return out
+
+    def take(self, replies: list[tuple[Any, ...]]) -> None:
+        """Install the next batch's rows from the replies (their fifth elements) and make it current."""
+        for t, route in enumerate(self.routes):
+            ids, positions = self.next[t]
+            rows = torch.empty((len(ids), route.plan.dim), dtype=torch.float32)
+            for p in range(route.num_parts):
+                got = replies[p][4].get(route.plan.name) if len(replies[p]) > 4 else None
+                if got is None:
+                    raise RuntimeError(f"ps shard {p} sent no rows of table {route.plan.name} (stopped or failed)")
+                rows[positions[p]] = got
+            self.rows_moved += len(ids)
+            route.module.gather(ids.to(self.device), rows.to(self.device))
+        self.current = self.next
+
+
+@torch.no_grad()
+def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
+                      gather: Any, batch_size: int = 1024) -> dict[str, float]:
+    """Like ``dtrain.worker.replica.evaluate`` for a model with gathered tables: each batch's rows
+    come from ``gather(table name, unique ids)`` (the ps), so only the touched rows move."""
+    from dtrain.model.layers import accuracy, get_loss, is_classification
+
+    if len(x) == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    loss_fn = get_loss(loss_name)
+    total, correct = 0.0, 0.0
+    try:
+        for i in range(0, len(x), batch_size):
+            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+            ids = torch.unique(xb.to(torch.int64))
+            for name, table in tables_of(model):
+                table.gather(ids, gather(name, ids))
+            out = model(xb)
+            total += float(loss_fn(out, yb)) * len(yb)
+            if is_classification(loss_name):
+                correct += accuracy(out, yb, loss_name) * len(yb)
+    finally:
+        model.train(was_training)
+    result = {"loss": total / len(x)}
+    if is_classification(loss_name):
+        result["accuracy"] = correct / len(x)
+    return result
+
+
+def has_rows(replies: list[tuple[Any, ...]]) -> bool:
+    """Whether every reply brought rows (a stopped or failed ps sends none)."""
+    return all(len(r) > 4 and r[4] for r in replies)
