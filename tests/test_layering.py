@@ -59,7 +59,7 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "model": {"model"},
     "data": {"data"},
     "plan": {"plan", "spec", "model"},
-    "ps": {"ps", "dataplane"},
+    "ps": {"ps", "dataplane", "model"},  # the ps initialises its table rows as the model does
     "dataplane": {"dataplane"},
     "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data"},
     "graph": {"graph", "spec", "plan", "chief", "deploy"},

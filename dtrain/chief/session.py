@@ -427,8 +427,10 @@ class Session:
         """``model`` with the ps's parameters (and, ``with_tables``, the sparse tables' rows, whole)."""
         shapes = {n: p.shape for n, p in model.named_parameters() if n not in self._table_names}
         params = self.layout.unpack(buffers, shapes)
-        if with_tables:
-            params.update({t.name: self.shards.pull_table(t.name) for t in self.plan.tables})
+        if with_tables:  # whole tables (model.pt): fetched from the ps in chunks of rows
+            for name, table in tables_of(model):
+                if name in self._table_names:
+                    table.make_full(self.shards.pull_table(name))
         extra = {}
         if self.replica_stats and self.replica_stats[0].get("extra", {}).get("buffers"):
             extra = self.replica_stats[0]["extra"]["buffers"]

@@ -28,7 +28,8 @@ FILE_SUFFIXES: tuple[str, ...] = (".npz", ".csv", ".parquet")
 class Dataset:
     """A loaded, split (and optionally standardised) dataset.
 
-    ``x_*`` are float32 with shape ``(N, *feature_shape)``; ``y_*`` are int64 class ids
+    ``x_*`` are float32 with shape ``(N, *feature_shape)`` (int64, never standardised, when the
+    file holds integer features: the ids of an embedding model); ``y_*`` are int64 class ids
     (``0..num_classes-1``) for classification, float32 for regression.  ``classes`` holds the
     original label of each class id; ``mean``/``std`` the training-split statistics used to
     standardise (None when not standardised).
@@ -339,19 +340,20 @@ def load_dataset(
         x = x.reshape(len(x), *shape)
     task, y, n_classes, classes = _labels(y, task, where)
     train, test = _split(len(x), y, task, test_fraction, seed)
-    x = x.astype(np.float64)
+    ids = x.dtype.kind in "iu"  # integer features are ids (embedding tables): kept exact, never standardised
+    x = x.astype(np.int64 if ids else np.float64)
     x_train, x_test = x[train], x[test]
     mean = std = None
-    if standardize:
+    if standardize and not ids:
         mean = x_train.mean(axis=0)
         std = x_train.std(axis=0)
         std[std == 0] = 1.0
         x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
         mean, std = mean.astype(np.float32), std.astype(np.float32)
     return Dataset(
-        x_train=np.ascontiguousarray(x_train, dtype=np.float32),
+        x_train=np.ascontiguousarray(x_train, dtype=np.int64 if ids else np.float32),
         y_train=y[train],
-        x_test=np.ascontiguousarray(x_test, dtype=np.float32),
+        x_test=np.ascontiguousarray(x_test, dtype=np.int64 if ids else np.float32),
         y_test=y[test],
         task=task,
         num_features=flat,
@@ -366,8 +368,8 @@ def load_dataset(
 def to_tensors(
     x: np.ndarray, y: np.ndarray, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch tensors: float32 ``x``; int64 ``y`` for integer labels, float32 otherwise."""
-    tx = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    """Torch tensors: float32 ``x`` (int64 for integer ids); int64 ``y`` for integer labels, float32 otherwise."""
+    tx = torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64 if x.dtype.kind in "iu" else np.float32))
     y = np.ascontiguousarray(y)
     ty = torch.from_numpy(y.astype(np.int64) if y.dtype.kind in "iub" else y.astype(np.float32))
     return tx.to(device), ty.to(device)

@@ -117,6 +117,12 @@ class Table(nn.Module):
                                range(self.num_embeddings))
             weight.copy_(values)
 
+    def make_full(self, weight: torch.Tensor) -> None:
+        """Turn a gathered table into a full one holding ``weight`` (the chief's ``model.pt``)."""
+        self.gathered, self.ids, self.rows = False, None, None
+        self.weight = nn.Parameter(weight, requires_grad=True)
+        self._init_seed = self.seed
+
     def gather(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Gathered form: this step's sorted unique ``ids`` and their ``rows`` (made a leaf that
         requires grad: after backward ``self.rows.grad`` is the rows' summed gradient)."""
