@@ -30,8 +30,8 @@ _LEN = struct.Struct("<Q")
 _ENTRY = struct.Struct("<HIII")
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return tensor_view(t.contiguous())
+def _bytes(t: torch.Tensor) -> memoryview | bytes:
+    return tensor_view(t.contiguous()) if t.numel() else b""  # (numpy cannot view an empty tensor's bytes)
 
 
 def encode(sparse: dict[str, tuple[Any, Any, Any]], wire: torch.dtype) -> list[memoryview | bytes]:
@@ -79,20 +79,21 @@ def read_request(sock: Any, dims: dict[str, int], wire: torch.dtype) -> dict[str
     out = {}
     for name, n_push, n_want in entries:
         ids = torch.empty(n_push, dtype=torch.int64)
-        recv_exact(sock, _bytes_mut(ids))
+        _recv_into(sock, ids)
         grads = None
         if n_push:
             raw = torch.empty((n_push, dims[name]), dtype=wire)
-            recv_exact(sock, _bytes_mut(raw))
+            _recv_into(sock, raw)
             grads = raw.to(torch.float32)
         want = torch.empty(n_want, dtype=torch.int64)
-        recv_exact(sock, _bytes_mut(want))
+        _recv_into(sock, want)
         out[name] = (ids, grads, want)
     return out
 
 
-def _bytes_mut(t: torch.Tensor) -> memoryview:
-    return tensor_view(t)
+def _recv_into(sock: Any, t: torch.Tensor) -> None:
+    if t.numel():
+        recv_exact(sock, tensor_view(t))
 
 
 def encode_rows(sparse: dict[str, tuple[Any, Any, Any]], rows: dict[str, torch.Tensor], dims: dict[str, int],
@@ -110,16 +111,16 @@ def read_rows(sock: Any, sparse: dict[str, tuple[Any, Any, Any]], dims: dict[str
               wire: torch.dtype) -> dict[str, torch.Tensor]:
     """The rows block of a reply to a request that carried ``sparse``."""
     (length,) = _LEN.unpack(recv_bytes(sock, _LEN.size))
-    if length == 0:
-        return {}
     itemsize = torch.empty((), dtype=wire).element_size()
     sizes = {name: (len(want) if want is not None else 0) for name, (_i, _g, want) in sparse.items()}
     expected = sum(n * dims[name] * itemsize for name, n in sizes.items())
+    if length == 0 and expected:
+        return {}  # the ps stopped or failed: no rows
     if length != expected:
         raise DataPlaneError(f"a rows block of {length} bytes, expected {expected}")
     out = {}
     for name, n in sizes.items():
         raw = torch.empty((n, dims[name]), dtype=wire)
-        recv_exact(sock, _bytes_mut(raw))
+        _recv_into(sock, raw)
         out[name] = raw if wire == torch.float32 else raw.to(torch.float32)
     return out

@@ -27,26 +27,49 @@ def torch_optimizer(spec: dtrain.PipelineSpec, params) -> torch.optim.Optimizer:
     if o.name == "adam":
         return torch.optim.Adam(params, lr=o.lr, betas=o.betas, eps=o.eps, amsgrad=o.amsgrad,
                                 weight_decay=o.weight_decay)
+    if o.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.lr, lr_decay=o.lr_decay, eps=o.eps,
+                                   initial_accumulator_value=o.initial_accumulator_value, weight_decay=o.weight_decay)
     raise ValueError(f"no reference for optimizer {o.name!r}")
+
+
+def sparse_optimizers(spec: dtrain.PipelineSpec, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's own optimizers for a model with sparse embeddings: the dense parameters get the
+    pipeline's optimizer, the tables torch's sparse one (SparseAdam for adam)."""
+    from dtrain.model.tables import tables_of
+
+    table_names = {name for name, _ in tables_of(model)}
+    tables = [p for n, p in model.named_parameters() if n in table_names]
+    dense = [p for n, p in model.named_parameters() if n not in table_names]
+    o = spec.optimizer
+    sparse = torch.optim.SparseAdam(tables, lr=o.lr, betas=o.betas, eps=o.eps) if o.name == "adam" \
+        else torch_optimizer(spec, tables)
+    return [torch_optimizer(spec, dense), sparse]
 
 
 def single_process(spec: dtrain.PipelineSpec, num_replicas: int, steps: int | None = None) -> torch.nn.Module:
     """The model after ``steps`` (default ``training.steps``) plain torch steps of batch
     ``num_replicas * data.batch_size``."""
     data = dataset_for(spec)
-    x = torch.as_tensor(data.x_train, dtype=torch.float32)
+    ids = data.x_train.dtype.kind in "iu"
+    x = torch.as_tensor(data.x_train, dtype=torch.int64 if ids else torch.float32)
     y = torch.as_tensor(data.y_train)
-    model = dtrain.build_model(spec)
+    model = dtrain.build_model(spec)  # a sparse table: a torch sparse embedding (F.embedding(sparse=True))
     model.train()
-    opt = torch_optimizer(spec, model.parameters())
+    opts = sparse_optimizers(spec, model) if ids else [torch_optimizer(spec, model.parameters())]
     loss_fn = LOSSES[spec.model.loss]()
+    if spec.model.loss == "bce_with_logits":  # (batch, 1) logits against 0/1 labels
+        bce = loss_fn
+        loss_fn = lambda out, target: bce(out.reshape(-1), target.float())  # noqa: E731
     global_batch = num_replicas * spec.data.batch_size
     for j in range(spec.training.steps if steps is None else steps):
         idx = torch.as_tensor(ShardIterator.global_batch_indices(
             j, global_batch, n_samples=len(x), seed=spec.training.seed, shuffle=spec.data.shuffle))
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss_fn(model(x[idx]), y[idx]).backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
     return model
 
 
