@@ -184,6 +184,9 @@ LAYER_TYPES: dict[str, Builder] = {
     "batch_norm1d": _batch_norm1d,
     "layer_norm": lambda s, p: nn.LayerNorm(s[-1], eps=float(p.get("eps", 1e-5))),
     "reshape": _reshape,
+    # tables take integer ids and must come first (_build_one names them by their index)
+    "embedding": lambda s, p: _table(0, p),
+    "embedding_bag": lambda s, p: _table(0, p),
 }
 """YAML layer type -> builder ``(in_shape, params) -> nn.Module``.
 
