@@ -63,7 +63,9 @@ def assert_consistent(plan: Plan) -> None:
             numel *= d
         assert v.numel == numel and v.bytes == 4 * numel
     ps = [s for s in plan.shards if s.task in plan.ps_bytes]
-    assert plan.ps_bytes == {s.task: s.bytes for s in ps}
+    assert plan.ps_bytes == {s.task: s.bytes + s.table_bytes for s in ps}
+    for s in plan.shards:  # a sparse table's rows count on the task holding them, nowhere else
+        assert s.table_bytes == sum(p.bytes for t in plan.tables for p in t.parts if p.shard == s.index)
     assert [s.holds_global_step for s in plan.shards] == [s.index == 0 for s in plan.shards]
     for r in plan.replicas:
         assert r.device.startswith(r.task + "/") and CANONICAL.match(r.device)
@@ -394,9 +396,9 @@ def test_to_json_snapshot(digits, digits_plan):
         ],
         "shards": [
             {"index": 0, "task": "/job:ps/task:0", "worker": "ps-0", "address": None, "numel": 9472,
-             "bytes": 37888, "holds_global_step": True},
+             "bytes": 37888, "holds_global_step": True, "table_bytes": 0},
             {"index": 1, "task": "/job:ps/task:1", "worker": "ps-1", "address": None, "numel": 138,
-             "bytes": 552, "holds_global_step": False},
+             "bytes": 552, "holds_global_step": False, "table_bytes": 0},
         ],
         "replicas": [
             {"index": 0, "task": "/job:worker/task:0", "worker": "worker-0", "address": None,
@@ -413,7 +415,7 @@ def test_to_json_snapshot(digits, digits_plan):
              "output_shape": [10]},
         ],
         "ops": [], "fetch": [], "ps_bytes": {"/job:ps/task:0": 37888, "/job:ps/task:1": 552},
-        "missing_tasks": [],
+        "missing_tasks": [], "tables": [],
     }
 
 
