@@ -68,11 +68,14 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
     return hooks
 
 
-def ps_state_bytes(param_bytes: int, optimizer: Any) -> int:
-    """Bytes a ps task holds for ``param_bytes`` of parameters: the parameters, their accumulator
-    and scratch buffer, and the optimizer's state (a lower bound: reply buffers come on top)."""
+def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0) -> int:
+    """Bytes a ps task holds for ``param_bytes`` of dense parameters (the parameters, their
+    accumulator and scratch buffer, and the optimizer's state) and ``table_bytes`` of sparse table
+    rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
+    buffers and a step's pushed rows come on top."""
     state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False)))
-    return param_bytes * (1 + PS_BUFFERS + state)
+    row_state = {"sgd": 0, "adagrad": 1, "adam": 2}.get(optimizer.name, 0)
+    return param_bytes * (1 + PS_BUFFERS + state) + table_bytes * (1 + row_state)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -182,11 +185,15 @@ def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
     limit = memory_limit_bytes(spec.cluster.memory_limit)
     if limit is None:  # auto or no limit
         return
+    tables = {s.task: s.table_bytes for s in plan.shards}
     for task, nbytes in plan.ps_bytes.items():
-        need = ps_state_bytes(nbytes, spec.optimizer)
+        rows = tables.get(task, 0)
+        need = ps_state_bytes(nbytes - rows, spec.optimizer, rows)
         if need > limit:
+            what = (f"{nbytes} bytes of parameters" if not rows else
+                    f"{nbytes} bytes of parameters, {rows} of them sparse table rows")
             problems.append(Problem(
-                f"ps task {task} needs at least {need} bytes ({nbytes} bytes of parameters, with their accumulator, "
+                f"ps task {task} needs at least {need} bytes ({what}, with their accumulator, "
                 f"scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
                 f"{spec.cluster.memory_limit!r} ({limit} bytes): raise cluster.memory_limit, add ps tasks, or split "
                 "large variables with placement.variables: partitioned", path="cluster.memory_limit"))

@@ -24,9 +24,10 @@ from distributed import Future
 
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
+from dtrain.model.tables import div_starts
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.plan.tables import div_starts, table_config
+from dtrain.plan.tables import table_config
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard

@@ -200,6 +200,7 @@ def _table(path: Path, target: str) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"{path}: {row(i)}, column {name!r} is {value} ({count} non-finite value(s) in that "
                              f"column); {_FINITE_FIX}")
 
+    integer = all(pa.types.is_integer(table.column(n).type) for n in features)  # ids for an embedding table
     cols = []
     for name in features:
         col = table.column(name)
@@ -209,8 +210,9 @@ def _table(path: Path, target: str) -> tuple[np.ndarray, np.ndarray]:
             pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)
         ):
             raise ValueError(f"{path}: feature column {name!r} is not numeric ({col.type})")
-        cols.append(col.to_numpy().astype(np.float64))
-        check_finite(name, cols[-1])
+        cols.append(col.to_numpy().astype(np.int64 if integer else np.float64))
+        if not integer:
+            check_finite(name, cols[-1])
     ycol = table.column(target)
     if ycol.null_count:
         raise ValueError(f"{path}: target column {target!r} has {ycol.null_count} missing values")
@@ -284,6 +286,7 @@ def load_dataset(
     num_features: int | None = None,
     num_classes: int = 10,
     feature_shape: Sequence[int] | None = None,
+    id_rows: int | None = None,
 ) -> Dataset:
     """Load ``source`` and split it (seeded; stratified for classification when possible).
 
@@ -295,6 +298,11 @@ def load_dataset(
       Integer (or string) targets mean classification, float targets regression, unless
       ``task`` says otherwise.  Non-negative integer labels are kept as class ids
       (num_classes = max + 1); other labels are mapped to ``0..C-1`` in sorted order.
+
+    ``id_rows``: the model takes integer ids into an embedding table of that many rows (its first
+    layer): the features must be integers (an integer npz ``x``, integer csv/parquet feature
+    columns) and every id in ``0..id_rows - 1``; they are kept as int64 and never standardised.
+    Otherwise integer features are numbers like any other (float32, standardised).
 
     ``feature_shape`` reshapes every sample (e.g. 64 features -> ``(1, 8, 8)`` for conv
     layers).  ``num_samples``/``num_classes`` only apply to ``synthetic``; ``num_features``,
@@ -338,9 +346,11 @@ def load_dataset(
                 f"{where}: feature_shape {list(shape)} needs {math.prod(shape)} features, data has {flat}"
             )
         x = x.reshape(len(x), *shape)
+    ids = id_rows is not None  # ids into an embedding table: kept exact, never standardised
+    if ids:
+        _check_ids(x, int(id_rows), where, kind)
     task, y, n_classes, classes = _labels(y, task, where)
     train, test = _split(len(x), y, task, test_fraction, seed)
-    ids = x.dtype.kind in "iu"  # integer features are ids (embedding tables): kept exact, never standardised
     x = x.astype(np.int64 if ids else np.float64)
     x_train, x_test = x[train], x[test]
     mean = std = None
@@ -363,6 +373,23 @@ def load_dataset(
         mean=mean,
         std=std,
     )
+
+
+def _check_ids(x: np.ndarray, rows: int, where: str, kind: str) -> None:
+    """Embedding ids: integers in ``0..rows - 1`` (the first bad one named by row and field)."""
+    if x.dtype.kind not in "iu":
+        what = ("its features are float" if kind != "file" else
+                f"its features are {x.dtype} (store the ids as integers: an integer npz 'x', integer csv/parquet "
+                "columns)")
+        raise ValueError(f"{where}: the model's first layer is an embedding table, which takes integer ids, but "
+                         f"{what}")
+    flat = x.reshape(len(x), -1)
+    bad = (flat < 0) | (flat >= rows)
+    if bad.any():
+        row, field = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"{where}: row {row}, field {field} holds id {int(flat[row, field])}, outside the embedding "
+                         f"table's {rows} rows (ids 0..{rows - 1}; {int(bad.sum())} such id(s)): raise "
+                         "num_embeddings or map the ids into the table (e.g. id % num_embeddings)")
 
 
 def to_tensors(

@@ -84,6 +84,23 @@ def init_rows(seed: int, name: str, num_embeddings: int, dim: int, std: float, r
     return out
 
 
+def div_starts(num_embeddings: int, num_parts: int) -> list[int]:
+    """TensorFlow's div strategy: the first ``N % P`` parts hold ``N // P + 1`` rows, the rest ``N // P``."""
+    base, extra = divmod(num_embeddings, num_parts)
+    starts = [0]
+    for p in range(num_parts):
+        starts.append(starts[-1] + base + (1 if p < extra else 0))
+    return starts
+
+
+def global_rows(num_embeddings: int, num_parts: int, part: int, strategy: str) -> range:
+    """The global ids part ``part`` holds, in local-row order."""
+    if strategy == "mod":
+        return range(part, num_embeddings, num_parts)
+    starts = div_starts(num_embeddings, num_parts)
+    return range(starts[part], starts[part + 1])
+
+
 class Table(nn.Module):
     """An ``embedding`` (ids (B, F) -> (B, F, D)) or ``embedding_bag`` (-> (B, D), ``mode`` sum or
     mean) layer, full or gathered (module docstring). ``name`` is the table's parameter name

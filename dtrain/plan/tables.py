@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.model.tables import div_starts
+
 FLOAT32_BYTES = 4
 
 
@@ -42,15 +44,6 @@ class TablePlan:
     @property
     def bytes(self) -> int:
         return self.num_embeddings * self.dim * FLOAT32_BYTES
-
-
-def div_starts(num_embeddings: int, num_parts: int) -> list[int]:
-    """TensorFlow's div strategy: the first ``N % P`` parts hold ``N // P + 1`` rows, the rest ``N // P``."""
-    base, extra = divmod(num_embeddings, num_parts)
-    starts = [0]
-    for p in range(num_parts):
-        starts.append(starts[-1] + base + (1 if p < extra else 0))
-    return starts
 
 
 def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partition: str) -> tuple[TablePlan, ...]:

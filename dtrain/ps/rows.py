@@ -25,24 +25,7 @@ from typing import Any
 
 import torch
 
-from dtrain.model.tables import init_rows
-
-
-def div_starts(num_embeddings: int, num_parts: int) -> list[int]:
-    """TensorFlow's div strategy: the first ``N % P`` parts hold ``N // P + 1`` rows, the rest ``N // P``."""
-    base, extra = divmod(num_embeddings, num_parts)
-    starts = [0]
-    for p in range(num_parts):
-        starts.append(starts[-1] + base + (1 if p < extra else 0))
-    return starts
-
-
-def global_rows(num_embeddings: int, num_parts: int, part: int, strategy: str) -> range:
-    """The global ids part ``part`` holds, in local-row order."""
-    if strategy == "mod":
-        return range(part, num_embeddings, num_parts)
-    starts = div_starts(num_embeddings, num_parts)
-    return range(starts[part], starts[part + 1])
+from dtrain.model.tables import global_rows, init_rows
 
 
 class RowOptimizer:

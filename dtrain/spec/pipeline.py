@@ -211,6 +211,12 @@ class PipelineSpec(Strict):
             problems.append((("data", "task"), "regression data needs loss: mse (cross_entropy is for classes)"))
         source = data.source
         kind = data_source_kind(source)
+        layers = self.model.layers or []
+        if kind != "file" and layers and layers[0].type in ("embedding", "embedding_bag"):
+            problems.append((("data", "source"), f"{source!r} has float features, but model.layers[0] is an "
+                             f"{layers[0].type} table, which takes integer ids: give an .npz file with an integer "
+                             "'x' or a .csv/.parquet file with integer feature columns (e.g. python -m "
+                             "dtrain.data.ctr --out ctr.npz writes click-through ids)"))
         if kind == "sklearn":
             name = source.split(":", 1)[1]
             if name not in SKLEARN_DATASETS:

@@ -44,10 +44,11 @@ class ReplicaError(RuntimeError):
 
 @lru_cache(maxsize=4)
 def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
-                    task: str | None, num_samples: int, num_features: int | None, num_classes: int) -> Dataset:
+                    task: str | None, num_samples: int, num_features: int | None, num_classes: int,
+                    id_rows: int | None) -> Dataset:
     return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
                         standardize=standardize, seed=seed, task=task, num_samples=num_samples,
-                        num_features=num_features, num_classes=num_classes)
+                        num_features=num_features, num_classes=num_classes, id_rows=id_rows)
 
 
 def dataset_for(spec: Any) -> Dataset:
@@ -62,8 +63,10 @@ def dataset_for(spec: Any) -> Dataset:
         for n in spec.model.input_shape:
             num_features *= n
     num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
+    layers = spec.model.layers or []
+    id_rows = layers[0].num_embeddings if layers and layers[0].type in ("embedding", "embedding_bag") else None
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
-                           spec.training.seed, task, d.num_samples, num_features, num_classes)
+                           spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows)
 
 
 def torch_device(device: str, soft: bool) -> torch.device:

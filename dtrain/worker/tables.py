@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dtrain.model.tables import Table, tables_of
-from dtrain.plan.tables import TablePlan, div_starts
+from dtrain.model.tables import Table, div_starts, tables_of
+from dtrain.plan.tables import TablePlan
 
 
 class TableRoute:

@@ -221,3 +221,89 @@ def test_compile_errors_get_their_file_and_line(tmp_path, capsys):
     code, err = cmd(capsys, "plan", str(path), "--set", "training.steps=7")
     assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: placement.variable_devices.0.wieght: "
                                                              "'0.wieght' names no parameter of the model"), err
+
+
+# ---------------------------------------------------------------------------- sparse embedding tables
+
+CTR = """\
+name: ids
+cluster: {jobs: {ps: 2, worker: 1}}
+model:
+  input_shape: [3]
+  layers:
+    - {type: embedding, num_embeddings: 50, dim: 4}
+    - {type: flatten}
+    - {type: linear, out: 1}
+  loss: bce_with_logits
+data:
+  source: d.npz
+optimizer: {name: adagrad, lr: 0.1}
+training: {steps: 5}
+"""
+
+
+def ids_xy(n: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 50, (n, 3)).astype(np.int32), np.arange(n) % 2
+
+
+def test_ids_outside_the_table_are_refused_before_start(tmp_path, capsys, no_cluster):
+    x, y = ids_xy()
+    x[7, 2] = 50  # one past the table; before: an index error in a replica (or the ps) after start-up
+    x[9, 0] = -3
+    path = write(tmp_path, CTR, x, y)
+    for args in (("plan", str(path)), ("run", str(path), "--run-dir", str(tmp_path / "run"))):
+        code, err = cmd(capsys, *args)
+        assert code == 2 and len(err) == 1, err
+        assert err[0] == (f"{path}:11: data.source: cannot load 'd.npz': {tmp_path / 'd.npz'}: row 7, field 2 holds "
+                          "id 50, outside the embedding table's 50 rows (ids 0..49; 2 such id(s)): raise "
+                          "num_embeddings or map the ids into the table (e.g. id % num_embeddings)")
+    assert not (tmp_path / "run").exists()
+    x[7, 2], x[9, 0] = 49, 0
+    write(tmp_path, CTR, x, y)
+    assert cmd(capsys, "plan", str(path))[0] == 0
+
+
+def test_float_features_for_an_embedding_model_are_refused(tmp_path, capsys, no_cluster):
+    x, y = ids_xy()
+    path = write(tmp_path, CTR, x.astype(np.float64), y)
+    code, err = cmd(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: data.source: cannot load 'd.npz': ")
+    assert "the model's first layer is an embedding table, which takes integer ids, but its features are " \
+           "float64" in err[0]
+    path.write_text(CTR.replace("source: d.npz", "source: synthetic"))  # no file read: validation says so
+    code, err = cmd(capsys, "validate", str(path))
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: data.source: 'synthetic' has float "
+                                                             "features, but model.layers[0] is an embedding table")
+    assert not (tmp_path / "run").exists()
+
+
+def test_integer_csv_columns_are_ids_and_integer_npz_features_stay_numbers_for_dense_models(tmp_path, capsys):
+    x, y = ids_xy()
+    lines = ["a,b,c,label"] + [f"{r[0]},{r[1]},{r[2]},{t}" for r, t in zip(x, y)]
+    (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
+    path = write(tmp_path, CTR.replace("d.npz", "d.csv"))
+    assert cmd(capsys, "plan", str(path))[0] == 0
+    from dtrain.worker.replica import dataset_for
+
+    data = dataset_for(dtrain.load(path))
+    assert data.x_train.dtype == np.int64 and data.mean is None
+    assert sorted(map(tuple, np.concatenate([data.x_train, data.x_test]))) == sorted(map(tuple, x.astype(np.int64)))
+    dense = dataset_for(dtrain.load(write(tmp_path, MLP.replace("input_shape: [4]", "input_shape: [3]")
+                                           .replace("out: 3", "out: 2"), x, y)))
+    assert dense.x_train.dtype == np.float32 and dense.mean is not None  # standardised as before
+
+
+def test_ps_memory_counts_table_rows_with_their_row_state(tmp_path, capsys):
+    text = CTR.replace("num_embeddings: 50", "num_embeddings: 8000000").replace(
+        "{jobs: {ps: 2, worker: 1}}", "{jobs: {ps: 2, worker: 1}, memory_limit: 100MiB}")
+    path = write(tmp_path, text, *ids_xy())
+    code, err = cmd(capsys, "plan", str(path))
+    rows = 4_000_000 * 4 * 4  # each ps task holds half the rows; adagrad keeps one accumulator per row
+    assert code == 2 and len(err) == 2, err  # ps 0 also holds the linear weight (12 floats), ps 1 its bias
+    assert err[0].startswith(f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least "
+                             f"{2 * rows + 5 * 48} bytes ({rows + 48} bytes of parameters, {rows} of them sparse "
+                             "table rows, with their accumulator, scratch buffer and adagrad state)"), err
+    # 200 MiB holds the rows and their accumulators (the dense buffers' 5x would need 320 MB)
+    path.write_text(path.read_text().replace("100MiB", "200MiB"))
+    assert cmd(capsys, "plan", str(path))[0] == 0
