@@ -184,8 +184,12 @@ class TablePart:
         self._pending = []
         self.optimizer.step(self.weight, rows, summed)
 
-    def state(self) -> dict[str, Any]:
-        return {"weight": self.weight, "optimizer": self.optimizer.state_dict()}
+    def state(self, copy: bool = False) -> dict[str, Any]:
+        """Rows and optimizer state (``copy``: cloned, else the live tensors)."""
+        optimizer = self.optimizer.state_dict()
+        if copy:
+            optimizer = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.items()}
+        return {"weight": self.weight.clone() if copy else self.weight, "optimizer": optimizer}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if tuple(state["weight"].shape) != tuple(self.weight.shape):

@@ -413,8 +413,8 @@ class ParameterShard(SparseRows):
         state = self.optimizer.state_dict()
         out = {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
-        if self.tables:  # the live tensors (applies are held while a snapshot is taken): no copy
-            out["tables"] = {name: part.state() for name, part in self.tables.items()}
+        if self.tables:  # copies: an in-process caller would otherwise write tensors the next step changes
+            out["tables"] = {name: part.state(copy=True) for name, part in self.tables.items()}
         return out
 
     async def set_state(self, state: dict[str, Any]) -> int:

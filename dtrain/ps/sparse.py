@@ -3,7 +3,7 @@ adding row gradients to this task's table parts, and gathering the rows a replic
 
 A request's ``sparse`` argument maps a table's name to (the ids whose row gradients it pushes,
 those gradients, the ids of the replica's next batch whose rows it wants back); ids are global
-and already on this task (the replica routes them: ``dtrain.ps.rows.split_ids``).
+and already on this task (the replica routes them: ``dtrain.worker.tables.SparseRouter``).
 """
 
 from __future__ import annotations

@@ -140,9 +140,10 @@ def test_state_round_trip_continues_identically():
         a.add_grad(torch.tensor([0, 7, 30]), torch.randn(3, D, generator=g))
         a.apply()
     b = parts(2, "div", config, seed=99)[0]  # other initial values: all of them must come from the state
-    b.load_state({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.state().items()}
-                 | {"optimizer": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                  for k, v in a.state()["optimizer"].items()}})
+    live, copied = a.state(), a.state(copy=True)
+    assert live["weight"] is a.weight and copied["weight"] is not a.weight
+    assert copied["optimizer"]["sum"] is not a.optimizer.sum and torch.equal(copied["optimizer"]["sum"], a.optimizer.sum)
+    b.load_state(copied)
     for part in (a, b):
         part.add_grad(torch.tensor([7, 40]), torch.ones(2, D))
         part.apply()
