@@ -58,15 +58,16 @@ def shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("dtrain-")} if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.mark.timeout(900)  # 7 starts of an embedded cluster: ~2 minutes here, much more on a loaded CI machine
 def test_signals_to_the_process_group_checkpoint_consistently_and_resume(tmp_path):
-    """10 seeded moments of one 2-ps sync run, a resume after each: SIGINT at 8 of them (two while
+    """6 seeded moments of one 2-ps sync run, a resume after each: SIGINT at 4 of them (one while
     the cluster is still starting), SIGTERM and SIGHUP once each."""
     rng = random.Random("group-signals")
     run_dir = tmp_path / "run"
     shm_before = shm_files()
-    signals = [signal.SIGINT] * 8 + [signal.SIGTERM, signal.SIGHUP]
+    signals = [signal.SIGINT] * 4 + [signal.SIGTERM, signal.SIGHUP]
     rng.shuffle(signals)
-    early = set(rng.sample(range(10), 2))  # moments before the first step
+    early = set(rng.sample(range(len(signals)), 1))  # a moment before the first step
     resumed_from: int | None = None
     for moment, sig in enumerate(signals):
         (run_dir / "summary.json").unlink(missing_ok=True)
