@@ -27,7 +27,7 @@ from dtrain.deploy.cluster import Connection
 from dtrain.model.tables import div_starts
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.plan.tables import table_config
+from dtrain.plan.tables import reshard_table, table_config, table_layout
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
@@ -151,12 +151,40 @@ class ShardGroup:
                 logger.info("%s: resharding %d shard(s) onto %d", checkpoint.path.name, old.num_shards,
                             layout.num_shards)
                 states = reshard(states, old, layout)
+        states = self._restore_tables(checkpoint, states, written)
         if len(states) != len(self.handles) or any(
                 st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards, strict=True)):
             raise RunError(f"{checkpoint.path} was written for a different model or placement "
                            f"({len(states)} shard(s)); use another --run-dir")
         for shard, state in zip(self.handles, states, strict=True):
             call(shard.set_state(state), timeout=transfer_timeout(state["params"].numel()))
+
+    def _restore_tables(self, checkpoint: Checkpoint, states: list[dict[str, Any]],
+                        written: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each table's part states from the checkpoint, repartitioned when it was written by
+        another number of ps tasks or another ``embedding_partition``."""
+        if not self.plan.tables:
+            return states
+        recorded = {t["name"]: t for t in written.get("tables") or ()}
+        source = list(checkpoint.payload["shards"])  # the states as written: one part per old shard
+        out = [dict(st) for st in states]
+        for table in self.plan.tables:
+            was = recorded.get(table.name)
+            if was is None or (was["num_embeddings"], was["dim"]) != (table.num_embeddings, table.dim):
+                what = "no such table" if was is None else f"a table of {was['num_embeddings']}x{was['dim']}"
+                raise RunError(f"{checkpoint.path} holds {what} for {table.name} (the pipeline's is "
+                               f"{table.num_embeddings}x{table.dim}); use another --run-dir")
+            old = (int(was["parts"]), str(was["partition"]))
+            new = (len(table.parts), table.partition)
+            parts = [st["tables"][table.name] for st in source[:old[0]]]
+            if old != new:
+                logger.info("%s: repartitioning table %s from %d %s part(s) onto %d %s", checkpoint.path.name,
+                            table.name, old[0], old[1], new[0], new[1])
+                parts = reshard_table(parts, table.num_embeddings, old, new)
+            for p in table.parts:
+                out[p.shard] = {**out[p.shard], "tables": {**(out[p.shard].get("tables") or {}),
+                                                            table.name: parts[p.part]}}
+        return out
 
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
@@ -360,4 +388,5 @@ def _variables(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...]]]:
 def checkpoint_layout(spec: PipelineSpec, plan: Plan) -> dict[str, Any]:
     """What a checkpoint records of the model and its placement, so a resume can check it and
     reshard it."""
-    return {**ShardLayout.from_plan(plan).describe(), "variables": [[n, list(s)] for n, s in _variables(spec)]}
+    return {**ShardLayout.from_plan(plan).describe(), "variables": [[n, list(s)] for n, s in _variables(spec)],
+            "tables": table_layout(plan.tables)}

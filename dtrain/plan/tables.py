@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dtrain.model.tables import div_starts
 
 FLOAT32_BYTES = 4
@@ -77,3 +79,37 @@ def table_config(table: TablePlan, part: int, seed: int) -> dict[str, Any]:
     return {"name": table.name, "num_embeddings": table.num_embeddings, "dim": table.dim,
             "num_parts": len(table.parts), "part": part, "strategy": table.partition, "init_std": table.init_std,
             "seed": seed}
+
+
+def table_layout(tables: tuple[TablePlan, ...]) -> list[dict[str, Any]]:
+    """What a checkpoint records of each table's partition (so a resume can repartition it)."""
+    return [{"name": t.name, "num_embeddings": t.num_embeddings, "dim": t.dim, "partition": t.partition,
+             "parts": len(t.parts)} for t in tables]
+
+
+def reshard_table(parts: list[dict[str, Any]], num_embeddings: int, old: tuple[int, str],
+                  new: tuple[int, str]) -> list[dict[str, Any]]:
+    """A table's part states (``weight`` and per-row optimizer tensors, ``step``) written under the
+    partition ``old`` = (parts, mod|div) -> the part states of ``new``: every row and its optimizer
+    state moved to the part that holds its id now (the table is assembled once, here)."""
+    from dtrain.model.tables import global_rows
+
+    def ids(count: int, strategy: str, part: int) -> torch.Tensor:
+        r = global_rows(num_embeddings, count, part, strategy)
+        return torch.arange(r.start, r.stop, r.step)
+
+    def regroup(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        full = torch.empty((num_embeddings, *tensors[0].shape[1:]), dtype=tensors[0].dtype)
+        for p, t in enumerate(tensors):
+            full[ids(*old, p)] = t
+        return [full[ids(*new, p)].clone() for p in range(new[0])]
+
+    if len(parts) != old[0]:
+        raise ValueError(f"{len(parts)} part state(s) for a partition of {old[0]}")
+    weights = regroup([p["weight"] for p in parts])
+    opt = [dict(p.get("optimizer") or {}) for p in parts]
+    rowwise = [k for k, v in opt[0].items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    regrouped = {k: regroup([o[k] for o in opt]) for k in rowwise}
+    scalars = {k: v for k, v in opt[0].items() if k not in rowwise}
+    return [{"weight": weights[i], "optimizer": {**scalars, **{k: regrouped[k][i] for k in rowwise}}}
+            for i in range(new[0])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,18 @@ def group_gone(pgid: int, timeout: float = 30) -> bool:
     return False
 
 
+# CPython's resource tracker (a helper process in the run's group, which joblib's loky import
+# renames semaphores for) sometimes prints a KeyError for a semaphore unregistered twice when the
+# whole group is signalled: its noise, not the run's.
+TRACKER_NOISE = re.compile(r"Traceback \(most recent call last\):\n  File \"[^\"]*multiprocessing/resource_tracker\.py\""
+                           r"[^\n]*\n[^\n]*\nKeyError: '/[\w-]+'\n?")
+
+
+def own(err: str) -> str:
+    """stderr without the resource tracker's noise (above)."""
+    return TRACKER_NOISE.sub("", err)
+
+
 def shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("dtrain-")} if os.path.isdir("/dev/shm") else set()
 
@@ -88,7 +101,7 @@ def test_signals_to_the_process_group_checkpoint_consistently_and_resume(tmp_pat
         out, err = proc.communicate(timeout=120)
         expected = 130 if sig == signal.SIGINT else 143
         assert proc.returncode == expected, f"moment {moment} ({sig.name}): exit {proc.returncode}\n{err[-3000:]}"
-        assert "Traceback" not in err, err[-3000:]
+        assert "Traceback" not in own(err), err[-3000:]
         assert group_gone(proc.pid), f"moment {moment}: a process of the run outlived it"
         if seen is None and not (run_dir / "summary.json").exists():
             summary = {"status": "interrupted"}  # interrupted before the run started (while importing)
