@@ -280,7 +280,7 @@ def test_float_features_for_an_embedding_model_are_refused(tmp_path, capsys, no_
 
 def test_integer_csv_columns_are_ids_and_integer_npz_features_stay_numbers_for_dense_models(tmp_path, capsys):
     x, y = ids_xy()
-    lines = ["a,b,c,label"] + [f"{r[0]},{r[1]},{r[2]},{t}" for r, t in zip(x, y)]
+    lines = ["a,b,c,label"] + [f"{r[0]},{r[1]},{r[2]},{t}" for r, t in zip(x, y, strict=True)]
     (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
     path = write(tmp_path, CTR.replace("d.npz", "d.csv"))
     assert cmd(capsys, "plan", str(path))[0] == 0
