@@ -116,6 +116,8 @@ from dtrain_bench.machine import loadavg, machine_info
 from dtrain_bench.report import print_main, summarize
 from dtrain_bench.runner import Runner
 from dtrain_bench.scaling import plot_scaling, print_scaling, run_scaling
+from dtrain_bench.sparse import SIZES as SPARSE_SIZES
+from dtrain_bench.sparse import print_sparse, run_sparse, summarize_sparse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,11 +149,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS / "bench.json", help="JSON results path")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to each measurement")
     ap.add_argument("--keep-runs", action="store_true", help="keep the dtrain run directories and child logs")
+    ap.add_argument("--sparse", action="store_true",
+                    help="run only the sparse embedding table comparison (10^4, 10^6, 10^7 rows; README)")
+    ap.add_argument("--sparse-rows", type=int, nargs="+", default=None, help="table sizes for --sparse")
+    ap.add_argument("--sparse-warmup", type=int, default=20, help="--sparse warm-up steps")
+    ap.add_argument("--sparse-steps", type=int, default=200, help="--sparse timed steps")
+    ap.add_argument("--sparse-every", type=int, default=10, help="--sparse dtrain summary.every_steps")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     tiny = args.tiny
+    if args.sparse:
+        args.reps = args.reps or 1
+        args.sparse_rows = args.sparse_rows or list(SPARSE_SIZES)
+        args.timeout = max(args.timeout, 600.0)
+        if args.sparse_warmup % args.sparse_every or args.sparse_steps % args.sparse_every:
+            ap.error(f"--sparse-warmup and --sparse-steps must be multiples of --sparse-every ({args.sparse_every})")
     args.reps = args.reps if args.reps is not None else (1 if tiny else 3)
     args.warmup = args.warmup if args.warmup is not None else (50 if tiny else 100)
     args.steps = args.steps if args.steps is not None else (200 if tiny else 500)
@@ -168,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return run_child(args.child, args.params, args.result)
+    if args.sparse:
+        return main_sparse(args, argv)
     model = MODELS["tiny" if args.tiny else "w1"]
     configs = main_configs(args.tiny)
     if args.only:
@@ -240,6 +256,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_runs:
             print(f"run directories and child logs kept in {workdir}")
         else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return rc
+
+
+def main_sparse(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--sparse``: the embedding table comparison (dtrain_bench/sparse.py); exit 1 if a run failed."""
+    doc: dict[str, Any] = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "argv": sys.argv[1:] if argv is None else argv, "machine": machine_info()}
+    workdir = Path(tempfile.mkdtemp(prefix="dtrain-bench-sparse-"))
+    out = args.out if args.out != RESULTS / "bench.json" else RESULTS / "sparse.json"
+    try:
+        sp = run_sparse(Runner(args, workdir), args)
+        doc["sparse"] = sp
+        doc["table"] = table = summarize_sparse(sp)
+        doc["goals_missed"] = print_sparse(table)
+        rc = 1 if any(r["failed"] for r in table) else 0
+    finally:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        print(f"results: {out}")
+        if not args.keep_runs:
             shutil.rmtree(workdir, ignore_errors=True)
     return rc
 

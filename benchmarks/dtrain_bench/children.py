@@ -238,13 +238,17 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
     import dtrain
     from dtrain.deploy.cluster import connect
 
-    text = yaml.safe_dump(dtrain_spec_dict(p), sort_keys=False)
+    text = yaml.safe_dump(p.get("spec") or dtrain_spec_dict(p), sort_keys=False)  # spec: a ready one (sparse.py)
     spec = dtrain.loads(text, filename=f"<bench {p['name']}>", base_dir=str(ROOT), overrides=p.get("overrides"))
     plan = dtrain.compile(spec)
     param_bytes = sum(s.bytes for s in plan.shards)
     k = plan.replicas_to_aggregate if spec.training.mode == "sync" else 1
+    row_state = {"sgd": 0, "adagrad": 1, "adam": 2}.get(p["optimizer"]["name"], 0)  # per table row (dtrain.ps.rows)
     out: dict[str, Any] = {
         "status": "failed", "param_bytes": param_bytes, "shard_bytes": [s.bytes for s in plan.shards],
+        "table_bytes": [s.table_bytes for s in plan.shards],
+        "ps_state_bytes": [s.bytes * (1 + optimizer_state_factor(p["optimizer"])) + s.table_bytes * (1 + row_state)
+                           for s in plan.shards],
         "optimizer_state_bytes": param_bytes * optimizer_state_factor(p["optimizer"]),
         "replicas": plan.num_replicas, "samples_per_global_step": k * p["batch"],
         # per global step: k gradient pushes and k parameter replies of every shard, fp32
@@ -327,7 +331,10 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
 def run_child(kind: str, params: str, result: str) -> int:
     """The child's side of ``bench.py --child KIND --params JSON --result PATH``."""
     p = json.loads(params)
-    fn = {"plain": child_plain, "ddp": child_ddp, "dtrain": child_dtrain}.get(kind)
+    from .sparse import child_sparse_ddp, child_sparse_plain
+
+    fn = {"plain": child_plain, "ddp": child_ddp, "dtrain": child_dtrain, "sparse_plain": child_sparse_plain,
+          "sparse_ddp": child_sparse_ddp}.get(kind)
     if kind == "echo":
         child_echo(p)
         return 0

@@ -50,6 +50,10 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
             raise SpecError(problems)
         return hooks
     skeleton = _skeleton(spec, problems)
+    if skeleton is not None and spec.model is not None and spec.model.module is not None:
+        _module_tables(spec, skeleton, problems)
+        if problems:
+            raise SpecError(problems)
     data = _dataset(spec, problems)
     if skeleton is not None and data is not None:
         _fits(spec, skeleton, data, problems)
@@ -103,6 +107,19 @@ def _skeleton(spec: PipelineSpec, problems: list[Problem]) -> Any:
         why = f"failed while importing or building the model: {type(exc).__name__}: {_one_line(exc)}"
     problems.append(Problem(f"{model.module!r} {why}", path="model.module"))
     return None
+
+
+def _module_tables(spec: PipelineSpec, skeleton: Any, problems: list[Problem]) -> None:
+    """A ``model.module``'s own embeddings are not supported yet (docs/sparse.md#limits): refused
+    here rather than failing on float features or being shipped whole every step."""
+    from torch import nn
+
+    found = [name for name, m in skeleton.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    if found:
+        problems.append(Problem(f"{spec.model.module!r} has embedding layer(s) {', '.join(found)}: a model.module's "
+                                "nn.Embedding / nn.EmbeddingBag is not supported yet; write the model as model.layers "
+                                "starting with {type: embedding, num_embeddings: N, dim: D} (a sparse table on the ps "
+                                "tasks, docs/sparse.md)", path="model.module"))
 
 
 def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:

@@ -381,7 +381,7 @@ def _check_ids(x: np.ndarray, rows: int, where: str, kind: str) -> None:
         what = ("its features are float" if kind != "file" else
                 f"its features are {x.dtype} (store the ids as integers: an integer npz 'x', integer csv/parquet "
                 "columns)")
-        raise ValueError(f"{where}: the model's first layer is an embedding table, which takes integer ids, but "
+        raise ValueError(f"{where}: model.layers[0] is an embedding table, which takes integer ids, but "
                          f"{what}")
     flat = x.reshape(len(x), -1)
     bad = (flat < 0) | (flat >= rows)

@@ -269,7 +269,7 @@ def test_float_features_for_an_embedding_model_are_refused(tmp_path, capsys, no_
     path = write(tmp_path, CTR, x.astype(np.float64), y)
     code, err = cmd(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
     assert code == 2 and len(err) == 1 and err[0].startswith(f"{path}:11: data.source: cannot load 'd.npz': ")
-    assert "the model's first layer is an embedding table, which takes integer ids, but its features are " \
+    assert "model.layers[0] is an embedding table, which takes integer ids, but its features are " \
            "float64" in err[0]
     path.write_text(CTR.replace("source: d.npz", "source: synthetic"))  # no file read: validation says so
     code, err = cmd(capsys, "validate", str(path))
@@ -307,3 +307,17 @@ def test_ps_memory_counts_table_rows_with_their_row_state(tmp_path, capsys):
     # 200 MiB holds the rows and their accumulators (the dense buffers' 5x would need 320 MB)
     path.write_text(path.read_text().replace("100MiB", "200MiB"))
     assert cmd(capsys, "plan", str(path))[0] == 0
+
+
+def test_a_module_with_its_own_embedding_is_refused_before_start(tmp_path, capsys, no_cluster):
+    path = write(tmp_path, CTR.replace("""  input_shape: [3]
+  layers:
+    - {type: embedding, num_embeddings: 50, dim: 4}
+    - {type: flatten}
+    - {type: linear, out: 1}
+""", "  module: tests.helpers.models:TinyEmbedding\n"), *ids_xy())
+    code, err = cmd(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{path}:4: model.module: 'tests.helpers.models:TinyEmbedding' has embedding layer(s) "
+                             "emb: a model.module's nn.Embedding / nn.EmbeddingBag is not supported yet"), err
+    assert not (tmp_path / "run").exists()

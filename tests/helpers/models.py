@@ -29,3 +29,15 @@ class TinyMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class TinyEmbedding(nn.Module):
+    """A module with its own nn.Embedding (refused before start: docs/sparse.md#limits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 4, sparse=True)
+        self.out = nn.Linear(12, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x.long()).flatten(1))
