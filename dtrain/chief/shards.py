@@ -294,10 +294,32 @@ class ShardGroup:
             self.hold_consistent()
             if stop:
                 self.request_stop()
-            return [call(s.get_state(), timeout=transfer_timeout(shard.numel))
-                    for s, shard in zip(self.handles, self.plan.shards, strict=True)]
+            states = [call(s.get_state(tables=False), timeout=transfer_timeout(shard.numel))
+                      for s, shard in zip(self.handles, self.plan.shards, strict=True)]
+            for table in self.plan.tables:
+                for part in table.parts:
+                    states[part.shard].setdefault("tables", {})[table.name] = self._read_part(table, part)
+            return states
         finally:
             self.release()
+
+    def _read_part(self, table: Any, part: Any) -> dict[str, Any]:
+        """One ps task's part of a table and its optimizer state, read in chunks of rows into
+        tensors allocated here once (the ps copies one chunk at a time, never its whole part)."""
+        handle, chunk_rows = self.handles[part.shard], TABLE_CHUNK_ROWS
+        out: dict[str, Any] = {}
+        for lo in range(0, max(part.rows, 1), chunk_rows):
+            hi = min(lo + chunk_rows, part.rows)
+            got = call(handle.read_part(table.name, lo, hi), timeout=transfer_timeout((hi - lo) * table.dim))
+            if not out:
+                out = {"weight": torch.empty((part.rows, table.dim)), "optimizer": {
+                    k: torch.empty((part.rows, *v.shape[1:]), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+                    for k, v in got["optimizer"].items()}}
+            out["weight"][lo:hi] = got["weight"]
+            for k, v in got["optimizer"].items():
+                if isinstance(v, torch.Tensor):
+                    out["optimizer"][k][lo:hi] = v
+        return out
 
     def stop_consistently(self) -> None:
         """A hook's stop: in sync mode every shard stops at the same step (held first, so no step
@@ -346,6 +368,9 @@ class ShardGroup:
 def call(future: Any, timeout: float = 30.0) -> Any:
     """The result of an actor call, waiting at most ``timeout`` seconds."""
     return future.result(timeout=timeout)
+
+
+TABLE_CHUNK_ROWS = 1 << 18  # rows of a table part a snapshot reads per call (32 MiB at dim 32)
 
 
 def transfer_timeout(numel: int, state_factor: int = 4) -> float:

@@ -191,6 +191,12 @@ class TablePart:
             optimizer = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.items()}
         return {"weight": self.weight.clone() if copy else self.weight, "optimizer": optimizer}
 
+    def chunk(self, start: int, stop: int) -> dict[str, Any]:
+        """Rows ``[start, stop)`` (local) and their optimizer state, copied; the step count whole."""
+        state = self.optimizer.state_dict()
+        return {"weight": self.weight[start:stop].clone(),
+                "optimizer": {k: v[start:stop].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}}
+
     def load_state(self, state: dict[str, Any]) -> None:
         if tuple(state["weight"].shape) != tuple(self.weight.shape):
             raise ValueError(f"table {self.name} part {self.part}: a state of shape {tuple(state['weight'].shape)}, "

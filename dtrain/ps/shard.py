@@ -408,12 +408,14 @@ class ParameterShard(SparseRows):
     async def get_params(self) -> tuple[torch.Tensor, int]:
         return self.param.clone(), self.step
 
-    async def get_state(self) -> dict[str, Any]:
-        """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict)."""
+    async def get_state(self, tables: bool = True) -> dict[str, Any]:
+        """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict).
+        ``tables``: with the table parts (copied whole; the chief's snapshots read them in chunks
+        instead, :meth:`read_part`)."""
         state = self.optimizer.state_dict()
         out = {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
-        if self.tables:  # copies: an in-process caller would otherwise write tensors the next step changes
+        if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
             out["tables"] = {name: part.state(copy=True) for name, part in self.tables.items()}
         return out
 

@@ -59,3 +59,9 @@ class SparseRows:
         if why := part.check_ids(ids):
             raise IndexError(why)
         return part.gather(ids)
+
+    async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
+        """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
+        state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
+        holds a second copy of its table (the chief holds applies while it reads)."""
+        return self.tables[name].chunk(start, stop)

@@ -154,6 +154,18 @@ def test_state_round_trip_continues_identically():
         other.load_state(a.state())
 
 
+def test_chunks_of_a_part_are_its_state():
+    part = parts(2, "mod", OPTIMIZERS["adam"][0])[0]
+    part.add_grad(torch.tensor([0, 10, 40]), torch.ones(3, D))
+    part.apply()
+    pieces = [part.chunk(lo, min(lo + 7, len(part.rows))) for lo in range(0, len(part.rows), 7)]
+    state = part.state()
+    assert torch.equal(torch.cat([p["weight"] for p in pieces]), state["weight"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(torch.cat([p["optimizer"][key] for p in pieces]), state["optimizer"][key])
+    assert pieces[0]["optimizer"]["step"] == 1 and pieces[0]["weight"].data_ptr() != part.weight.data_ptr()
+
+
 def test_nbytes_counts_rows_and_optimizer_state():
     assert parts(1, "mod", {"name": "sgd", "lr": 0.1})[0].nbytes == N * D * 4
     assert parts(1, "mod", OPTIMIZERS["adagrad"][0])[0].nbytes == 2 * N * D * 4

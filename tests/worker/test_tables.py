@@ -11,6 +11,7 @@ import torch
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
+from dtrain.chief import shards
 from tests.helpers.reference import max_abs_diff, single_process
 
 # torch's own sparse Adagrad (the reference) warns about its sparse invariant checks
@@ -106,10 +107,11 @@ def test_the_fidelity_check_has_teeth(inproc_client, tmp_path, ids_file):
 
 @pytest.mark.parametrize(("num_ps", "partition"), [(2, "mod"), (1, "mod"), (2, "div"), (1, "div")])
 def test_resume_restores_rows_and_their_adagrad_state_under_any_partition(inproc_client, tmp_path, ids_file,
-                                                                           num_ps, partition):
+                                                                           num_ps, partition, monkeypatch):
     """Checkpointed at step 20 by 2 ps tasks (mod), resumed to step 40 as written, by 1 ps
     tasks, or partitioned div: every row and its accumulator come back where its id lives now, and
     training goes on exactly as an uninterrupted run's (sync, fixed seed)."""
+    monkeypatch.setattr(shards, "TABLE_CHUNK_ROWS", 999)  # each part (2500 rows) read in 3 chunks
     full = table_spec(ids_file, 2, 2, "adagrad", steps=40)
     ref = dtrain.run(full, client=inproc_client, run_dir=tmp_path / "ref")
     dtrain.run(table_spec(ids_file, 2, 2, "adagrad", steps=20, checkpoint_every=10), client=inproc_client,
