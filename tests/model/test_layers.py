@@ -73,9 +73,9 @@ def test_every_layer_type_builds() -> None:
         {"type": "flatten"},
         {"type": "linear", "out": 3, "in": 16, "name": "head", "device": "/job:worker"},
     ]
-    assert {layer["type"] for layer in layers} | {"relu", "conv2d", "max_pool2d", "avg_pool2d"} == set(
-        LAYER_TYPES
-    )
+    # the tables take integer ids (tests/model/test_tables.py and the embedding test below)
+    assert {layer["type"] for layer in layers} | {"relu", "conv2d", "max_pool2d", "avg_pool2d", "embedding",
+                                                  "embedding_bag"} == set(LAYER_TYPES)
     model = build_layers([8], layers)
     assert infer_shapes([8], layers)[-3:] == [(4, 4), (16,), (3,)]
     assert model[0].bias is None
@@ -288,3 +288,19 @@ def test_seeded_build_on_cuda_matches_cpu() -> None:
     assert all(p.is_cuda for p in gpu.parameters())
     for a, b in zip(cpu.parameters(), gpu.parameters(), strict=True):
         assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize(("layer", "shapes"), [
+    ({"type": "embedding", "num_embeddings": 30, "dim": 4}, [(3, 4), (12,), (2,)]),
+    ({"type": "embedding_bag", "num_embeddings": 30, "dim": 4, "mode": "sum"}, [(4,), (4,), (2,)]),
+])
+def test_embedding_layers_build_first_and_take_ids(layer, shapes) -> None:
+    layers = [layer, {"type": "flatten"}, {"type": "linear", "out": 2}]
+    assert infer_shapes([3], layers) == shapes
+    model = build_layers([3], layers)
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "2.weight", "2.bias"]
+    assert model[0].weight.shape == (30, 4) and model[0].sparse
+    out = model(torch.tensor([[1, 2, 29], [0, 0, 5]]))
+    assert out.shape == (2, 2)
+    out.sum().backward()
+    assert model[0].weight.grad.is_sparse  # torch's sparse path, as nn.Embedding(sparse=True)
