@@ -192,8 +192,12 @@ def test_a_killed_ps_gets_its_table_rows_back_from_the_checkpoint(tmp_path):
     from tests.helpers.reference import single_process
 
     run_dir, steps, every = tmp_path / "run", 200, 40
+    # Adagrad's eps 1e-3 (the pipeline's is torch's 1e-10): a row's first update is g / (|g| + eps),
+    # which turns a gradient element that is ~0 up to rounding into an update of either sign, so
+    # batch-order rounding would move a few rows by ~1e-3 between any two exact implementations.
     settings = [f"training.steps={steps}", f"checkpoint={{every_steps: {every}, keep: 2}}", "summary.every_steps=10",
-                "eval={}", "training.barrier_timeout_s=30", "training.call_timeout_s=20"]
+                "eval={}", "training.barrier_timeout_s=30", "training.call_timeout_s=20",
+                "optimizer={name: adagrad, lr: 0.1, eps: 0.001}"]
     proc = start_run("pipelines/ctr_sparse.yaml", run_dir, *[a for s in settings for a in ("--set", s)])
     wait_for_step(proc, run_dir, random.Random("ps-table").randint(90, 150))
     kill_pid(task_pid(run_dir, "/job:ps/task:1"))
@@ -207,4 +211,4 @@ def test_a_killed_ps_gets_its_table_rows_back_from_the_checkpoint(tmp_path):
     reference = single_process(spec, num_replicas=2).state_dict()
     final = torch.load(run_dir / "model.pt", weights_only=True)
     assert final["0.weight"].shape == (100_000, 16)
-    assert max(float((final[k] - reference[k]).abs().max()) for k in reference) <= 1e-4
+    assert max(float((final[k] - reference[k]).abs().max()) for k in reference) <= 1e-5
