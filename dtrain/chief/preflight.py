@@ -110,16 +110,13 @@ def _skeleton(spec: PipelineSpec, problems: list[Problem]) -> Any:
 
 
 def _module_tables(spec: PipelineSpec, skeleton: Any, problems: list[Problem]) -> None:
-    """A ``model.module``'s own embeddings are not supported yet (docs/sparse.md#limits): refused
-    here rather than failing on float features or being shipped whole every step."""
-    from torch import nn
+    """A ``model.module``'s sparse embeddings are ps tables (dtrain.model.tables.swap_embeddings):
+    the settings tables cannot use are refused here, as validation does for ``model.layers``."""
+    from dtrain.model.tables import tables_of
+    from dtrain.spec.pipeline import sparse_limits
 
-    found = [name for name, m in skeleton.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    if found:
-        problems.append(Problem(f"{spec.model.module!r} has embedding layer(s) {', '.join(found)}: a model.module's "
-                                "nn.Embedding / nn.EmbeddingBag is not supported yet; write the model as model.layers "
-                                "starting with {type: embedding, num_embeddings: N, dim: D} (a sparse table on the ps "
-                                "tasks, docs/sparse.md)", path="model.module"))
+    if tables_of(skeleton):
+        problems.extend(Problem(message, path=".".join(map(str, loc))) for loc, message in sparse_limits(spec))
 
 
 def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:
@@ -161,7 +158,10 @@ def _fits(spec: PipelineSpec, skeleton: Any, data: Any, problems: list[Problem])
         out = infer_shapes(want, [layer.model_dump() for layer in model.layers])[-1]
     else:
         try:
-            out = output_shape(skeleton, shape)
+            import torch
+
+            ids = data.x_train.dtype.kind in "iu"  # ids for the module's tables
+            out = output_shape(skeleton, shape, torch.int64 if ids else torch.float32)
         except NotImplementedError:
             return  # an operation torch's meta device cannot run: the check needs real tensors
         except Exception as exc:

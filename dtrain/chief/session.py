@@ -419,7 +419,8 @@ class Session:
         x = torch.as_tensor(data.x_test)
         y = torch.as_tensor(data.y_test)
         if any(getattr(t, "gathered", False) for _, t in tables_of(model)):
-            return evaluate_gathered(model, x, y, self.spec.model.loss, self.shards.gather_rows)
+            return evaluate_gathered(model, x, y, self.spec.model.loss, self.shards.gather_rows,
+                                     record=self.spec.model.module is not None)
         return evaluate(model, x, y, self.spec.model.loss)
 
     def _assemble(self, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True

@@ -302,6 +302,8 @@ def load_dataset(
     ``id_rows``: the model takes integer ids into an embedding table of that many rows (its first
     layer): the features must be integers (an integer npz ``x``, integer csv/parquet feature
     columns) and every id in ``0..id_rows - 1``; they are kept as int64 and never standardised.
+    ``0``: integer ids without a range check (a custom module's tables: what it looks up is its
+    own computation; the ps checks each id).
     Otherwise integer features are numbers like any other (float32, standardised).
 
     ``feature_shape`` reshapes every sample (e.g. 64 features -> ``(1, 8, 8)`` for conv
@@ -381,8 +383,10 @@ def _check_ids(x: np.ndarray, rows: int, where: str, kind: str) -> None:
         what = ("its features are float" if kind != "file" else
                 f"its features are {x.dtype} (store the ids as integers: an integer npz 'x', integer csv/parquet "
                 "columns)")
-        raise ValueError(f"{where}: model.layers[0] is an embedding table, which takes integer ids, but "
-                         f"{what}")
+        model = "model.layers[0] is an embedding table" if rows else "model.module has sparse embeddings"
+        raise ValueError(f"{where}: {model}, which takes integer ids, but {what}")
+    if rows <= 0:
+        return
     flat = x.reshape(len(x), -1)
     bad = (flat < 0) | (flat >= rows)
     if bad.any():

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .layers import NotAModuleError, build_layers, init_parameters
+from .tables import swap_embeddings
 
 
 def import_object(path: str) -> Any:
@@ -96,7 +97,9 @@ def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None 
     if model.layers is not None:
         return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed,
                             gathered_tables=gathered_tables)
-    return build_custom(model.module, model.kwargs, device, seed=seed)
+    module = build_custom(model.module, model.kwargs, device, seed=seed)
+    swap_embeddings(module, seed=seed or 0, gathered=gathered_tables)  # its sparse embeddings: ps tables
+    return module
 
 
 def build_model_skeleton(spec: Any) -> nn.Module:
@@ -104,4 +107,6 @@ def build_model_skeleton(spec: Any) -> nn.Module:
     model = _model_section(spec)
     if model.layers is not None:
         return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], "meta")
-    return build_custom(model.module, model.kwargs, "meta")
+    module = build_custom(model.module, model.kwargs, "meta")
+    swap_embeddings(module)
+    return module

@@ -318,8 +318,9 @@ def build_layers(
     return model.to(target) if build_on != target else model
 
 
-def output_shape(module: nn.Module, input_shape: Sequence[int]) -> Shape:
-    """Output shape (without batch dim) of ``module`` for a batch of 2 inputs of ``input_shape``.
+def output_shape(module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Shape:
+    """Output shape (without batch dim) of ``module`` for a batch of 2 inputs of ``input_shape``
+    (of ``dtype``: int64 for ids).
 
     Free for modules on the meta device; otherwise runs a real forward in eval mode
     under ``torch.no_grad()``.
@@ -331,7 +332,7 @@ def output_shape(module: nn.Module, input_shape: Sequence[int]) -> Shape:
     module.eval()
     try:
         with torch.no_grad():
-            out = module(torch.zeros((2, *shape), device=device))
+            out = module(torch.zeros((2, *shape), device=device, dtype=dtype))
     finally:
         module.train(was_training)
     return tuple(int(d) for d in out.shape[1:])

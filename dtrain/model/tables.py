@@ -108,18 +108,19 @@ class Table(nn.Module):
 
     def __init__(self, num_embeddings: int, dim: int, kind: str = "embedding", mode: str = "mean",
                  sparse: bool = True, init_std: float = 1.0, name: str = "", seed: int = 0,
-                 gathered: bool = False):
+                 gathered: bool = False, device: torch.device | str | None = None):
         super().__init__()
         if kind not in TABLE_TYPES:
             raise ValueError(f"unknown table kind {kind!r}; use {' or '.join(TABLE_TYPES)}")
         self.num_embeddings, self.dim, self.kind, self.mode = int(num_embeddings), int(dim), kind, mode
         self.sparse, self.init_std, self.name, self.seed = sparse, float(init_std), name, int(seed)
         self.gathered = gathered
+        self.recording: list[torch.Tensor] | None = None  # a record pass: the ids forward was given
         self.ids: torch.Tensor | None = None  # gathered: the sorted unique ids of this step
         self.rows: torch.Tensor | None = None  # gathered: their rows (a leaf that collects the gradient)
         self._init_seed: int | None = None  # the seed the weight was last initialised with
         if not gathered:
-            self.weight = nn.Parameter(torch.empty((self.num_embeddings, self.dim)))
+            self.weight = nn.Parameter(torch.empty((self.num_embeddings, self.dim), device=device))
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,7 +153,7 @@ class Table(nn.Module):
             return x, self.weight
         if self.ids is None or self.rows is None:
             raise RuntimeError(f"table {self.name}: no rows gathered for this step")
-        pos = torch.searchsorted(self.ids, x)
+        pos = torch.searchsorted(self.ids, x.contiguous())
         if pos.numel() and (int(pos.max()) >= len(self.ids) or not bool((self.ids[pos] == x).all())):
             raise RuntimeError(f"table {self.name}: the batch has ids that were not gathered")
         return pos, self.rows
@@ -163,6 +164,10 @@ class Table(nn.Module):
             return torch.empty(shape, device="meta")
         if x.dtype.is_floating_point:
             raise TypeError(f"table {self.name or self.kind} takes integer ids, got {x.dtype} features")
+        if self.recording is not None:  # which ids this batch needs, before any row is here
+            self.recording.append(x.detach().reshape(-1).to(torch.int64))
+            shape = (*x.shape, self.dim) if self.kind == "embedding" else (x.shape[0], self.dim)
+            return torch.zeros(shape, device=x.device)
         index, weight = self.lookup(x.long())
         sparse = self.sparse and not self.gathered
         if self.kind == "embedding":
@@ -186,3 +191,31 @@ def tables_of(module: nn.Module) -> list[tuple[str, Table]]:
 def table_info(table: Table) -> dict[str, Any]:
     return {"num_embeddings": table.num_embeddings, "dim": table.dim, "kind": table.kind, "mode": table.mode,
             "init_std": table.init_std}
+
+
+def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) -> list[str]:
+    """Replace every ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True`` in a custom
+    module by a :class:`Table` of the same size (named by its weight, initialised like the
+    ``embedding`` layer: normal(0, 1), seeded and chunked), so a ``model.module`` model gets the
+    sparse tables' path. Returns the tables' weight names; ValueError naming the layer for an
+    option the tables do not have (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, mode
+    ``max``). Embeddings with ``sparse=False`` stay ordinary dense parameters."""
+    found: list[tuple[str, nn.Module]] = [(n, m) for n, m in module.named_modules()
+                                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    names = []
+    for name, emb in found:
+        bag = isinstance(emb, nn.EmbeddingBag)
+        why = ("padding_idx" if emb.padding_idx is not None else "max_norm" if emb.max_norm is not None
+               else "scale_grad_by_freq" if emb.scale_grad_by_freq
+               else "mode 'max'" if bag and emb.mode == "max"
+               else "include_last_offset" if bag and emb.include_last_offset else None)
+        if why:
+            raise ValueError(f"{name}: a sparse {type(emb).__name__} with {why} is not supported as a ps table "
+                             "(docs/sparse.md#limits): drop the option, or build it with sparse=False")
+        table = Table(emb.num_embeddings, emb.embedding_dim, kind="embedding_bag" if bag else "embedding",
+                      mode=emb.mode if bag else "mean", init_std=1.0, name=f"{name}.weight" if name else "weight",
+                      seed=seed, gathered=gathered, device=emb.weight.device)
+        parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        setattr(parent, name.rpartition(".")[2], table)
+        names.append(table.name)
+    return names

@@ -288,7 +288,7 @@ class PipelineSpec(Strict):
 
 def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]:
     """Settings a model with sparse embedding tables cannot use, one problem each (also checked
-    for ``model.module`` models once their tables are known, at compile time)."""
+    for ``model.module`` models once their tables are known, before start: chief/preflight.py)."""
     out: list[tuple[tuple[str | int, ...], str]] = []
     opt, t = spec.optimizer, spec.training
     fix = "sparse tables take sgd, adagrad or adam (lazy Adam, torch.optim.SparseAdam)"

@@ -9,6 +9,7 @@ the replica's deterministic slice of the data.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -51,6 +52,25 @@ def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: floa
                         num_features=num_features, num_classes=num_classes, id_rows=id_rows)
 
 
+_TABLE_MODULES: dict[tuple[str, str], bool] = {}
+
+
+def _module_has_tables(model: Any) -> bool:
+    """Whether a ``model.module`` holds sparse embeddings (built once on the meta device)."""
+    from types import SimpleNamespace
+
+    from dtrain.model.build import build_model_skeleton
+    from dtrain.model.tables import tables_of
+
+    key = (model.module, json.dumps(model.kwargs or {}, sort_keys=True, default=str))
+    if key not in _TABLE_MODULES:
+        try:
+            _TABLE_MODULES[key] = bool(tables_of(build_model_skeleton(SimpleNamespace(model=model))))
+        except Exception:  # a module that cannot be built is reported where it is built (preflight)
+            return False
+    return _TABLE_MODULES[key]
+
+
 def dataset_for(spec: Any) -> Dataset:
     """The pipeline's dataset (cached per process: replicas and the session load it once)."""
     d = spec.data
@@ -65,6 +85,8 @@ def dataset_for(spec: Any) -> Dataset:
     num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
     layers = spec.model.layers or []
     id_rows = layers[0].num_embeddings if layers and layers[0].type in ("embedding", "embedding_bag") else None
+    if spec.model.module is not None and _module_has_tables(spec.model):
+        id_rows = 0  # ids for its tables (what it computes from them is its own: the ps checks them)
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
                            spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows)
 
@@ -230,7 +252,8 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         stats.wait_s += time.perf_counter() - t0
         return out
 
-    router = SparseRouter(rep.model, plan.tables, len(shards), rep.device) if getattr(plan, "tables", ()) else None
+    router = SparseRouter(rep.model, plan.tables, len(shards), rep.device, record=spec.model.module is not None) \
+        if getattr(plan, "tables", ()) else None
 
     def sparse(s: int, with_grads: bool = True, _cache: dict = {}) -> dict[str, Any]:  # noqa: B006
         """The ``sparse`` keyword of shard ``s``'s request (none without tables)."""

@@ -45,8 +45,9 @@ class SparseRouter:
     (the ps tasks come first: part ``p`` lives on shard ``p``)."""
 
     def __init__(self, model: torch.nn.Module, plans: tuple[TablePlan, ...], num_shards: int,
-                 device: torch.device):
+                 device: torch.device, record: bool = False):
         by_name = {t.name: t for t in plans}
+        self.model, self.record = model, record  # record: a custom module (ids_of's record pass)
         self.routes = [TableRoute(by_name[name], module) for name, module in tables_of(model)]
         missing = set(by_name) - {r.plan.name for r in self.routes}
         if missing:
@@ -62,7 +63,12 @@ class SparseRouter:
         return bool(self.routes)
 
     def plan_next(self, inputs: torch.Tensor) -> None:
-        """The next batch's input ids (every table reads the model's input: the first layer)."""
+        """The next batch's ids per table: the model's input for a ``model.layers`` table (the
+        first layer), what a record pass sees for a custom module's tables (:func:`ids_of`)."""
+        if self.record:
+            seen = ids_of(self.model, inputs)
+            self.next = [(seen[r.plan.name], r.split(seen[r.plan.name])) for r in self.routes]
+            return
         ids = torch.unique(inputs.detach().to("cpu", torch.int64))
         self.next = [(ids, route.split(ids)) for route in self.routes]
 
@@ -98,8 +104,29 @@ class SparseRouter:
 
 
 @torch.no_grad()
+def ids_of(model: torch.nn.Module, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sorted unique ids each table of ``model`` looks up for ``inputs``: a record pass, the
+    model's forward in eval mode with every table answering zeros and noting its ids (for a
+    custom module, whose ids are its own computation). A module whose ids depend on a table's
+    output is not supported: its lookups then fail, naming the table."""
+    tables = tables_of(model)
+    was_training = model.training
+    for _, t in tables:
+        t.recording = []
+    try:
+        model.eval()  # no dropout draws, no batch-norm statistics: the step's own pass is untouched
+        model(inputs)
+        return {name: torch.unique(torch.cat(t.recording).cpu()) if t.recording else
+                torch.empty(0, dtype=torch.int64) for name, t in tables}
+    finally:
+        model.train(was_training)
+        for _, t in tables:
+            t.recording = None
+
+
+@torch.no_grad()
 def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
-                      gather: Any, batch_size: int = 1024) -> dict[str, float]:
+                      gather: Any, batch_size: int = 1024, record: bool = False) -> dict[str, float]:
     """Like ``dtrain.worker.replica.evaluate`` for a model with gathered tables: each batch's rows
     come from ``gather(table name, unique ids)`` (the ps), so only the touched rows move."""
     from dtrain.model.layers import accuracy, get_loss, is_classification
@@ -113,9 +140,13 @@ def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     try:
         for i in range(0, len(x), batch_size):
             xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-            ids = torch.unique(xb.to(torch.int64))
+            if record:
+                wanted = ids_of(model, xb)
+            else:
+                ids = torch.unique(xb.to(torch.int64))
+                wanted = {name: ids for name, _ in tables_of(model)}
             for name, table in tables_of(model):
-                table.gather(ids, gather(name, ids))
+                table.gather(wanted[name], gather(name, wanted[name]))
             out = model(xb)
             total += float(loss_fn(out, yb)) * len(yb)
             if is_classification(loss_name):

@@ -309,15 +309,23 @@ def test_ps_memory_counts_table_rows_with_their_row_state(tmp_path, capsys):
     assert cmd(capsys, "plan", str(path))[0] == 0
 
 
-def test_a_module_with_its_own_embedding_is_refused_before_start(tmp_path, capsys, no_cluster):
-    path = write(tmp_path, CTR.replace("""  input_shape: [3]
+def test_a_modules_tables_get_the_sparse_checks_before_start(tmp_path, capsys, no_cluster):
+    module = CTR.replace("""  input_shape: [3]
   layers:
     - {type: embedding, num_embeddings: 50, dim: 4}
     - {type: flatten}
     - {type: linear, out: 1}
-""", "  module: tests.helpers.models:TinyEmbedding\n"), *ids_xy())
+""", "  module: tests.helpers.models:TinyEmbedding\n")
+    path = write(tmp_path, module.replace("{name: adagrad, lr: 0.1}", "{name: momentum, lr: 0.1}"), *ids_xy())
     code, err = cmd(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"{path}:4: model.module: 'tests.helpers.models:TinyEmbedding' has embedding layer(s) "
-                             "emb: a model.module's nn.Embedding / nn.EmbeddingBag is not supported yet"), err
+    assert err[0].startswith(f"{path}:8: optimizer.name: momentum does not apply to sparse gradients"), err
+    path.write_text(module.replace("TinyEmbedding", "TinyEmbedding\n  kwargs: {padding_idx: 0}"))
+    code, err = cmd(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{path}:4: model.module: 'tests.helpers.models:TinyEmbedding' failed while importing or "
+                             "building the model: ValueError: emb: a sparse Embedding with padding_idx is not "
+                             "supported as a ps table"), err
+    path.write_text(module)
+    assert cmd(capsys, "plan", str(path))[0] == 0
     assert not (tmp_path / "run").exists()

@@ -32,12 +32,30 @@ class TinyMLP(nn.Module):
 
 
 class TinyEmbedding(nn.Module):
-    """A module with its own nn.Embedding (refused before start: docs/sparse.md#limits)."""
+    """A module with its own sparse nn.Embedding (a ps table; with ``padding_idx``, refused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.emb = nn.Embedding(50, 4, sparse=True)
+        self.emb = nn.Embedding(50, 4, sparse=True, padding_idx=padding_idx)
         self.out = nn.Linear(12, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.emb(x.long()).flatten(1))
+
+
+class TwoTables(nn.Module):
+    """Two sparse tables over different columns of the ids (a user and an item field, say), with
+    the second field's ids shifted by the module itself: ps tables found by a record pass."""
+
+    def __init__(self, vocab: int = 5000, dim: int = 4) -> None:
+        super().__init__()
+        self.users = nn.Embedding(vocab, dim, sparse=True)
+        self.items = nn.EmbeddingBag(vocab, dim, mode="sum", sparse=True)
+        self.dense = nn.Embedding(7, 2)  # sparse=False: an ordinary dense parameter
+        self.head = nn.Sequential(nn.Linear(2 * dim + 2 + dim, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.vocab = vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        users = self.users(x[:, :2]).flatten(1)
+        items = self.items((x[:, 2:] + 17) % self.vocab)
+        return self.head(torch.cat([users, self.dense(x[:, 0] % 7), items], dim=1))

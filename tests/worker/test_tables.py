@@ -138,3 +138,40 @@ def test_resume_of_another_table_size_is_refused(inproc_client, tmp_path, ids_fi
     with pytest.raises(dtrain.RunError, match=f"holds a table of {VOCAB}x4 for 0.weight \\(the pipeline's is "
                                               f"{2 * VOCAB}x4\\)"):
         dtrain.run(bigger, client=inproc_client, run_dir=tmp_path / "run", resume=True)
+
+
+# ------------------------------------------------------------------------------ model.module tables
+
+def module_spec(path, optimizer: str, steps: int = 40, partition: str = "mod") -> dtrain.PipelineSpec:
+    return dtrain.loads(f"""
+name: module-tables
+cluster: {{jobs: {{ps: 2, worker: 2}}}}
+model: {{module: tests.helpers.models:TwoTables, loss: bce_with_logits}}
+placement: {{embedding_partition: {partition}}}
+data: {{source: {path}, batch_size: 16}}
+optimizer: {OPTIMIZERS[optimizer]}
+training: {{mode: sync, steps: {steps}, seed: 5}}
+summary: {{every_steps: 20, tensorboard: false}}
+""", base_dir=".")
+
+
+@pytest.mark.parametrize(("optimizer", "partition"), [("sgd", "mod"), ("adam", "div")])
+def test_a_modules_sparse_embeddings_become_ps_tables(inproc_client, tmp_path, ids_file, optimizer, partition):
+    """model.module with nn.Embedding and nn.EmbeddingBag (sparse=True) over columns it picks and
+    ids it computes (a record pass finds them), and a dense nn.Embedding: the two sparse ones live
+    on the ps as tables, the run equals single-process torch with the same module."""
+    spec = module_spec(ids_file, optimizer, partition=partition)
+    plan = dtrain.compile(spec)
+    assert [t.name for t in plan.tables] == ["users.weight", "items.weight"]
+    assert [t.kind for t in plan.tables] == ["embedding", "embedding_bag"]
+    assert "dense.weight" in {v.source for v in plan.variables}  # sparse=False: an ordinary variable
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["status"] == "completed"
+    reference = single_process(spec, 2)
+    assert reference.users.weight.grad.is_sparse
+    assert max_abs_diff(result.model, reference) <= TOLERANCE
+    state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert state["items.weight"].shape == (VOCAB, 4)
+    # teeth: the tables trained (the comparison would catch rows pushed to the wrong table)
+    init = dtrain.build_model(spec)
+    assert float((result.model.items.weight - init.items.weight).detach().abs().max()) > 1e-3
