@@ -34,13 +34,14 @@ class TinyMLP(nn.Module):
 class TinyEmbedding(nn.Module):
     """A module with its own sparse nn.Embedding (a ps table; with ``padding_idx``, refused)."""
 
-    def __init__(self, padding_idx: int | None = None) -> None:
+    def __init__(self, padding_idx: int | None = None, shift: int = 0) -> None:
         super().__init__()
         self.emb = nn.Embedding(50, 4, sparse=True, padding_idx=padding_idx)
+        self.shift = shift  # added to every id: shift > 0 looks up rows outside the table
         self.out = nn.Linear(12, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.emb(x.long()).flatten(1))
+        return self.out(self.emb(x.long() + self.shift).flatten(1))
 
 
 class TwoTables(nn.Module):

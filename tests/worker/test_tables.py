@@ -36,7 +36,7 @@ def ids_file(tmp_path_factory):
 
 def table_spec(path, num_ps: int, replicas: int, optimizer: str, partition: str = "mod", steps: int = 50,
                layer: str = "embedding", extra: str = "", checkpoint_every: int | None = None,
-               vocab: int = VOCAB) -> dtrain.PipelineSpec:
+               vocab: int = VOCAB, mode: str = "sync") -> dtrain.PipelineSpec:
     first = ("{type: embedding, num_embeddings: %d, dim: 4}" if layer == "embedding"
              else "{type: embedding_bag, num_embeddings: %d, dim: 4, mode: sum}") % vocab
     checkpoint = f"checkpoint: {{every_steps: {checkpoint_every}, keep: 3}}" if checkpoint_every else ""
@@ -51,7 +51,7 @@ model:
 placement: {{embedding_partition: {partition}}}
 data: {{source: {path}, batch_size: 16}}
 optimizer: {OPTIMIZERS[optimizer]}
-training: {{mode: sync, steps: {steps}, seed: 5{extra}}}
+training: {{mode: {mode}, steps: {steps}, seed: 5{extra}}}
 summary: {{every_steps: 25, tensorboard: false}}
 {checkpoint}
 """, base_dir=".")
@@ -175,3 +175,31 @@ def test_a_modules_sparse_embeddings_become_ps_tables(inproc_client, tmp_path, i
     # teeth: the tables trained (the comparison would catch rows pushed to the wrong table)
     init = dtrain.build_model(spec)
     assert float((result.model.items.weight - init.items.weight).detach().abs().max()) > 1e-3
+
+
+def test_async_applies_each_push_at_once(inproc_client, tmp_path, ids_file):
+    """Async with one replica is plain sequential training: each push's rows applied at once, the
+    next batch's rows read after that apply (within 1e-5 of single-process torch, batch b)."""
+    spec = table_spec(ids_file, 2, 1, "adagrad", steps=40, mode="async")
+    assert spec.training.mode == "async"
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["status"] == "completed" and result.summary["global_step"] == 40
+    assert max_abs_diff(result.model, single_process(spec, 1)) <= TOLERANCE
+
+
+def test_an_id_a_module_computes_outside_its_table_fails_the_run(inproc_client, tmp_path, ids_file):
+    """The data's ids are in range, but the module shifts them past its 50-row table: the ps
+    refuses the request (nothing read or written) and the run fails naming the table and the id."""
+    x = np.load(ids_file)["x"][:, :3] % 50  # TinyEmbedding: 3 fields
+    path = tmp_path / "small.npz"
+    np.savez(path, x=x, y=np.load(ids_file)["y"])
+    spec = dtrain.loads(f"""
+name: bad-ids
+cluster: {{jobs: {{ps: 1, worker: 1}}}}
+model: {{module: tests.helpers.models:TinyEmbedding, kwargs: {{shift: 50}}, loss: bce_with_logits}}
+data: {{source: {path}, batch_size: 8}}
+optimizer: {{name: sgd, lr: 0.1}}
+training: {{mode: async, steps: 20}}
+""", base_dir=".")
+    with pytest.raises(dtrain.RunError, match=r"id \d+ is outside table emb.weight \(num_embeddings 50, ids 0..49\)"):
+        dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
