@@ -66,3 +66,22 @@ class StopBelowLoss(dtrain.Hook):
             "threshold": self.threshold, "start_step": self.start_step, "stopped_at": self.stopped_at,
             "final_step": session.global_step, "seen": self.seen,
         }, indent=1))
+
+
+class CTRNet(nn.Module):
+    """A click-through model with two sparse embedding tables, as recommenders build them: the
+    first ``user_fields`` ids look up the user table, the others the item table (an
+    ``nn.EmbeddingBag`` summing them). Built with ``sparse=True``, both live on the ps tasks as
+    tables partitioned by rows (docs/sparse.md); only the rows a batch touches move."""
+
+    def __init__(self, vocab: int = 100_000, dim: int = 16, user_fields: int = 4, fields: int = 8):
+        super().__init__()
+        self.user_fields = user_fields
+        self.users = nn.Embedding(vocab, dim, sparse=True)
+        self.items = nn.EmbeddingBag(vocab, dim, mode="sum", sparse=True)
+        self.head = nn.Sequential(nn.Linear(user_fields * dim + dim, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        users = self.users(ids[:, :self.user_fields]).flatten(1)
+        items = self.items(ids[:, self.user_fields:])
+        return self.head(torch.cat([users, items], dim=1))

@@ -108,3 +108,21 @@ def test_load_model_for_inference_trains_once_then_reuses_the_run_directory(tmp_
     second = run_example("load_model_for_inference", str(run_dir), STEPS=300).stdout
     assert second.splitlines()[0] == f"reusing {run_dir / 'model.pt'}"
     assert second.splitlines()[1:] == first.splitlines()[1:]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_sparse_recommender_trains_its_tables_on_the_ps_and_serves_from_model_pt(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_example("sparse_recommender", "60", RUN_DIR=run_dir).stdout
+    assert "table users.weight: embedding 100000x16 (50000 rows on /job:ps/task:0, 50000 rows on " \
+           "/job:ps/task:1)" in out
+    assert "table items.weight: embedding_bag 100000x16" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] == 60
+    accuracy = number(r"eval accuracy: ([0-9.]+)", out)
+    assert accuracy == pytest.approx(summary["eval"]["accuracy"], abs=1e-4)
+    assert accuracy > 0.6  # majority 0.50; one epoch reaches about 0.67
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert state["users.weight"].shape == state["items.weight"].shape == (100_000, 16)
+    probabilities = [float(p) for p in out.split("first 5 examples: ")[1].split()]
+    assert len(probabilities) == 5 and all(0 < p < 1 for p in probabilities) and len(set(probabilities)) > 1
