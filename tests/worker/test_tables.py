@@ -36,10 +36,12 @@ def ids_file(tmp_path_factory):
 
 def table_spec(path, num_ps: int, replicas: int, optimizer: str, partition: str = "mod", steps: int = 50,
                layer: str = "embedding", extra: str = "", checkpoint_every: int | None = None,
-               vocab: int = VOCAB, mode: str = "sync") -> dtrain.PipelineSpec:
+               vocab: int = VOCAB, mode: str = "sync", eval_every: int | None = None) -> dtrain.PipelineSpec:
     first = ("{type: embedding, num_embeddings: %d, dim: 4}" if layer == "embedding"
              else "{type: embedding_bag, num_embeddings: %d, dim: 4, mode: sum}") % vocab
     checkpoint = f"checkpoint: {{every_steps: {checkpoint_every}, keep: 3}}" if checkpoint_every else ""
+    if eval_every:
+        checkpoint += f"\neval: {{every_steps: {eval_every}}}"
     flatten = "{type: flatten}, " if layer == "embedding" else ""
     return dtrain.loads(f"""
 name: table-fidelity
@@ -203,3 +205,34 @@ training: {{mode: async, steps: 20}}
 """, base_dir=".")
     with pytest.raises(dtrain.RunError, match=r"id \d+ is outside table emb.weight \(num_embeddings 50, ids 0..49\)"):
         dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+
+
+def test_evaluation_reads_only_the_rows_its_batches_touch(inproc_client, tmp_path, ids_file, monkeypatch):
+    """Periodic evaluation gathers, per batch, the rows of that batch's ids from the ps; only
+    model.pt (and the final evaluation, on that whole model) reads the whole table, once."""
+    gathered: list[int] = []
+    whole: list[str] = []
+    real_gather, real_pull = shards.ShardGroup.gather_rows, shards.ShardGroup.pull_table
+
+    def gather_rows(self, name, ids):
+        if not whole or whole[-1] != "inside":
+            gathered.append(len(ids))
+        return real_gather(self, name, ids)
+
+    def pull_table(self, name, chunk_rows=1 << 20):
+        whole.append("inside")
+        try:
+            return real_pull(self, name, chunk_rows)
+        finally:
+            whole[-1] = name
+
+    monkeypatch.setattr(shards.ShardGroup, "gather_rows", gather_rows)
+    monkeypatch.setattr(shards.ShardGroup, "pull_table", pull_table)
+    spec = table_spec(ids_file, 2, 2, "sgd", steps=30, eval_every=25)  # (summaries every 25 steps)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["eval"]["accuracy"] > 0
+    assert whole == ["0.weight"]  # model.pt, at the end
+    from dtrain.worker.replica import dataset_for
+
+    test_ids = len(np.unique(dataset_for(spec).x_test))
+    assert gathered and max(gathered) <= test_ids < VOCAB  # the evaluation at step 25
