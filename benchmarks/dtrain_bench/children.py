@@ -243,7 +243,9 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
     plan = dtrain.compile(spec)
     param_bytes = sum(s.bytes for s in plan.shards)
     k = plan.replicas_to_aggregate if spec.training.mode == "sync" else 1
-    row_state = {"sgd": 0, "adagrad": 1, "adam": 2}.get(p["optimizer"]["name"], 0)  # per table row (dtrain.ps.rows)
+    from dtrain.ps.rows import ROW_STATE
+
+    row_state = ROW_STATE.get(p["optimizer"]["name"], 0)  # tensors per table row, besides the row
     out: dict[str, Any] = {
         "status": "failed", "param_bytes": param_bytes, "shard_bytes": [s.bytes for s in plan.shards],
         "table_bytes": [s.table_bytes for s in plan.shards],

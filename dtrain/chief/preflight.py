@@ -78,8 +78,9 @@ def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0) -> in
     rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
     buffers and a step's pushed rows come on top."""
     state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False)))
-    row_state = {"sgd": 0, "adagrad": 1, "adam": 2}.get(optimizer.name, 0)
-    return param_bytes * (1 + PS_BUFFERS + state) + table_bytes * (1 + row_state)
+    from dtrain.ps.rows import ROW_STATE
+
+    return param_bytes * (1 + PS_BUFFERS + state) + table_bytes * (1 + ROW_STATE.get(optimizer.name, 0))
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -106,6 +106,10 @@ class RowLazyAdam(RowOptimizer):
                 getattr(self, key).copy_(state[key])
 
 
+ROW_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
+"""(rows, dim) tensors of optimizer state a table part keeps per optimizer, besides its rows."""
+
+
 def make_row_optimizer(rows: int, dim: int, config: dict[str, Any]) -> RowOptimizer:
     """The row optimizer for an ``optimizer:`` section (a plain dict); see the module docstring."""
     c = dict(config)
@@ -186,10 +190,9 @@ class TablePart:
 
     def state(self, copy: bool = False) -> dict[str, Any]:
         """Rows and optimizer state (``copy``: cloned, else the live tensors)."""
-        optimizer = self.optimizer.state_dict()
         if copy:
-            optimizer = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.items()}
-        return {"weight": self.weight.clone() if copy else self.weight, "optimizer": optimizer}
+            return self.chunk(0, len(self.rows))
+        return {"weight": self.weight, "optimizer": self.optimizer.state_dict()}
 
     def chunk(self, start: int, stop: int) -> dict[str, Any]:
         """Rows ``[start, stop)`` (local) and their optimizer state, copied; the step count whole."""

@@ -11,6 +11,8 @@ from pydantic import Field, field_validator, model_validator
 from .errors import CrossFieldErrors
 from .sections import Strict, check_device_string
 
+TABLE_LAYERS = ("embedding", "embedding_bag")  # sparse embedding tables: the first layer, integer ids
+
 # ----------------------------------------------------------------------------------------- model
 
 
@@ -143,10 +145,10 @@ class ModelSpec(Strict):
                                                   "e.g. - {type: linear, out: 10}")])
         if self.layers:
             for i, layer in enumerate(self.layers[1:], start=1):
-                if layer.type in ("embedding", "embedding_bag"):
+                if layer.type in TABLE_LAYERS:
                     raise CrossFieldErrors([(("layers", i, "type"), f"an {layer.type} layer takes the integer ids of "
                                              "the input, so it must be the first layer; move it to layers[0]")])
-            if self.layers[0].type in ("embedding", "embedding_bag") and self.input_shape is not None \
+            if self.layers[0].type in TABLE_LAYERS and self.input_shape is not None \
                     and len(self.input_shape) != 1:
                 raise CrossFieldErrors([(("input_shape",), f"an {self.layers[0].type} model takes ids of shape "
                                          f"(batch, fields): input_shape must be [fields], got {self.input_shape}")])

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from .device import DeviceSpec
 from .errors import CrossFieldErrors
 from .imports import missing_module
-from .layers import ModelSpec
+from .layers import TABLE_LAYERS, ModelSpec
 from .sections import (
     _ARITY,
     BUILTIN_HOOKS,
@@ -185,7 +185,7 @@ class PipelineSpec(Strict):
     def has_sparse_tables(self) -> bool:
         """Whether the layers hold a sparse embedding table (``model.module``: known once built)."""
         layers = self.model.layers if self.model is not None else None
-        return bool(layers) and layers[0].type in ("embedding", "embedding_bag") and layers[0].sparse
+        return bool(layers) and layers[0].type in TABLE_LAYERS and layers[0].sparse
 
     def _check_tables(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
         """What sparse tables cannot do (torch's sparse gradients cannot either: docs/sparse.md)."""
@@ -212,7 +212,7 @@ class PipelineSpec(Strict):
         source = data.source
         kind = data_source_kind(source)
         layers = self.model.layers or []
-        if kind != "file" and layers and layers[0].type in ("embedding", "embedding_bag"):
+        if kind != "file" and layers and layers[0].type in TABLE_LAYERS:
             problems.append((("data", "source"), f"{source!r} has float features, but model.layers[0] is an "
                              f"{layers[0].type} table, which takes integer ids: give an .npz file with an integer "
                              "'x' or a .csv/.parquet file with integer feature columns (e.g. python -m "

@@ -25,6 +25,7 @@ from dtrain.data.sampling import ShardIterator
 from dtrain.data.sources import Dataset, load_dataset, to_tensors
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
+from dtrain.model.tables import TABLE_TYPES
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
 from dtrain.worker.buckets import GradBuckets
@@ -84,7 +85,7 @@ def dataset_for(spec: Any) -> Dataset:
             num_features *= n
     num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
     layers = spec.model.layers or []
-    id_rows = layers[0].num_embeddings if layers and layers[0].type in ("embedding", "embedding_bag") else None
+    id_rows = layers[0].num_embeddings if layers and layers[0].type in TABLE_TYPES else None
     if spec.model.module is not None and _module_has_tables(spec.model):
         id_rows = 0  # ids for its tables (what it computes from them is its own: the ps checks them)
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,

@@ -65,12 +65,8 @@ class SparseRouter:
     def plan_next(self, inputs: torch.Tensor) -> None:
         """The next batch's ids per table: the model's input for a ``model.layers`` table (the
         first layer), what a record pass sees for a custom module's tables (:func:`ids_of`)."""
-        if self.record:
-            seen = ids_of(self.model, inputs)
-            self.next = [(seen[r.plan.name], r.split(seen[r.plan.name])) for r in self.routes]
-            return
-        ids = torch.unique(inputs.detach().to("cpu", torch.int64))
-        self.next = [(ids, route.split(ids)) for route in self.routes]
+        seen = table_ids(self.model, inputs, self.record)
+        self.next = [(seen[r.plan.name], r.split(seen[r.plan.name])) for r in self.routes]
 
     def requests(self, with_grads: bool) -> list[dict[str, tuple[Any, Any, Any]]]:
         """Per shard: table name -> (pushed ids, their row gradients, wanted ids of the next batch)."""
@@ -101,6 +97,16 @@ class SparseRouter:
             self.rows_moved += len(ids)
             route.module.gather(ids.to(self.device), rows.to(self.device))
         self.current = self.next
+
+
+def table_ids(model: torch.nn.Module, inputs: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:
+    """The sorted unique ids (on the CPU) each table of ``model`` needs for ``inputs``: the inputs
+    themselves for a ``model.layers`` table (the first layer), a record pass for a custom
+    module's (``record``: :func:`ids_of`)."""
+    if record:
+        return ids_of(model, inputs)
+    ids = torch.unique(inputs.detach().to("cpu", torch.int64))
+    return {name: ids for name, _ in tables_of(model)}
 
 
 @torch.no_grad()
@@ -140,11 +146,7 @@ def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     try:
         for i in range(0, len(x), batch_size):
             xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-            if record:
-                wanted = ids_of(model, xb)
-            else:
-                ids = torch.unique(xb.to(torch.int64))
-                wanted = {name: ids for name, _ in tables_of(model)}
+            wanted = table_ids(model, xb, record)
             for name, table in tables_of(model):
                 table.gather(wanted[name], gather(name, wanted[name]))
             out = model(xb)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dtrain.model.tables import global_rows
-from dtrain.ps.rows import TablePart, make_row_optimizer
+from dtrain.ps.rows import ROW_STATE, TablePart, make_row_optimizer
 
 # torch's own sparse Adagrad (the reference) warns about its sparse invariant checks
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
@@ -170,6 +170,8 @@ def test_nbytes_counts_rows_and_optimizer_state():
     assert parts(1, "mod", {"name": "sgd", "lr": 0.1})[0].nbytes == N * D * 4
     assert parts(1, "mod", OPTIMIZERS["adagrad"][0])[0].nbytes == 2 * N * D * 4
     assert parts(1, "mod", OPTIMIZERS["adam"][0])[0].nbytes == 3 * N * D * 4
+    for name, (config, _) in OPTIMIZERS.items():  # what the ps memory check and the benchmark count
+        assert parts(1, "mod", config)[0].nbytes == (1 + ROW_STATE[name]) * N * D * 4
 
 
 @pytest.mark.parametrize(("config", "match"), [
