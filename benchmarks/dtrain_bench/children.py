@@ -127,7 +127,16 @@ def child_plain(p: dict[str, Any]) -> dict[str, Any]:
             "peak_rss": _peak_rss()}
 
 
-def _ddp_rank(rank: int, world: int, port: int, p: dict[str, Any], out_dir: str) -> None:
+def _mlp_trainer(p: dict[str, Any], rank: int, ddp: Any) -> _Trainer:
+    import torch
+
+    torch.manual_seed(p["seed"])
+    return _Trainer(p, p["seed"] + rank, model=ddp(_torch_model(p)))
+
+
+def _ddp_rank(rank: int, world: int, port: int, p: dict[str, Any], out_dir: str, trainer: Any) -> None:
+    """One DDP process: ``trainer(p, rank, DistributedDataParallel)`` gives the loop (``.step()``),
+    timed between two barriers after the warm-up; its figures go to ``out_dir/rank<N>.json``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -135,36 +144,38 @@ def _ddp_rank(rank: int, world: int, port: int, p: dict[str, Any], out_dir: str)
     torch.set_num_threads(p["threads"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(p["seed"])
-        model = DistributedDataParallel(_torch_model(p))
-        t = _Trainer(p, p["seed"] + rank, model=model)
+        t = trainer(p, rank, DistributedDataParallel)
         for _ in range(p["warmup"]):
             t.step()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         for _ in range(p["steps"]):
             loss = t.step()
         float(loss.detach())
         dist.barrier()
         dt = time.perf_counter() - t0
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-            {"seconds": dt, "steps": p["steps"], "peak_rss": _peak_rss()}))
+            {"seconds": dt, "steps": p["steps"], "t_a": wall0, "t_b": wall0 + dt, "peak_rss": _peak_rss()}))
     finally:
         dist.destroy_process_group()
 
 
-def child_ddp(p: dict[str, Any]) -> dict[str, Any]:
+def spawn_ddp(p: dict[str, Any], world: int, trainer: Any = _mlp_trainer) -> list[dict[str, Any]]:
+    """``world`` DDP processes (gloo, rendezvous on 127.0.0.1 at a free port); each rank's figures."""
     import torch.multiprocessing as mp
 
-    world = p["world"]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
     port = free_port()
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-ddp-") as d:
-        mp.spawn(_ddp_rank, args=(world, port, p, d), nprocs=world, join=True)
-        ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+        mp.spawn(_ddp_rank, args=(world, port, p, d, trainer), nprocs=world, join=True)
+        return [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def child_ddp(p: dict[str, Any]) -> dict[str, Any]:
+    world = p["world"]
+    ranks = spawn_ddp(p, world)
     dt = max(r["seconds"] for r in ranks)
     steps = p["steps"]
     return {"status": "ok", "samples_per_sec": world * steps * p["batch"] / dt, "step_ms": 1e3 * dt / steps,

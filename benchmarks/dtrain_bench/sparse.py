@@ -18,10 +18,7 @@ each ps's peak RSS under 1.5x its state (above its idle RSS); ahead of DDP at 10
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -90,47 +87,21 @@ def child_sparse_plain(p: dict[str, Any]) -> dict[str, Any]:
             "seconds": dt, "peak_rss": _peak_rss()}
 
 
-def _ddp_rank(rank: int, world: int, port: int, p: dict[str, Any], out_dir: str) -> None:
+def _sparse_trainer(p: dict[str, Any], rank: int, ddp: Any) -> _Loop:
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(p["threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        t = _Loop(p, rank, model=DistributedDataParallel(_model(p["rows"])))
-        for _ in range(p["warmup"]):
-            t.step()
-        dist.barrier()
-        t0, wall0 = time.perf_counter(), time.time()
-        for _ in range(p["steps"]):
-            loss = t.step()
-        float(loss.detach())
-        dist.barrier()
-        dt = time.perf_counter() - t0
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-            {"seconds": dt, "t_a": wall0, "t_b": wall0 + dt, "peak_rss": _peak_rss()}))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    return _Loop(p, rank, model=ddp(_model(p["rows"])))
 
 
 def child_sparse_ddp(p: dict[str, Any]) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    from .children import free_port
+    from .children import spawn_ddp
 
     world = 2
-    port = free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sampler = LoopbackSampler()
     sampler.start()
     try:
-        with tempfile.TemporaryDirectory(prefix="dtrain-bench-ddp-") as d:
-            mp.spawn(_ddp_rank, args=(world, port, p, d), nprocs=world, join=True)
-            ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+        ranks = spawn_ddp(p, world, _sparse_trainer)
     finally:
         sampler.stop()
     dt = max(r["seconds"] for r in ranks)
