@@ -11,6 +11,7 @@ run directory (DESIGN.md's contract). The tensor math lives in the ps and worker
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 from distributed import Future
+from distributed import wait as wait_futures
 
 from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
@@ -452,14 +454,23 @@ class Session:
         save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
         return model, final_eval
 
-    def _cancel(self) -> None:
-        self.shards.close_data_plane()
+    def _cancel(self, grace_s: float = 3.0) -> None:
+        """End a run that did not complete. The order matters: replicas are first asked to stop
+        (each sees it in its next reply and returns), given ``grace_s`` to do so, and only then is
+        the data plane closed and what is left cancelled. Closing the data plane under a running
+        replica fails its task, and its worker prints Dask's "Compute Failed" with a traceback."""
         if self.driver is not None:
             self.driver.stop()
         futures = [f for f in self.replica_futures + self.shards.futures if f is not None]
+        replicas = [f for f in self.replica_futures if f is not None and not f.done()]
+        if futures:
+            self.shards.request_stop()
+        if replicas:
+            with contextlib.suppress(Exception):  # a replica blocked on a lost ps: cancelled below
+                wait_futures(replicas, timeout=grace_s)
+        self.shards.close_data_plane()
         if futures:
             try:
-                self.shards.request_stop()
                 self.client.cancel(futures, force=True)
             except Exception as exc:
                 logger.debug("cancel failed: %s", exc)
