@@ -58,7 +58,7 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "spec": {"spec", "model", "data"},  # shape inference and data checks at validation
     "model": {"model"},
     "data": {"data"},
-    "plan": {"plan", "spec", "model"},
+    "plan": {"plan", "spec", "model", "data"},  # the input plan assigns a sharded dataset's shards
     "ps": {"ps", "dataplane", "model"},  # the ps initialises its table rows as the model does
     "dataplane": {"dataplane"},
     "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data"},

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dtrain.data.shards import Manifest
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.spec.sections import worker_device_spec
+from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
+from .inputs import DataPlan, data_json, format_data, plan_data
 from .placement import VariableRequest, partition, place_variables
 from .tables import TablePlan, format_tables, plan_tables
 
@@ -105,6 +107,8 @@ class Plan:
     ps_bytes: Mapping[str, int] = field(default_factory=dict)
     missing_tasks: tuple[str, ...] = ()
     pipeline_hash: str = ""
+    data: DataPlan | None = None  # a sharded dataset's assignment (plan/inputs.py)
+    epochs: int | None = None  # data.epochs: training ends when every replica has read its data so often
 
     @property
     def num_replicas(self) -> int:
@@ -114,6 +118,7 @@ class Plan:
         d = asdict(self)
         d["ps_bytes"] = dict(self.ps_bytes)
         d["num_replicas"] = self.num_replicas
+        d["data"] = data_json(self.data) if self.data is not None else None
         return json.loads(json.dumps(d))
 
     def format(self) -> str:
@@ -124,7 +129,8 @@ class Plan:
         else:
             lines = [f"plan {self.name}: {self.mode} {self.replication}, {self.num_replicas} replica(s)"
                      + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" else "")
-                     + f", {self.steps} steps"]
+                     + (f", {self.epochs} epoch(s)" if self.epochs else "")
+                     + (f", {self.steps} steps" if self.steps < MAX_STEPS else "")]
         if self.variables:
             lines.append("variables:")
             w = max(len(v.name) for v in self.variables)
@@ -140,6 +146,7 @@ class Plan:
                 lines.append(f"  {s.task:<18} {s.bytes:>10} B  {s.numel:>9} params  on {where}"
                              + (f"  + {s.table_bytes} B of table rows" if s.table_bytes else "")
                              + ("  (global_step)" if s.holds_global_step else ""))
+        lines.extend(format_data(self.data))
         if self.replicas:
             lines.append("replicas:")
             for r in self.replicas:
@@ -230,12 +237,18 @@ def _host(address: str) -> str:
 # ------------------------------------------------------------------------------------- compile
 
 
-def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None = None) -> Plan:  # noqa: A001
-    """Turn a validated spec into a Plan. Pure: the same inputs always give the same Plan."""
+def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None = None,  # noqa: A001
+            data: tuple[Manifest, Manifest | None] | None = None) -> Plan:
+    """Turn a validated spec into a Plan. Pure: the same inputs always give the same Plan.
+    ``data``: a sharded dataset's (training, evaluation) manifests (``dtrain.data.shards``, read by
+    the caller): the plan assigns the training shards to the replicas."""
     addresses, missing = resolve_workers(spec, workers)
     if spec.is_graph:
         return _compile_graph(spec, addresses, missing)
-    return _compile_training(spec, addresses, missing)
+    plan = _compile_training(spec, addresses, missing)
+    if data is not None:
+        plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
+    return plan
 
 
 def _task_key(dev: DeviceSpec) -> str:
@@ -332,6 +345,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
         replicas=tuple(replicas), layers=tuple(layers), tables=tables, ps_bytes=ps_bytes,
         missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
+        epochs=spec.data.epochs,
     )
 
 

@@ -24,7 +24,9 @@ from .sections import (
     _ARITY,
     BUILTIN_HOOKS,
     MAX_EMBEDDED_TASKS,
+    MAX_STEPS,
     NAME,
+    STREAM_KEYS,
     CheckpointSpec,
     ClusterSpec,
     DataSpec,
@@ -176,6 +178,7 @@ class PipelineSpec(Strict):
                 check_device(("model", "layers", i, "device"), layer.device)
             self._check_shapes(problems)
         self._check_data(problems, base_dir)
+        self._check_stream(problems, base_dir)
         self._check_imports(problems)
         self._check_tables(problems)
         if problems:
@@ -203,6 +206,7 @@ class PipelineSpec(Strict):
                 problems.append((("hooks", i, "type"), f"custom hook: {why}"))
 
     def _check_data(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path) -> None:
+        from dtrain.data.shards import ShardError, discover, is_sharded
         from dtrain.data.sources import FILE_SUFFIXES, SKLEARN_DATASETS, data_source_kind, resolve_data_path
 
         assert self.model is not None
@@ -226,6 +230,14 @@ class PipelineSpec(Strict):
             elif name == "diabetes" and loss == "cross_entropy":
                 problems.append((("data", "source"), "sklearn:diabetes is a regression dataset; "
                                  "set model.loss: mse"))
+        elif kind == "file" and is_sharded(source, base_dir):
+            for key in ("source", "eval_source"):
+                value = getattr(data, key)
+                if value is not None and "://" not in value:  # a remote listing waits for the run's preflight
+                    try:
+                        discover(value, base_dir)
+                    except ShardError as exc:
+                        problems.append((("data", key), str(exc)))
         elif kind == "file":
             path = resolve_data_path(source, base_dir)
             assert path is not None
@@ -236,6 +248,26 @@ class PipelineSpec(Strict):
             elif not path.is_file():
                 problems.append((("data", "source"), f"data file {source!r} does not exist (looked for {path}; "
                                  "relative paths are relative to the pipeline file's directory)"))
+
+    def _check_stream(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path) -> None:
+        """Sharded sources: the keys that only they use, and the steps that end a run."""
+        from dtrain.data.shards import is_sharded
+
+        data, t = self.data, self.training
+        if t.steps is None:  # training.steps is optional: the data's end (data.epochs) or 1000
+            t.steps = MAX_STEPS if data.epochs else 1000
+        sharded = is_sharded(data.source, base_dir)
+        if not sharded:
+            for key in STREAM_KEYS:
+                if key in data.model_fields_set:
+                    problems.append((("data", key), f"{key} applies to a sharded source (a glob, directory or URL "
+                                     f"of .parquet/.csv/.npz files), not {data.source!r}: remove it"))
+        elif t.replication == "in_graph":
+            problems.append((("training", "replication"), "a sharded source is streamed by each replica's own "
+                             "loop: use replication: between_graph (in_graph reads a file held in memory)"))
+        if data.epochs and t.replication == "in_graph":
+            problems.append((("data", "epochs"), "data.epochs ends each replica's own loop; in_graph replication "
+                             "counts training.steps only: remove data.epochs or use replication: between_graph"))
 
     def _check_shapes(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
         from dtrain.model.layers import LayerError, LayerShapeError, infer_shapes

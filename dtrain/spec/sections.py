@@ -269,25 +269,7 @@ def worker_device_spec(value: str) -> DeviceSpec:
 # ------------------------------------------------------------------------------------------ data
 
 
-class DataSpec(Strict):
-    """Training data: a synthetic problem, a bundled scikit-learn dataset, or a file."""
-
-    source: str = Field(
-        "synthetic",
-        description="synthetic | sklearn:digits (also sklearn:iris, sklearn:wine, sklearn:breast_cancer, "
-        "sklearn:diabetes) | path to .npz/.csv/.parquet, relative to the pipeline file.",
-    )
-    batch_size: int = Field(32, ge=1, description="Examples per replica per step.")
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share held out for evaluation (seeded, stratified).")
-    standardize: bool = Field(True, description="Scale features with the training split's mean and std.")
-    target: str = Field("label", description="Target column of .csv/.parquet files.")
-    task: Literal["classification", "regression"] | None = Field(
-        None, description="synthetic only: the kind of problem (default: from the loss)."
-    )
-    num_samples: int = Field(4096, ge=8, description="synthetic only: number of examples.")
-    num_classes: int = Field(10, ge=2, description="synthetic classification only: number of classes.")
-    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded).")
-
+from .data import STREAM_KEYS, DataSpec  # noqa: E402,F401  (re-exported: one module per section group)
 
 # ------------------------------------------------------------------------------------- optimizer
 
@@ -352,7 +334,9 @@ class TrainingSpec(Strict):
     total_num_replicas: int | None = Field(
         None, ge=1, description="Replicas, backups included (default and maximum: the worker job's task count)."
     )
-    steps: int = Field(1000, ge=1, le=MAX_STEPS, description="The last global step (at most 2**62).")
+    steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="The last global step (at most 2**62). Default: 1000, or unbounded "
+        "when data.epochs is set (the data's end ends training).")
     seed: int = Field(0, ge=0, le=MAX_SEED,
                       description="Seed for initialisation, data order and dropout (0 .. 2**32 - 1).")
     overlap: bool = Field(

@@ -415,7 +415,7 @@ def test_to_json_snapshot(digits, digits_plan):
              "output_shape": [10]},
         ],
         "ops": [], "fetch": [], "ps_bytes": {"/job:ps/task:0": 37888, "/job:ps/task:1": 552},
-        "missing_tasks": [], "tables": [],
+        "missing_tasks": [], "tables": [], "data": None, "epochs": None,
     }
 
 

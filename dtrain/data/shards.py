@@ -1,0 +1,280 @@
+"""Sharded datasets: finding the files, reading their headers, checking they agree, reading one shard.
+
+A *sharded* source is a glob, a directory or a filesystem URL (anything fsspec understands:
+``s3://…``, ``gs://…``, local paths) of ``.parquet``, ``.csv`` or ``.npz`` files. Its
+:class:`Manifest` lists the shards — one per parquet row group, one per CSV or npz file, one per
+partition of a Dask collection — with their row counts, read from the headers only (a CSV's rows
+are counted by its newlines), and the columns every file must share. Nothing here imports Dask or
+torch: the compiler assigns the shards to replicas (``dtrain.plan.inputs``), each replica streams
+its own (``dtrain.data.stream``).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .sources import FILE_SUFFIXES, data_source_kind
+
+GLOB_CHARS = "*?["
+
+
+class ShardError(ValueError):
+    """A sharded source that cannot be used (nothing matches, files that disagree, a bad header)."""
+
+
+class BadShardError(OSError):
+    """A shard that turned out unreadable or corrupt while training read it (names the file)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One unit of assignment: a file, a parquet row group, or a Dask collection's partition."""
+
+    path: str
+    rows: int
+    part: int | None = None  # parquet row group, or the partition's index
+
+    @property
+    def name(self) -> str:
+        """How ``dtrain plan`` and errors name it: the file's name, ``#rg<N>`` for a row group."""
+        base = self.path.rsplit("/", 1)[-1]
+        if self.path.startswith("partition:"):
+            return self.path
+        return base if self.part is None else f"{base}#rg{self.part}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Every shard of a source, in file order, and what each sample holds."""
+
+    source: str
+    fmt: str  # parquet | csv | npz | dask
+    shards: tuple[Shard, ...]
+    features: tuple[str, ...]  # column names (npz: ("x",))
+    target: str
+    ids: bool  # integer features: ids for embedding tables (never standardised)
+    feature_shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+
+def is_sharded(source: str, base_dir: str | Path = ".") -> bool:
+    """Whether ``source`` names a set of shards: a glob, a directory, or a URL (``s3://…``)."""
+    if data_source_kind(source) != "file":
+        return False
+    if "://" in source or any(c in source for c in GLOB_CHARS) or source.endswith("/"):
+        return True
+    path = Path(source).expanduser()
+    return (path if path.is_absolute() else Path(base_dir) / path).is_dir()
+
+
+def _url(source: str, base_dir: str | Path) -> str:
+    if "://" in source:
+        return source
+    path = Path(source).expanduser()
+    return str(path if path.is_absolute() else Path(base_dir) / path)
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def discover(source: str, base_dir: str | Path = ".") -> list[str]:
+    """The files ``source`` names, sorted (ShardError: none, or a mix of formats)."""
+    url = _url(source, base_dir)
+    fs, path = _fs(url)
+    if any(c in path for c in GLOB_CHARS):
+        found = fs.glob(path)
+    elif fs.isdir(path):
+        found = [p for p in fs.find(path) if Path(p).suffix.lower() in FILE_SUFFIXES]
+    else:
+        found = [path] if fs.exists(path) else []
+    files = sorted(p for p in found if fs.isfile(p) and Path(p).suffix.lower() in FILE_SUFFIXES)
+    if not files:
+        raise ShardError(f"no {'/'.join(FILE_SUFFIXES)} file matches {source!r} (looked in {url}; relative paths "
+                         "are relative to the pipeline file's directory)")
+    suffixes = sorted({Path(p).suffix.lower() for p in files})
+    if len(suffixes) > 1:
+        raise ShardError(f"{source!r} matches files of several formats ({', '.join(suffixes)}): one format per "
+                         "dataset; narrow the pattern, e.g. *.parquet")
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return [p if protocol in ("file", "local") else f"{protocol}://{p}" for p in files]
+
+
+def _open(path: str) -> Any:
+    fs, p = _fs(path)
+    return fs.open(p, "rb")
+
+
+def _parquet_header(path: str) -> tuple[list[tuple[str, str]], list[int]]:
+    import pyarrow.parquet as pq
+
+    with _open(path) as f:
+        meta = pq.ParquetFile(f).metadata
+        schema = meta.schema.to_arrow_schema()
+        return ([(n, str(t)) for n, t in zip(schema.names, schema.types, strict=True)],
+                [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+
+
+def _csv_header(path: str) -> tuple[list[tuple[str, str]], int]:
+    import pyarrow.csv as pacsv
+
+    with _open(path) as f:
+        reader = pacsv.open_csv(f)  # types from the first block
+        schema = reader.schema
+    with _open(path) as f:  # rows: newlines after the header (a last line without one counts too)
+        lines, last = 0, b"\n"
+        while chunk := f.read(1 << 22):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+        rows = lines - 1 + (last != b"\n")
+    return [(n, str(t)) for n, t in zip(schema.names, schema.types, strict=True)], max(rows, 0)
+
+
+def _npy_header(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    with archive.open(f"{name}.npy") as member:
+        fmt = np.lib.format
+        version = fmt.read_magic(member)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _fortran, dtype = read(member)  # the header only, never the array
+    return tuple(shape), dtype
+
+
+def _npz_header(path: str) -> tuple[list[tuple[str, str]], int, tuple[int, ...]]:
+    with _open(path) as f, zipfile.ZipFile(f) as archive:
+        names = {n[:-4] for n in archive.namelist() if n.endswith(".npy")}
+        if not {"x", "y"} <= names:
+            raise ShardError(f"{path}: a .npz shard must hold arrays 'x' and 'y'; found {sorted(names)}")
+        xs, xd = _npy_header(archive, "x")
+        ys, yd = _npy_header(archive, "y")
+    if len(xs) < 2 or ys[:1] != xs[:1]:
+        raise ShardError(f"{path}: 'x' must be N x features and 'y' hold one entry per row; got {xs} and {ys}")
+    return [("x", f"{xd}{list(xs[1:])}"), ("y", str(yd))], xs[0], xs[1:]
+
+
+def _integer(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def read_manifest(source: str, base_dir: str | Path = ".", target: str = "label",
+                  files: list[str] | None = None) -> Manifest:
+    """Discover ``source``'s files and read their headers (ShardError naming the file and the
+    columns when they disagree with the first file, or the target is missing)."""
+    files = discover(source, base_dir) if files is None else files
+    fmt = Path(files[0]).suffix.lower().lstrip(".")
+    shards: list[Shard] = []
+    first: list[tuple[str, str]] | None = None
+    shape: tuple[int, ...] = ()
+    for path in files:
+        try:
+            if fmt == "parquet":
+                columns, groups = _parquet_header(path)
+                shards += [Shard(path, n, i) for i, n in enumerate(groups) if n]
+            elif fmt == "csv":
+                columns, rows = _csv_header(path)
+                shards += [Shard(path, rows)] if rows else []
+            else:
+                columns, rows, shape = _npz_header(path)
+                shards += [Shard(path, rows)] if rows else []
+        except ShardError:
+            raise
+        except Exception as exc:
+            raise ShardError(f"{path}: cannot read its {fmt} header: {' '.join(str(exc).split())}") from exc
+        if first is None:
+            first = columns
+            if fmt != "npz" and target not in dict(columns):
+                raise ShardError(f"{path}: target column {target!r} not found; columns: "
+                                 + ", ".join(n for n, _ in columns))
+        elif columns != first:
+            want, got = dict(first), dict(columns)
+            diff = [f"{n} ({want.get(n, 'missing')} in {Path(files[0]).name}, {got.get(n, 'missing')} here)"
+                    for n in dict.fromkeys([*want, *got]) if want.get(n) != got.get(n)]
+            if not diff:  # the same columns in another order
+                diff = [f"order {', '.join(got)} (vs {', '.join(want)})"]
+            raise ShardError(f"{path}: its columns differ from the first file {files[0]}: {'; '.join(diff)}: every "
+                             "shard needs the same columns and types")
+    assert first is not None
+    if not shards:
+        raise ShardError(f"{source!r}: its {len(files)} file(s) hold no rows")
+    if fmt == "npz":
+        return Manifest(source, fmt, tuple(shards), ("x",), "y", _integer(first[0][1]), shape)
+    features = tuple(n for n, _ in first if n != target)
+    if not features:
+        raise ShardError(f"{files[0]}: no feature columns besides the target column {target!r}")
+    types = dict(first)
+    bad = [f"{n} ({types[n]})" for n in features if not (_integer(types[n]) or types[n] in
+                                                         ("float", "double", "halffloat", "bool"))]
+    if bad:
+        raise ShardError(f"{files[0]}: feature column(s) {', '.join(bad)} are not numeric")
+    ids = all(_integer(types[n]) for n in features)
+    return Manifest(source, fmt, tuple(shards), features, target, ids, (len(features),))
+
+
+@lru_cache(maxsize=8)
+def manifest_for(source: str, base_dir: str, target: str) -> Manifest:
+    """:func:`read_manifest`, cached per process (validation, the plan and the chief share it)."""
+    return read_manifest(source, base_dir, target)
+
+
+def split_eval(manifest: Manifest, test_fraction: float, seed: int, min_train: int) -> tuple[Manifest, Manifest]:
+    """(train, test): a seeded ``test_fraction`` of the shards held out for evaluation, at least one,
+    leaving ``min_train`` for training (ShardError when there are too few)."""
+    n = len(manifest.shards)
+    n_test = max(1, round(test_fraction * n))
+    if n - n_test < min_train:
+        raise ShardError(f"{manifest.source!r} has {n} shard(s): holding out {n_test} for evaluation "
+                         f"(test_fraction {test_fraction}) leaves fewer than the {min_train} replicas need (one "
+                         "each): write more files or row groups, or set data.eval_source")
+    test = set(np.random.default_rng([int(seed), 7]).choice(n, n_test, replace=False).tolist())
+
+    def pick(keep: bool) -> Manifest:
+        return Manifest(manifest.source, manifest.fmt, tuple(s for i, s in enumerate(manifest.shards)
+                                                             if (i in test) == keep),
+                        manifest.features, manifest.target, manifest.ids, manifest.feature_shape)
+
+    return pick(False), pick(True)
+
+
+def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray]:
+    """One shard's (x, y) as numpy: float64 or int64 features, the raw targets. BadShardError
+    naming the file when it cannot be read or does not match the manifest's columns."""
+    try:
+        if manifest.fmt == "npz":
+            with _open(shard.path) as f, np.load(f, allow_pickle=False) as archive:
+                x, y = archive["x"], archive["y"]
+            x = x.reshape(len(x), -1)
+        else:
+            if manifest.fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                with _open(shard.path) as f:
+                    table = pq.ParquetFile(f).read_row_group(shard.part or 0)
+            else:
+                import pyarrow.csv as pacsv
+
+                with _open(shard.path) as f:
+                    table = pacsv.read_csv(f)
+            x = np.stack([table.column(n).to_numpy() for n in manifest.features], axis=1)
+            y = np.asarray(table.column(manifest.target).to_numpy(zero_copy_only=False))
+    except Exception as exc:
+        raise BadShardError(f"{shard.name} ({shard.path}): cannot be read: {' '.join(str(exc).split())}") from exc
+    if len(x) != shard.rows or len(y) != shard.rows:
+        raise BadShardError(f"{shard.name} ({shard.path}): holds {len(x)} rows, its header said {shard.rows}")
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        raise BadShardError(f"{shard.name} ({shard.path}): holds NaN or infinite features")
+    return x.astype(np.int64 if manifest.ids else np.float64), y
+
+
+ShardReader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]
+"""Reads one shard's raw (x, y): :func:`read_shard` for files, a Dask partition's fetch otherwise."""
