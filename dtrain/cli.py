@@ -136,11 +136,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         # What `run` checks before it starts (the user's code imported, the data read): a plan
         # that `run` would refuse is refused here too, as a spec error (exit 2).
+        from .chief.inputs import file_input, sharded
         from .chief.preflight import check_before_start
         from .plan.compiler import compile
 
         check_before_start(spec, embedded=spec.cluster.scheduler is None)
-        plan = compile(spec)
+        plan = compile(spec, data=file_input(spec, with_stats=False) if sharded(spec) else None)
     except SpecError as exc:
         raise locate(exc, args.pipeline, args.overrides) from None
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())
@@ -204,7 +205,8 @@ def _interrupt_checkpoint(run_dir: Path) -> str:
 
 
 class _Progress:
-    """A live progress bar on stderr (rich): step, loss, samples/s."""
+    """A live progress bar on stderr (rich): step, loss, samples/s; the epoch with data.epochs or a
+    sharded dataset (the bar then shows the share of the data consumed when the run ends with it)."""
 
     def __init__(self, enabled: bool):
         self._p = None
@@ -222,15 +224,20 @@ class _Progress:
                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                console=Console(stderr=True), transient=False)
             self._p.start()
-            self._task = self._p.add_task("train", total=info["steps"], info="")
+            self._by_share = "share" in info  # training.steps is unbounded: the data's end ends the run
+            self._task = self._p.add_task("train", total=100 if self._by_share else info["steps"], info="")
         parts = []
+        if info.get("epoch") is not None:
+            parts.append(f"epoch {info['epoch']:.2f}" + (f" ({100 * info['share']:.0f}% of the data)"
+                                                          if "share" in info else ""))
         if info.get("loss") is not None:
             parts.append(f"loss {info['loss']:.4f}")
         if info.get("samples_per_sec"):
             parts.append(f"{info['samples_per_sec']:.0f} samples/s")
         if info.get("dropped_stale"):
             parts.append(f"stale {info['dropped_stale']}")
-        self._p.update(self._task, completed=min(info["step"], info["steps"]), info="  ".join(parts))
+        done = round(100 * info.get("share", 0)) if self._by_share else min(info["step"], info["steps"])
+        self._p.update(self._task, completed=done, info="  ".join(parts))
 
     def close(self) -> None:
         if self._p is not None:

@@ -36,9 +36,10 @@ PS_BUFFERS = 2
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 3, "adagrad": 2}  # adam: +1 with amsgrad
 
 
-def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
+def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool = False) -> list[Hook]:
     """Run every check (see the module docstring) and return the built hooks; SpecError listing
-    every problem otherwise. ``embedded``: the run starts its own cluster (memory limits apply)."""
+    every problem otherwise. ``embedded``: the run starts its own cluster (memory limits apply).
+    ``collection``: the data is a Dask collection, checked once on the cluster (:func:`collection_data`)."""
     problems: list[Problem] = []
     hooks: list[Hook] = []
     try:
@@ -54,14 +55,16 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
         _module_tables(spec, skeleton, problems)
         if problems:
             raise SpecError(problems)
-    data = _dataset(spec, problems)
+    data = None if collection else _dataset(spec, problems)
     if skeleton is not None and data is not None:
         _fits(spec, skeleton, data, problems)
     if skeleton is not None and not problems:
         from dtrain.plan.compiler import compile
 
+        from .inputs import file_input, sharded
+
         try:
-            plan = compile(spec)
+            plan = compile(spec, data=file_input(spec, with_stats=False) if sharded(spec) and not collection else None)
         except SpecError as exc:
             problems += exc.problems
         else:
@@ -70,6 +73,25 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool) -> list[Hook]:
     if problems:
         raise SpecError(problems)
     return hooks
+
+
+def collection_data(spec: PipelineSpec, client: Any, data: Any) -> Any:
+    """A Dask collection given to ``dtrain.run(spec, data=...)`` as shards (``inputs.collection_input``),
+    checked against the model as a file would be; SpecError (at ``data``) otherwise."""
+    from .inputs import collection_input
+
+    problems: list[Problem] = []
+    try:
+        data_input = collection_input(spec, client, data)
+    except (TypeError, ValueError) as exc:
+        raise SpecError([Problem(f"the Dask collection given as data= cannot be used: {_one_line(exc)}",
+                                 path="data")]) from None
+    skeleton = _skeleton(spec, problems)
+    if skeleton is not None:
+        _fits(spec, skeleton, data_input.stats, problems)
+    if problems:
+        raise SpecError(problems)
+    return data_input
 
 
 def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0) -> int:
@@ -123,10 +145,15 @@ def _module_tables(spec: PipelineSpec, skeleton: Any, problems: list[Problem]) -
 def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:
     from dtrain.worker.replica import dataset_for
 
+    from .inputs import file_input, sharded
+
     try:
+        if sharded(spec):  # the headers, then one statistics pass with Dask (cached: the session reuses it)
+            return file_input(spec).stats
         return dataset_for(spec)  # cached: the chief's evaluation reuses it
     except (ValueError, OSError) as exc:
-        problems.append(Problem(f"cannot load {spec.data.source!r}: {_one_line(exc)}", path="data.source"))
+        path = "data.eval_source" if spec.data.eval_source and spec.data.eval_source in str(exc) else "data.source"
+        problems.append(Problem(f"cannot load {spec.data.source!r}: {_one_line(exc)}", path=path))
         return None
 
 
@@ -161,7 +188,7 @@ def _fits(spec: PipelineSpec, skeleton: Any, data: Any, problems: list[Problem])
         try:
             import torch
 
-            ids = data.x_train.dtype.kind in "iu"  # ids for the module's tables
+            ids = data.ids if hasattr(data, "ids") else data.x_train.dtype.kind in "iu"  # ids for its tables
             out = output_shape(skeleton, shape, torch.int64 if ids else torch.float32)
         except NotImplementedError:
             return  # an operation torch's meta device cannot run: the check needs real tensors

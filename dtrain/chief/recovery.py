@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain.chief import checkpoint as ckpt_io
 from dtrain.deploy.cluster import wait_for_tasks
-from dtrain.plan.compiler import compile
 from dtrain.spec.errors import RunError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,7 +136,7 @@ class Recovery:
             stale += s.shards.futures
         s.client.cancel([f for f in stale if f is not None], force=True)
         wait_for_tasks(s.conn, s.spec, s.spec.cluster.wait_s)
-        s.plan = s.shards.plan = compile(s.spec, s.conn.workers())
+        s.plan = s.shards.plan = s.compile_plan()
         if restart:
             s.shards.generation += 1
             latest = ckpt_io.latest(s.run_dir) if s.spec.checkpoint is not None else None

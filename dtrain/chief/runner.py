@@ -23,7 +23,8 @@ from dtrain.spec.errors import ConnectError, RunDirError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import signals
-from .preflight import check_before_start
+from .inputs import file_input, sharded
+from .preflight import check_before_start, collection_data
 from .rundir import (
     Result,
     RunDirLock,
@@ -41,15 +42,18 @@ logger = logging.getLogger(__name__)
 
 def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | None = None, *,
         scheduler: str | None = None, resume: bool = False, progress: Callable[[dict[str, Any]], None] | None = None,
-        processes: bool = True) -> Result:
+        processes: bool = True, data: Any = None) -> Result:
     """Run a pipeline. With ``client``, on that client's cluster (it must have a worker per task,
     named ``<job>-<index>`` or tagged with the resource ``<job>``); otherwise on
-    ``scheduler``/``cluster.scheduler``, or on an embedded cluster started (and stopped) here."""
+    ``scheduler``/``cluster.scheduler``, or on an embedded cluster started (and stopped) here.
+    ``data``: a ``dask.dataframe.DataFrame`` (feature columns and ``data.target``) or an ``(X, y)``
+    pair of ``dask.array``s to train on instead of ``data.source``; its partitions are the shards
+    (docs/data.md)."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(spec)
     check_run_dir(run_dir, resume)
     fresh = not run_dir.exists()
     try:
-        return _run(spec, client, run_dir, scheduler, resume, progress, processes)
+        return _run(spec, client, run_dir, scheduler, resume, progress, processes, data)
     except ConnectError:
         # The cluster was never reached: the run did not start, so it leaves nothing behind.
         if fresh:
@@ -58,7 +62,7 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
 
 
 def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: str | None, resume: bool,
-         progress: Callable[[dict[str, Any]], None] | None, processes: bool) -> Result:
+         progress: Callable[[dict[str, Any]], None] | None, processes: bool, data: Any = None) -> Result:
     if spec.is_graph:
         from dtrain.graph.runner import run_graph
 
@@ -67,13 +71,16 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
     # The user's code imported, the data loaded and checked against the model, the plan compiled:
     # a pipeline that cannot run is a SpecError here, before any cluster starts (preflight.py).
     embedded = client is None and scheduler is None and spec.cluster.scheduler is None
-    hooks = check_before_start(spec, embedded=embedded)
+    hooks = check_before_start(spec, embedded=embedded, collection=data is not None)
+    data_input = file_input(spec) if data is None and sharded(spec) else None  # cached by the preflight
     t0 = time.time()
     with RunDirLock(run_dir), contextlib.ExitStack() as stack:
         session: Session | None = None
         try:
             conn = stack.enter_context(connect(spec, client=client, scheduler=scheduler, processes=processes))
-            session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks)
+            if data is not None:  # a Dask collection: one pass on the cluster for its rows and statistics
+                data_input = collection_data(spec, conn.client, data)
+            session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks, data=data_input)
             # Actor handles find their client through the "current client" (this is not made the
             # process-wide default client, which belongs to the user).
             with conn.client.as_current():

@@ -26,18 +26,16 @@ from distributed import wait as wait_futures
 
 from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
-from dtrain.model.tables import tables_of
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.worker.replica import dataset_for, evaluate
-from dtrain.worker.tables import evaluate_gathered
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from . import signals
+from . import data_report, evaluation, signals
 from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
+from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
 from .recovery import Recovery
 from .rundir import (
@@ -56,14 +54,16 @@ class Session:
     """One training run on a connected cluster (see the module docstring)."""
 
     def __init__(self, spec: PipelineSpec, conn: Connection, run_dir: Path, resume: bool = False,
-                 progress: Callable[[dict[str, Any]], None] | None = None, hooks: list[Hook] | None = None):
+                 progress: Callable[[dict[str, Any]], None] | None = None, hooks: list[Hook] | None = None,
+                 data: DataInput | None = None):
         self.spec = spec
         self.conn = conn
         self.client = conn.client
         self.run_dir = run_dir
         self.resume = resume
         self.progress = progress
-        self.plan = compile(spec, conn.workers())
+        self.data_input = data  # a sharded dataset (files or a Dask collection): chief/inputs.py
+        self.plan = self.compile_plan()
         if self.plan.missing_tasks:
             raise RunError("no worker for task(s) " + ", ".join(self.plan.missing_tasks))
         self.layout = ShardLayout.from_plan(self.plan)
@@ -89,6 +89,13 @@ class Session:
         self._last_ckpt_step = 0
         self._last_ckpt_time = time.monotonic()
         self.summary_written = False
+        self.retired: set[int] = set()  # replicas at the end of their data (no sync step waits for them)
+
+    def compile_plan(self) -> Any:
+        """The plan on the cluster's workers (with a sharded dataset's assignment and statistics)."""
+        if self.data_input is None:
+            return compile(self.spec, self.conn.workers())
+        return with_stats(compile(self.spec, self.conn.workers(), data=self.data_input.manifests), self.data_input)
 
     @property
     def generation(self) -> int:
@@ -111,6 +118,7 @@ class Session:
         refs = self.shards.refs()
         if only is None:
             self.replica_futures = [None] * self.plan.num_replicas  # type: ignore[list-item]
+        self.retired -= {r.index for r in self.plan.replicas if only is None or r.index == only}
         self._submits += 1
         replicas = [r for r in self.plan.replicas if only is None or r.index == only]
         if self.shards.data_plane:  # fencing: this submission owns these replica indices now
@@ -137,8 +145,11 @@ class Session:
         replica contributes once per step, so its local step is the global step; otherwise the last
         local step it reported to ps task 0."""
         if self.spec.training.mode == "sync" and self.plan.replicas_to_aggregate == self.plan.num_replicas:
-            return self.global_step
-        return int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))
+            step = self.global_step
+        else:
+            step = int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))
+        total = data_report.total_batches(self.spec, self.plan, index)
+        return step if total is None else min(step, total)  # a replica retired at the end of its data
 
     def _replica_failure(self) -> str | None:
         if self.driver is not None:
@@ -286,9 +297,10 @@ class Session:
                                "no checkpoint written (lower optimizer.lr, check the data, or add a nan_guard hook "
                                "to stop at the first non-finite gradient)")
         step = steps[0]
+        local = {str(k): v for k, v in self.local_steps.items()}
         path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
                             pipeline_hash=self.plan.pipeline_hash,
-                            replicas={"local_steps": {str(k): v for k, v in self.local_steps.items()}},
+                            replicas={"local_steps": local, **data_report.positions(self, step)},
                             layout=checkpoint_layout(self.spec, self.plan), keep=spec.keep)
         self._last_ckpt_step, self._last_ckpt_time = step, time.monotonic()
         self.checkpoints_written.append(path.name)
@@ -357,7 +369,7 @@ class Session:
                 latest = metrics
                 every = self.spec.eval.every_steps
                 if every and rec["step"] % every == 0 and rec["step"] < self.shards.last_step:
-                    self.recovery.guarded(self._evaluate_now, rec["step"])
+                    self.recovery.guarded(evaluation.evaluate_now, self, rec["step"])
             if self.global_step != last_step:
                 ctx = StepContext(self.global_step, dict(latest))
                 for h in self.hooks:
@@ -372,7 +384,7 @@ class Session:
             if self.progress is not None:
                 self.progress({"step": self.global_step, "steps": self.shards.last_step,
                                "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
-                               "dropped_stale": self.dropped_stale})
+                               "dropped_stale": self.dropped_stale, **data_report.progress(self)})
             if stats["error"]:
                 self.shards.request_stop()
                 raise RunError(stats["error"])
@@ -382,8 +394,10 @@ class Session:
             if failure:
                 if self.recovery.check():
                     continue
+                self._checkpoint_before_failing(failure)
                 self.shards.request_stop()
                 raise RunError(failure)
+            self._retire_finished()
             if self.driver is not None:
                 if self.driver.done():
                     break
@@ -406,49 +420,34 @@ class Session:
         if final["error"]:  # nan_guard fired after the last poll
             raise RunError(final["error"])
 
-    def _evaluate_now(self, step: int) -> dict[str, Any]:
-        tables = bool(self.plan.tables)  # gathered: each evaluation batch pulls only its rows
-        model = self._assemble(build_model(self.spec, gathered_tables=tables), self.shards.pull_params(),
-                               with_tables=False)
-        result = self._eval(model)
-        if result:
-            self._log({"eval": result}, step)
-            self.eval_history.append({"step": step, **result})
-        return result
+    def _retire_finished(self) -> None:
+        """Replicas that ended on their own read all their data (data.epochs): the others' sync steps
+        stop waiting for them."""
+        done = [r.index for r, f in zip(self.plan.replicas, self.replica_futures, strict=True)
+                if f is not None and f.status == "finished" and r.index not in self.retired]
+        if done and self.driver is None:
+            self.retired.update(done)
+            self.shards.retire(done)
 
-    def _eval(self, model: torch.nn.Module) -> dict[str, Any]:
-        data = dataset_for(self.spec)
-        x = torch.as_tensor(data.x_test)
-        y = torch.as_tensor(data.y_test)
-        if any(getattr(t, "gathered", False) for _, t in tables_of(model)):
-            return evaluate_gathered(model, x, y, self.spec.model.loss, self.shards.gather_rows,
-                                     record=self.spec.model.module is not None)
-        return evaluate(model, x, y, self.spec.model.loss)
-
-    def _assemble(self, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True
-                  ) -> torch.nn.Module:
-        """``model`` with the ps's parameters (and, ``with_tables``, the sparse tables' rows, whole)."""
-        shapes = {n: p.shape for n, p in model.named_parameters() if n not in self._table_names}
-        params = self.layout.unpack(buffers, shapes)
-        if with_tables:  # whole tables (model.pt): fetched from the ps in chunks of rows
-            for name, table in tables_of(model):
-                if name in self._table_names:
-                    table.make_full(self.shards.pull_table(name))
-        extra = {}
-        if self.replica_stats and self.replica_stats[0].get("extra", {}).get("buffers"):
-            extra = self.replica_stats[0]["extra"]["buffers"]
-        model.load_state_dict({**model.state_dict(), **params, **extra})
-        return model
+    def _checkpoint_before_failing(self, failure: str) -> None:
+        """A replica failed (a shard that cannot be read, its own error): keep the last good step."""
+        if self.spec.checkpoint is None or self.driver is not None:
+            return
+        try:
+            path = self.save_checkpoint(stop=True)
+            logger.warning("%s; checkpoint %s written first", failure, path.name if path else None)
+        except Exception as exc:
+            logger.warning("could not checkpoint before failing: %s", exc)
 
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
         self.shards.close_data_plane()
-        model = self._assemble(model, self.shards.pull_params())
+        model = evaluation.assemble(self, model, self.shards.pull_params())
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
             raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.global_step}: "
                            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; model.pt not written (lower "
                            "optimizer.lr, check the data, or add a nan_guard hook to stop at the first one)")
-        final_eval = self._eval(model)
+        final_eval = evaluation.evaluate(self, model)
         if final_eval:
             self._log({"eval": final_eval}, self.global_step)
         save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
@@ -492,6 +491,7 @@ class Session:
             t = self.spec.training
             summary["data_plane"] = {"transport": t.transport, "wire_dtype": t.wire_dtype,
                                      **self.shards.data_plane_counts}
+        summary.update(data_report.summary(self))
         if error:
             summary["error"] = error
         return summary

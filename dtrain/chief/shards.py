@@ -365,6 +365,17 @@ class ShardGroup:
             logger.debug("excuse failed: %s", exc)
 
 
+    def retire(self, replicas: list[int]) -> None:
+        """``replicas`` read all their data (data.epochs) and ended: no shard waits for them again
+        (see ``ParameterShard.excuse``)."""
+        for s in self.handles:
+            for i in replicas:
+                try:
+                    call(s.excuse(i, None, retire=True), timeout=self.spec.training.barrier_timeout_s + 5)
+                except Exception as exc:  # a shard that does not answer is handled as lost next
+                    logger.debug("retire failed: %s", exc)
+
+
 def call(future: Any, timeout: float = 30.0) -> Any:
     """The result of an actor call, waiting at most ``timeout`` seconds."""
     return future.result(timeout=timeout)

@@ -10,7 +10,7 @@ it under ``"data"``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dtrain.data.shards import Manifest, Shard
@@ -39,6 +39,12 @@ class DataPlan:
     eval_shards: int = 0
     eval_rows: int = 0
     eval_parts: tuple[Shard, ...] = ()
+    # Set by the chief before the replicas start (not part of `dtrain plan`): the statistics pass's
+    # standardisation and labels (dtrain.data.stats.DataStats), the columns every shard holds (a
+    # Manifest without shards), and a Dask collection's partitions (pickled graphs).
+    stats: Any = None
+    schema: Manifest | None = None
+    partitions: bytes = b""
 
 
 def assign_shards(rows: Sequence[int], num_replicas: int) -> list[list[int]]:
@@ -70,7 +76,7 @@ def plan_data(train: Manifest, tasks: Sequence[str], test: Manifest | None = Non
         replicas.append(ReplicaData(task, tuple(p.name for p in parts), sum(p.rows for p in parts), parts))
     test_parts = tuple(test.shards) if test is not None else ()
     return DataPlan(train.source, train.fmt, len(train.shards), train.rows, tuple(replicas), len(test_parts),
-                    sum(p.rows for p in test_parts), test_parts)
+                    sum(p.rows for p in test_parts), test_parts, schema=replace(train, shards=()))
 
 
 def data_json(data: DataPlan) -> dict[str, Any]:

@@ -60,6 +60,8 @@ class SyncAggregator:
     dropped_stale: int = 0
     # Lost replicas excused from the current step's quorum (see excuse()).
     excused: set[int] = field(default_factory=set)
+    # Replicas at the end of their data (data.epochs): no step waits for them again (see retire()).
+    retired: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas_to_aggregate <= self.total_num_replicas:
@@ -86,7 +88,8 @@ class SyncAggregator:
         return Accumulate(self.step, len(self.contributors))
 
     def _quorum(self) -> int:
-        return min(self.replicas_to_aggregate, self.total_num_replicas - len(self.excused - self.contributors))
+        absent = (self.excused | self.retired) - self.contributors
+        return max(1, min(self.replicas_to_aggregate, self.total_num_replicas - len(absent)))
 
     def _advance(self, count: int) -> Apply:
         """The current step is complete (``count`` gradients): start the next one."""
@@ -108,6 +111,16 @@ class SyncAggregator:
             return self._advance(len(self.contributors))
         return None
 
+    def retire(self, replica: int) -> Decision | None:
+        """``replica`` has read all its data (TensorFlow's OutOfRange) and will never push again: this
+        step and every later one need the quorum of the others only (replicas own different amounts
+        of data, so they finish at different steps). Returns ``Apply`` when the gradients already in
+        now make the quorum (else None)."""
+        self.retired.add(replica)
+        if self.contributors and replica not in self.contributors and len(self.contributors) >= self._quorum():
+            return self._advance(len(self.contributors))
+        return None
+
     def push_aggregated(self, step: int, count: int) -> Decision:
         """A mean of ``count`` gradients computed on the parameters of ``step`` and aggregated
         elsewhere (in-graph replication: the step's graph reduced them). It is the whole update of
@@ -120,10 +133,12 @@ class SyncAggregator:
         return self._advance(count)
 
     def reset(self, step: int) -> None:
-        """Forget partial accumulation (after a restore or a lost replica's generation change)."""
+        """Forget partial accumulation (after a restore or a lost replica's generation change); the
+        replicas start again, so none is retired."""
         self.step = step
         self.contributors.clear()
         self.excused.clear()
+        self.retired.clear()
 
 
 @dataclass

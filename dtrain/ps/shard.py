@@ -310,19 +310,22 @@ class ParameterShard(SparseRows):
     async def current_step(self) -> int:
         return self.step
 
-    async def excuse(self, replica: int, at_step: int) -> int:
+    async def excuse(self, replica: int, at_step: int | None, retire: bool = False) -> int:
         """Sync: lost ``replica`` will not push for step ``at_step`` (see ``SyncAggregator.excuse``);
         if the gradients already accumulated now make the quorum, apply their mean and release
-        the replicas waiting for it. No-op unless this shard is still at ``at_step``. Returns the
-        shard's step."""
+        the replicas waiting for it. No-op unless this shard is still at ``at_step``. ``retire``:
+        the replica read all its data and never pushes again (``SyncAggregator.retire``; nor does
+        it hold a staleness bound back). Returns the shard's step."""
+        if retire and self.gate is not None:
+            self.gate.replica_lost(replica)
         if self.mode != "sync":
             return self.step
         await self._wait_unheld(at_step)
         cond = self._condition()
         async with cond:
-            if self.sync.step != at_step or self.stop or self.error is not None:
+            if (self.sync.step != at_step and not retire) or self.stop or self.error is not None:
                 return self.step
-            decision = self.sync.excuse(replica)
+            decision = self.sync.retire(replica) if retire else self.sync.excuse(replica)
             if isinstance(decision, Apply):
                 self._apply(self.acc, 1.0 / decision.count)
                 cond.notify_all()

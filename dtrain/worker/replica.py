@@ -21,14 +21,15 @@ from typing import Any, Protocol
 
 import torch
 
-from dtrain.data.sampling import ShardIterator
 from dtrain.data.sources import Dataset, load_dataset, to_tensors
+from dtrain.data.stream import OutOfRange
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.tables import TABLE_TYPES
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
 from dtrain.worker.buckets import GradBuckets
+from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.tables import SparseRouter
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ReplicaModel:
     """The replica's model, data slice, loss and persistent buffers."""
 
     def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None,
-                 start_local_step: int = 0, owns_replies: bool = False):
+                 start_local_step: int = 0, owns_replies: bool = False, read: Reader | None = None):
         torch.set_num_threads(spec.training.torch_threads)
         self.spec = spec
         self.index = index
@@ -139,16 +140,14 @@ class ReplicaModel:
         # Parameter buffers received from the shards are copied in; gradients go out through two
         # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
-        data = dataset_for(spec)
-        self.x, self.y = to_tensors(data.x_train, data.y_train, self.device)
-        b = spec.data.batch_size
-        self.batches = ShardIterator(len(self.x), b, index, plan.num_replicas, spec.training.seed,
-                                     shuffle=spec.data.shuffle)
-        if start_local_step:
-            self.batches.seek(start_local_step)  # resume: the data order continues where it stopped
-        self._peeked: Any = None  # the next batch's indices, once drawn ahead (sparse tables)
-        self.xb = torch.empty((b, *self.x.shape[1:]), dtype=self.x.dtype, device=self.device)
-        self.yb = torch.empty((b, *self.y.shape[1:]), dtype=self.y.dtype, device=self.device)
+        if getattr(plan, "data", None) is not None:  # a sharded dataset: this replica's shards, streamed
+            self.batches: MemoryBatches | StreamBatches = StreamBatches(spec, plan, index, self.device,
+                                                                        start_local_step, read)
+        else:
+            data = dataset_for(spec)
+            x, y = to_tensors(data.x_train, data.y_train, self.device)
+            self.batches = MemoryBatches(x, y, spec, index, plan.num_replicas, start_local_step)
+        self._peeked: Any = None  # the next batch, once drawn ahead (sparse tables)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         # Dropout differs per replica, reproducibly (and per resume point).
@@ -156,32 +155,32 @@ class ReplicaModel:
 
     def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
         """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
-        buffers): written there directly by backward when zero-copy is on, else copied."""
-        idx = torch.from_numpy(self._take_indices()).to(self.device)
-        torch.index_select(self.x, 0, idx, out=self.xb)
-        torch.index_select(self.y, 0, idx, out=self.yb)
+        buffers): written there directly by backward when zero-copy is on, else copied.
+        OutOfRange once the replica has read its data ``data.epochs`` times."""
+        if self._peeked is not None:
+            (xb, yb), self._peeked = self._peeked, None
+        else:
+            xb, yb = self.batches.next()
         if self.zero_copy:
             self.bound.grads_as_views(grads)
         else:
             for p in self.model.parameters():
                 p.grad.zero_()
-        loss = self.loss_fn(self.model(self.xb), self.yb)
+        loss = self.loss_fn(self.model(xb), yb)
         loss.backward()
         if not self.zero_copy:
             self.bound.grads_into(grads)
-        return float(loss.detach()), len(idx)
+        return float(loss.detach()), len(yb)
 
-    def peek_inputs(self) -> torch.Tensor:
-        """The next batch's inputs, drawn ahead (its ids pick the rows the next reply brings)."""
+    def peek_inputs(self) -> torch.Tensor | None:
+        """The next batch's inputs, drawn ahead (its ids pick the rows the next reply brings); None
+        at the end of the data."""
         if self._peeked is None:
-            self._peeked = self.batches.next_indices()
-        return self.x[torch.from_numpy(self._peeked).to(self.x.device)]
-
-    def _take_indices(self) -> Any:
-        if self._peeked is not None:
-            idx, self._peeked = self._peeked, None
-            return idx
-        return self.batches.next_indices()
+            try:
+                self._peeked = self.batches.next()
+            except OutOfRange:
+                return None
+        return self._peeked[0]
 
     def load(self, buffers: list[torch.Tensor]) -> None:
         """Take the parameters of a reply: as views (zero-copy: the buffers are ours until the next
@@ -204,19 +203,22 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
 
 
 def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]], *,
-                start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None) -> ReplicaStats:
+                start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None,
+                read: Reader | None = None) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
     or a function that opens them, called once the model is built and the data loaded (socket
     connections then do not sit idle through a slow start). ``owns_replies``: the
     handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
     this replica's rank among the replicas on its machine; with ``training.pin_cpus`` its compute
-    thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends)."""
+    thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends). ``read``:
+    how a shard of a sharded dataset is read (default: its file). The replica also ends, before the
+    ps says stop, at the end of its data (``data.epochs``: TensorFlow's OutOfRange)."""
     if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
-        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read)
     before = os.sched_getaffinity(0)
     cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
     try:
-        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies)
+        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read)
         stats.extra["cpus"] = cpus
         return stats
     finally:
@@ -224,8 +226,20 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[
 
 
 def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
-                 start_local_step: int, owns_replies: bool) -> ReplicaStats:
-    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies)
+                 start_local_step: int, owns_replies: bool, read: Reader | None = None) -> ReplicaStats:
+    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
+    try:
+        return _train(rep, spec, plan, index, shards, start_local_step)
+    finally:
+        rep.batches.close()
+
+
+def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
+           start_local_step: int) -> ReplicaStats:
+    stats = ReplicaStats(index, device=str(rep.device))
+    if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
+        stats.extra["data"] = rep.batches.info()
+        return stats
     if callable(shards):
         shards = shards()
     slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
@@ -240,7 +254,6 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
             buckets = None
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
-    stats = ReplicaStats(index, device=str(rep.device))
     t_start = time.perf_counter()
 
     def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
@@ -267,7 +280,7 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
 
     # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
     if router is not None:
-        router.plan_next(rep.peek_inputs())
+        router.plan_next(rep.peek_inputs())  # type: ignore[arg-type]  (not None: checked above)
     replies = wait([s.pull(0, **sparse(i, False)) for i, s in enumerate(shards)])
     version = replies[0][1]
     if t.mode == "sync":
@@ -281,6 +294,8 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
     pending: list[Any] | None = None
     k = start_local_step
     while not stop:
+        if rep.peek_inputs() is None:  # OutOfRange: the replica has read its data data.epochs times
+            break
         t0 = time.perf_counter()
         grads = rep.grad_bufs[k % 2]
         if buckets is not None:
@@ -288,11 +303,11 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         loss, n = rep.step(grads)
         heads = buckets.end() if buckets is not None else None
         stats.compute_s += time.perf_counter() - t0
-        k += 1
-        stats.local_steps = k - start_local_step
+        stats.local_steps += 1
         stats.samples += n
-        if router is not None:
-            router.plan_next(rep.peek_inputs())
+        k = rep.batches.position  # batches taken (a stream's skipped empty batches count)
+        if router is not None and (ahead := rep.peek_inputs()) is not None:
+            router.plan_next(ahead)
         if t.mode == "sync":
             futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
                                  **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
@@ -328,6 +343,7 @@ def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[
         buckets.remove()
     if router is not None:
         stats.extra["rows_received"] = router.rows_moved
+    stats.extra["data"] = rep.batches.info()
     stats.final_step = versions[0] if t.mode == "async" else version
     stats.wall_s = time.perf_counter() - t_start
     if index == 0:

@@ -119,7 +119,7 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     shards = open_handles if data_plane else shard_handles(refs)
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
-                            owns_replies=bool(data_plane), local_rank=local_rank)
+                            owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan))
     finally:
         for s in opened:
             close = getattr(s, "close", None)
@@ -130,6 +130,27 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     out["pid"] = os.getpid()
     return out
 
+
+
+def partition_reader(plan: Any) -> Any:
+    """For a Dask collection's partitions (``dtrain.run(spec, data=...)``): a reader that computes
+    one partition at a time on this worker (its readers' threads call it); None for files."""
+    if plan.data is None or plan.data.format != "dask":
+        return None
+    import cloudpickle
+    from distributed import get_client
+
+    graphs = cloudpickle.loads(plan.data.partitions)
+    client, here = get_client(), get_worker().address  # taken in the task's thread, used by the readers
+
+    def read(shard: Any) -> Any:
+        future = client.compute(graphs[shard.part], workers=[here], allow_other_workers=True)
+        try:
+            return future.result()
+        finally:
+            future.release()
+
+    return read
 
 
 # ------------------------------------------------------------------------- in-graph replication

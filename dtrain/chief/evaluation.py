@@ -1,0 +1,63 @@
+"""Evaluation on the chief: the model assembled from the ps's parameters (and table rows), scored on
+the test split held in memory or streamed from the evaluation shards (``data.eval_source`` or a
+seeded ``test_fraction`` of the shards). Functions of the :class:`~dtrain.chief.session.Session`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtrain.model.build import build_model
+from dtrain.model.tables import tables_of
+from dtrain.worker.inputs import evaluate_stream
+from dtrain.worker.replica import dataset_for
+from dtrain.worker.replica import evaluate as evaluate_on
+from dtrain.worker.tables import evaluate_gathered
+
+from . import data_report
+
+
+def evaluate_now(session: Any, step: int) -> dict[str, Any]:
+    """Periodic evaluation (eval.every_steps): logged to the sinks and kept in the history."""
+    tables = bool(session.plan.tables)  # gathered: each evaluation batch pulls only its rows
+    model = assemble(session, build_model(session.spec, gathered_tables=tables), session.shards.pull_params(),
+                           with_tables=False)
+    result = evaluate(session, model)
+    if result:
+        session._log({"eval": result}, step)
+        session.eval_history.append({"step": step, **result})
+    return result
+
+
+def evaluate(session: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """Mean loss (and accuracy) of ``model`` on the test data."""
+    loss = session.spec.model.loss
+    if any(getattr(t, "gathered", False) for _, t in tables_of(model)):
+        def run(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+            return evaluate_gathered(model, x, y, loss, session.shards.gather_rows,
+                                     record=session.spec.model.module is not None)
+    else:
+        def run(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+            return evaluate_on(model, x, y, loss)
+    if session.plan.data is not None:  # streamed from the evaluation shards, one at a time
+        return evaluate_stream(session.plan, run, data_report.chief_reader(session))
+    data = dataset_for(session.spec)
+    return run(torch.as_tensor(data.x_test), torch.as_tensor(data.y_test))
+
+
+def assemble(session: Any, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True
+              ) -> torch.nn.Module:
+    """``model`` with the ps's parameters (and, ``with_tables``, the sparse tables' rows, whole)."""
+    shapes = {n: p.shape for n, p in model.named_parameters() if n not in session._table_names}
+    params = session.layout.unpack(buffers, shapes)
+    if with_tables:  # whole tables (model.pt): fetched from the ps in chunks of rows
+        for name, table in tables_of(model):
+            if name in session._table_names:
+                table.make_full(session.shards.pull_table(name))
+    extra = {}
+    if session.replica_stats and session.replica_stats[0].get("extra", {}).get("buffers"):
+        extra = session.replica_stats[0]["extra"]["buffers"]
+    model.load_state_dict({**model.state_dict(), **params, **extra})
+    return model
+
