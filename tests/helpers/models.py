@@ -60,3 +60,23 @@ class TwoTables(nn.Module):
         users = self.users(x[:, :2]).flatten(1)
         items = self.items((x[:, 2:] + 17) % self.vocab)
         return self.head(torch.cat([users, self.dense(x[:, 0] % 7), items], dim=1))
+
+
+class RecordingMLP(nn.Module):
+    """A tiny MLP that appends each training batch's first feature -- the sample ids of a test dataset
+    (tests.helpers.shards, unstandardised) -- to a file in $DTRAIN_TEST_RECORD, one line per batch,
+    one file per process and thread (one replica each): tests count what training consumed."""
+
+    def __init__(self, features: int = 4, classes: int = 2, hidden: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import threading
+
+        where = os.environ.get("DTRAIN_TEST_RECORD")
+        if where and self.training and x.device.type != "meta":
+            with open(os.path.join(where, f"{os.getpid()}-{threading.get_ident()}.txt"), "a") as f:
+                f.write(" ".join(str(int(v)) for v in x[:, 0].tolist()) + "\n")
+        return self.net(x)
