@@ -181,6 +181,8 @@ class ShardStream:
         except Exception as exc:
             err = exc if isinstance(exc, BadShardError) else BadShardError(f"{shard.name} ({shard.path}): {exc}")
             if not self.skip_bad:
+                if err is exc:
+                    raise  # (never `raise exc from exc`: a cause cycle hangs whoever walks the causes)
                 raise err from exc
             logger.warning("skipping %s (data.skip_bad_files): %s", shard.name, err)
             self.counters.bad_files.append(shard.name)
