@@ -134,7 +134,7 @@ def _corrupt_when(run_dir, step, path, done):
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_file_that_turns_bad_mid_run_fails_naming_it_after_a_checkpoint_or_is_skipped(
         inproc_client, data_dir, tmp_path, skip):
-    spec = spec_for(data_dir, f"checkpoint: {{every_steps: 10}}\n", mode="sync")
+    spec = spec_for(data_dir, "checkpoint: {every_steps: 10}\n", mode="sync")
     spec.training.barrier_timeout_s = 15
     spec.data.epochs = 6
     spec.data.skip_bad_files = skip

@@ -7,7 +7,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dtrain.data.shards import BadShardError, ShardError, discover, is_sharded, read_manifest, read_shard, split_eval
+from dtrain.data.shards import (
+    BadShardError,
+    ShardError,
+    discover,
+    is_sharded,
+    read_manifest,
+    read_shard,
+    split_eval,
+)
 from tests.helpers import shards
 
 
