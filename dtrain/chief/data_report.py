@@ -41,8 +41,13 @@ def positions(session: Any, step: int) -> dict[str, Any]:
     if plan.data is None:
         return {}
     out = {}
+    lockstep = spec.training.mode == "sync" and plan.replicas_to_aggregate == plan.num_replicas
     for r in plan.replicas:
-        batch = session._start_local_step(r.index) if spec.training.mode == "sync" else _local(session, r.index)
+        # In sync without backups replica r's k-th batch is in step k: the snapshot's step says where
+        # it is (the session's polled step may lag it); otherwise the local step it last reported.
+        batch = step if lockstep else _local(session, r.index)
+        total = total_batches(spec, plan, r.index)
+        batch = batch if total is None else min(batch, total)
         place = stream_layout(spec, plan, r.index).locate(batch)
         place["shard"] = plan.data.replicas[r.index].shards[place["shard"]]
         out[str(r.index)] = {"position": batch, **place}
