@@ -252,3 +252,25 @@ def test_sync_excuse_of_a_contributor_or_with_backups_to_spare_changes_nothing()
     backups.push(0, 0)
     assert backups.excuse(2) is None  # two replicas are still alive for a quorum of two
     assert backups.push(1, 0) == Apply(1, 2)
+
+
+def test_a_retired_replica_leaves_every_later_quorum():
+    """data.epochs: a replica at the end of its data never pushes again; the others' steps go on."""
+    agg = SyncAggregator(3, 3)
+    assert isinstance(agg.push(0, 0), Accumulate) and isinstance(agg.push(1, 0), Accumulate)
+    done = agg.retire(2)  # the two gradients already in make the quorum now
+    assert isinstance(done, Apply) and done.count == 2 and agg.step == 1
+    assert isinstance(agg.push(0, 1), Accumulate)
+    assert isinstance(agg.push(1, 1), Apply)  # still two: the retirement outlives the step
+    assert agg.retire(1) is None  # nothing in yet
+    assert isinstance(agg.push(0, 2), Apply)  # the last replica alone
+    agg.reset(2)  # a restore: the replicas start again, none retired
+    assert isinstance(agg.push(0, 2), Accumulate)
+
+
+def test_retiring_a_replica_that_already_pushed_waits_for_the_others():
+    agg = SyncAggregator(2, 2)
+    agg.push(0, 0)
+    assert agg.retire(0) is None and agg.step == 0  # its gradient stays; replica 1's completes the step
+    assert isinstance(agg.push(1, 0), Apply) and agg.step == 1
+    assert isinstance(agg.push(1, 1), Apply)  # and from then on replica 1 alone
