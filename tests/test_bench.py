@@ -70,3 +70,23 @@ def test_bench_sparse_runs_and_writes_json(tmp_path):
     # each ps holds half the rows and their Adagrad accumulators, with the dense shard's state
     assert sum(p["state_bytes"] for p in r["ps"]) >= 2 * 20000 * 32 * 4
     assert "Sparse embedding table" in proc.stdout and "dtrain / DDP at 20,000 rows" in proc.stdout
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(330)
+def test_input_bench_tiny_runs_and_writes_json(tmp_path):
+    """``input_bench.py --tiny``: the stream, the DataLoader and the training loop each measured."""
+    out = tmp_path / "input.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "input_bench.py"), "--tiny", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    results = doc["results"]
+    assert set(results) == {"stream_0.0078125GB", "stream_0.03125GB", "dataloader_0.0078125GB",
+                            "dataloader_0.03125GB", "train"}
+    for name, r in results.items():
+        assert r["status"] == "ok" and r["samples_per_sec"] > 0, (name, r)
+    for name in ("stream_0.0078125GB", "stream_0.03125GB"):  # a replica reads its whole share once
+        r = results[name]
+        assert r["peak_rss_mb"] > 0 and r["samples"] == (r["rows_assigned"] // 128) * 128
+    assert set(doc["summary"]) == {"rss_growth_mb", "input_over_training", "stream_over_dataloader"}

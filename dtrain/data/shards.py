@@ -247,7 +247,7 @@ def split_eval(manifest: Manifest, test_fraction: float, seed: int, min_train: i
 
 
 def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray]:
-    """One shard's (x, y) as numpy: float64 or int64 features, the raw targets. BadShardError
+    """One shard's (x, y) as numpy: float features (as stored) or int64 ids, the raw targets. BadShardError
     naming the file when it cannot be read or does not match the manifest's columns."""
     try:
         if manifest.fmt == "npz":
@@ -265,7 +265,11 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
 
                 with _open(shard.path) as f:
                     table = pacsv.read_csv(f)
-            x = np.stack([table.column(n).to_numpy() for n in manifest.features], axis=1)
+            columns = [table.column(n).to_numpy() for n in manifest.features]
+            dtype = np.int64 if manifest.ids else np.result_type(np.float32, *columns)
+            x = np.empty((table.num_rows, len(columns)), dtype=dtype)  # C order: batches are rows
+            for j, c in enumerate(columns):
+                x[:, j] = c
             y = np.asarray(table.column(manifest.target).to_numpy(zero_copy_only=False))
     except Exception as exc:
         raise BadShardError(f"{shard.name} ({shard.path}): cannot be read: {' '.join(str(exc).split())}") from exc
@@ -273,7 +277,9 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
         raise BadShardError(f"{shard.name} ({shard.path}): holds {len(x)} rows, its header said {shard.rows}")
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise BadShardError(f"{shard.name} ({shard.path}): holds NaN or infinite features")
-    return x.astype(np.int64 if manifest.ids else np.float64), y
+    if manifest.ids:
+        return x.astype(np.int64, copy=False), y
+    return (x if x.dtype.kind == "f" else x.astype(np.float64)), y  # floats as stored (float32 stays float32)
 
 
 ShardReader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]

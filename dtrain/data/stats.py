@@ -102,17 +102,20 @@ def finish(m: Moments, *, feature_shape: tuple[int, ...], ids: bool, standardize
 
 def make_transform(stats: DataStats) -> Any:
     """``(x, y) -> (x, y)`` for training: float32 features (standardised) or int64 ids, reshaped to
-    the feature shape; int64 class ids or float32 regression targets."""
+    the feature shape; int64 class ids or float32 regression targets. A float32 ``x`` is
+    standardised in place (it is a shard just read)."""
     names = np.asarray(stats.classes, dtype=str) if stats.classes and not isinstance(stats.classes[0], int) else None
 
     def transform(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = np.asarray(x).reshape(len(x), *stats.feature_shape)
+        x = np.asarray(x)
         if stats.ids:
             x = x.astype(np.int64, copy=False)
         else:
-            x = x.astype(np.float32)
+            x = np.ascontiguousarray(x, dtype=np.float32)  # (x is a shard just read: changed in place)
             if stats.mean is not None:
-                x = (x - stats.mean.reshape(stats.feature_shape)) / stats.std.reshape(stats.feature_shape)
+                x -= stats.mean.reshape(-1)
+                x /= stats.std.reshape(-1)
+        x = x.reshape(len(x), *stats.feature_shape)
         y = np.asarray(y)
         if stats.task == "regression":
             return np.ascontiguousarray(x), y.astype(np.float32)

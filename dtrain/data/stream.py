@@ -240,7 +240,10 @@ class ShardStream:
                 ys = [p if p is not None else np.zeros((len(v), *ytemplate.shape[1:]), ytemplate.dtype)
                       for p, v in zip(ys, valid, strict=True)]
                 perm = window_permutation(hi - lo, lay.seed, lay.replica, epoch, window, lay.shuffle)
-                wx, wy, wv = np.concatenate(xs)[perm], np.concatenate(ys)[perm], np.concatenate(valid)[perm]
+                one = len(xs) == 1  # the window within one shard: gather from it directly (one copy)
+                wx = (xs[0] if one else np.concatenate(xs))[perm]
+                wy = (ys[0] if one else np.concatenate(ys))[perm]
+                wv = (valid[0] if one else np.concatenate(valid))[perm]
             else:  # the whole window is in skipped shards
                 wx = wy = None
                 wv = np.zeros(hi - lo, dtype=bool)
@@ -265,7 +268,9 @@ class ShardStream:
 
 def _batch(carry: list[tuple[Any, Any, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """One batch from its pieces, the skipped samples left out (contiguous arrays)."""
-    kept = [(x[v], y[v]) for x, y, v in carry if x is not None and v.any()]
+    if len(carry) == 1 and carry[0][0] is not None and carry[0][2].all():  # the usual case: no copy
+        return np.ascontiguousarray(carry[0][0]), np.ascontiguousarray(carry[0][1])
+    kept = [(x if v.all() else x[v], y if v.all() else y[v]) for x, y, v in carry if x is not None and v.any()]
     if not kept:
         return np.empty((0,)), np.empty((0,))
     x = np.ascontiguousarray(np.concatenate([k[0] for k in kept]))
