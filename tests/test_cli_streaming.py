@@ -89,3 +89,11 @@ def test_training_steps_is_optional():
     assert dtrain_api.loads(base).training.steps == 1000
     assert dtrain_api.loads(base + "data: {source: sklearn:iris, epochs: 3}").training.steps == 2**62
     assert dtrain_api.loads(base + "data: {source: sklearn:iris, epochs: 3}\ntraining: {steps: 7}").training.steps == 7
+
+
+def test_a_dumped_spec_validates_again():
+    """Checkpoints and the Python API round-trip specs through model_dump: the stream keys' defaults
+    must not count as set."""
+    spec = dtrain_api.loads("model: {input_shape: [4], layers: [{type: linear, out: 3}], loss: cross_entropy}")
+    again = dtrain_api.PipelineSpec.model_validate(spec.model_dump())
+    assert again.data == spec.data and again.training.steps == 1000

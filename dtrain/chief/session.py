@@ -423,9 +423,11 @@ class Session:
     def _retire_finished(self) -> None:
         """Replicas that ended on their own read all their data (data.epochs): the others' sync steps
         stop waiting for them."""
+        if self.driver is not None:  # in-graph: the driver counts the steps
+            return
         done = [r.index for r, f in zip(self.plan.replicas, self.replica_futures, strict=True)
                 if f is not None and f.status == "finished" and r.index not in self.retired]
-        if done and self.driver is None:
+        if done:
             self.retired.update(done)
             self.shards.retire(done)
 
