@@ -97,3 +97,29 @@ def test_a_dumped_spec_validates_again():
     spec = dtrain_api.loads("model: {input_shape: [4], layers: [{type: linear, out: 3}], loss: cross_entropy}")
     again = dtrain_api.PipelineSpec.model_validate(spec.model_dump())
     assert again.data == spec.data and again.training.steps == 1000
+
+
+def test_integer_columns_are_ids_only_for_a_model_that_takes_ids(tmp_path):
+    from dtrain.chief.inputs import file_input
+    from dtrain.data.shards import ShardError
+
+    d = tmp_path / "ints"
+    d.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"a": [1, 2, 3, 4] * 5, "b": [0, 5, 9, 1] * 5, "label": [0, 1] * 10}),
+                       d / f"p{i}.parquet")
+    numbers = dtrain_api.loads("model: {input_shape: [2], layers: [{type: linear, out: 2}], loss: cross_entropy}\n"
+                               f"data: {{source: '{d}/', eval_source: '{d}/p1.parquet'}}")
+    data = file_input(numbers)
+    assert not data.train.ids and data.stats.mean is not None  # numbers: standardised like any feature
+    ids = dtrain_api.loads("model: {input_shape: [2], layers: [{type: embedding, num_embeddings: 10, dim: 2}, "
+                           "{type: flatten}, {type: linear, out: 2}], loss: cross_entropy}\n"
+                           f"data: {{source: '{d}/', eval_source: '{d}/p1.parquet'}}\n"
+                           "optimizer: {name: adagrad, lr: 0.1}")
+    data = file_input(ids)
+    assert data.train.ids and data.stats.mean is None  # ids: exact, never standardised
+    floats = tmp_path / "floats"
+    shards.write(floats, [10, 10])
+    with pytest.raises(ShardError, match="takes integer ids"):
+        file_input(dtrain_api.loads(ids.model_dump_json().replace(str(d), str(floats)).replace(
+            "p1.parquet", "part-001.parquet")))

@@ -49,9 +49,9 @@ def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest
     ``with_stats``, the statistics pass (ValueError naming the problem)."""
     d = spec.data
     base = str(spec.base_dir)
-    manifest = manifest_for(d.source, base, d.target)
+    manifest = _as_ids(manifest_for(d.source, base, d.target), spec)
     if d.eval_source is not None:
-        test = manifest_for(d.eval_source, base, d.target)
+        test = _as_ids(manifest_for(d.eval_source, base, d.target), spec)
         if (test.fmt, test.features, test.target) != (manifest.fmt, manifest.features, manifest.target):
             raise ShardError(f"data.eval_source {d.eval_source!r} ({test.fmt}: {', '.join(test.features)}) does not "
                              f"match data.source ({manifest.fmt}: {', '.join(manifest.features)})")
@@ -61,6 +61,19 @@ def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest
     if not with_stats:
         return train, test
     return DataInput(train, test, file_stats(train, d.standardize, d.task, d.readers))
+
+
+def _as_ids(manifest: Manifest, spec: Any) -> Manifest:
+    """Integer features are ids when the model takes ids (an embedding table first), numbers
+    otherwise (as for a file held in memory); float features for a model that takes ids: ShardError."""
+    from dtrain.worker.replica import id_rows_of
+
+    takes_ids = id_rows_of(spec) is not None
+    if takes_ids and not manifest.ids:
+        raise ShardError(f"{manifest.source!r}: the model takes integer ids (an embedding table first), but its "
+                         f"feature columns are not all integers ({', '.join(manifest.features[:5])}...): store "
+                         "the ids as integer columns")
+    return replace(manifest, ids=takes_ids)
 
 
 @lru_cache(maxsize=4)
@@ -130,12 +143,17 @@ def collection_input(spec: Any, client: Any, data: Any) -> DataInput:
     """Partitions of ``data`` as shards: one pass on the cluster for their rows and moments."""
     import dask
 
+    from dtrain.worker.replica import id_rows_of
+
     d = spec.data
     parts, features = _partitions(data, d.target)
     xy = [dask.delayed(_as_xy)(p, d.target) for p in parts]
     counted = client.gather(client.compute([dask.delayed(_moments_xy)(p) for p in xy]))
     first = client.compute(xy[0]).result()
-    ids = first[0].dtype.kind in "iu"
+    ids = id_rows_of(spec) is not None
+    if ids and first[0].dtype.kind not in "iu":
+        raise ValueError(f"the model takes integer ids (an embedding table first), but the collection's features "
+                         f"are {first[0].dtype}")
     shards = tuple(Shard(f"partition:{i}", m.count, i) for i, m in enumerate(counted) if m.count)
     if not shards:
         raise ShardError("the Dask collection holds no rows")

@@ -265,7 +265,7 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
 
                 with _open(shard.path) as f:
                     table = pacsv.read_csv(f)
-            columns = [table.column(n).to_numpy() for n in manifest.features]
+            columns = [table.column(n).to_numpy(zero_copy_only=False) for n in manifest.features]
             dtype = np.int64 if manifest.ids else np.result_type(np.float32, *columns)
             x = np.empty((table.num_rows, len(columns)), dtype=dtype)  # C order: batches are rows
             for j, c in enumerate(columns):
@@ -279,7 +279,7 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
         raise BadShardError(f"{shard.name} ({shard.path}): holds NaN or infinite features")
     if manifest.ids:
         return x.astype(np.int64, copy=False), y
-    return (x if x.dtype.kind == "f" else x.astype(np.float64)), y  # floats as stored (float32 stays float32)
+    return (x if x.dtype.kind == "f" else x.astype(np.float32)), y  # floats as stored (float32 stays float32)
 
 
 ShardReader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]

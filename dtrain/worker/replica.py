@@ -85,12 +85,19 @@ def dataset_for(spec: Any) -> Dataset:
         for n in spec.model.input_shape:
             num_features *= n
     num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
-    layers = spec.model.layers or []
-    id_rows = layers[0].num_embeddings if layers and layers[0].type in TABLE_TYPES else None
-    if spec.model.module is not None and _module_has_tables(spec.model):
-        id_rows = 0  # ids for its tables (what it computes from them is its own: the ps checks them)
+    id_rows = id_rows_of(spec)
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
                            spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows)
+
+
+def id_rows_of(spec: Any) -> int | None:
+    """The model takes integer ids: the rows of its first layer's table, or 0 for a ``model.module``
+    with sparse embeddings (what it computes from them is its own: the ps checks them); None when
+    its features are numbers."""
+    layers = spec.model.layers or []
+    if layers and layers[0].type in TABLE_TYPES:
+        return layers[0].num_embeddings
+    return 0 if spec.model.module is not None and _module_has_tables(spec.model) else None
 
 
 def torch_device(device: str, soft: bool) -> torch.device:
