@@ -160,3 +160,30 @@ def test_a_file_that_turns_bad_mid_run_fails_naming_it_after_a_checkpoint_or_is_
     finally:
         done.set()
         corrupter.join()
+
+
+def test_sparse_table_model_streams_integer_ids_from_npz_shards(inproc_client, tmp_path):
+    """A click-through model whose table lives on the ps, fed by streamed npz shards of ids."""
+    from dtrain.data.ctr import make_ctr
+
+    x, y = make_ctr(6000, 8, 2000, seed=0)
+    (tmp_path / "ctr").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "ctr" / f"part-{i}.npz", x=x[i * 1500:(i + 1) * 1500], y=y[i * 1500:(i + 1) * 1500])
+    spec = dtrain.loads(f"""
+cluster: {{jobs: {{ps: 2, worker: 2}}}}
+model:
+  input_shape: [8]
+  layers: [{{type: embedding, num_embeddings: 2000, dim: 8, init_std: 0.1}}, {{type: flatten}},
+           {{type: linear, out: 1}}]
+  loss: bce_with_logits
+data: {{source: "{tmp_path}/ctr/", batch_size: 64, epochs: 1, test_fraction: 0.25}}
+optimizer: {{name: adagrad, lr: 0.1}}
+training: {{mode: sync}}
+summary: {{every_steps: 5, tensorboard: false}}
+""")
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    s = result.summary
+    assert s["status"] == "completed" and s["epochs"] == 1.0
+    assert s["global_step"] == max(r.rows // 64 for r in result.plan.data.replicas) == 3000 // 64
+    assert s["eval"]["accuracy"] > 0.6 and result.plan.tables and result.plan.data.format == "npz"
