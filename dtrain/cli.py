@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # outside a run (a run says more, in cmd_run)
         print("dtrain: terminated" if isinstance(exc, Terminated) else "dtrain: interrupted", file=sys.stderr)
         code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
+    if code in (EXIT_SIGINT, EXIT_SIGTERM) and args.command != "worker":  # (a worker stops its own processes)
+        _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` now (the command was interrupted and has cleaned up).
+
+    CPython marks a KeyboardInterrupt raised while ``eval``/``exec`` runs a string (a namedtuple
+    or dataclass being created, as ``import torch`` does many times) as unhandled even when it
+    is caught, and then ends the process with SIGINT instead of its exit code (``exit_sigint`` in
+    ``Py_RunMain``): a Ctrl-C during start-up exited -2, not 130. Only ``os._exit`` gets past it,
+    so stdio and the logs are flushed first. ``main`` is the process's entry point."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

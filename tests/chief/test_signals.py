@@ -192,3 +192,44 @@ session.write_json = write_json
     assert "could not write" in err and "No space left on device" in err
     assert ckpt.latest(run_dir) is not None  # the interrupt checkpoint was still written
     assert group_gone(proc.pid)
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has its own SIGTERM handler yet (``dtrain run`` installs it as it starts:
+    a signal before that gets Python's own behaviour, not dtrain's)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_ctrl_c_during_start_up_exits_130_never_by_the_signal(tmp_path):
+    """A Ctrl-C at three moments of `dtrain run`'s start-up, from when its handlers are in place:
+    exit 130 and nothing left behind (the moment that once exited -2 is narrow: the next test
+    reproduces its cause deterministically)."""
+    for i, delay in enumerate([0.0, 0.6, 1.2]):
+        proc = start(tmp_path / f"run-{i}")
+        deadline = time.monotonic() + 60
+        while not catches_sigterm(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, f"{delay} s after start-up: exit {proc.returncode}\n{own(err)[-2000:]}"
+        assert group_gone(proc.pid), "a process of the run outlived it"
+
+
+def test_an_interrupt_raised_inside_eval_still_exits_130(tmp_path):
+    """CPython marks a KeyboardInterrupt raised inside eval/exec of a string as unhandled even when
+    it is caught, then ends the process with SIGINT (-2) instead of its exit code (when run as
+    ``-m`` or a script, as `dtrain` is); `import torch` runs such evals (namedtuples, dataclasses),
+    so a Ctrl-C there exited -2. cli._exit_now leaves with os._exit: this fails (-2) without it."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        "import sys\nimport dtrain.cli as cli\n"
+        "cli.cmd_validate = lambda args: eval('exec(\"raise KeyboardInterrupt\")')\n"
+        "sys.exit(cli.main(['validate', 'any.yaml']))\n")
+    proc = subprocess.run([sys.executable, "-m", "interrupted_cli"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}"))
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().endswith("dtrain: interrupted")
