@@ -94,6 +94,18 @@ def progress(session: Any) -> dict[str, Any]:
     return out
 
 
+def retire_finished(session: Any) -> None:
+    """Replicas that ended on their own read all their data (data.epochs): the others' sync steps
+    stop waiting for them (``ShardGroup.retire``)."""
+    if session.driver is not None:  # in-graph: the driver counts the steps
+        return
+    done = [r.index for r, f in zip(session.plan.replicas, session.replica_futures, strict=True)
+            if f is not None and f.status == "finished" and r.index not in session.retired]
+    if done:
+        session.retired.update(done)
+        session.shards.retire(done)
+
+
 def chief_reader(session: Any) -> Any:
     """How the chief reads an evaluation shard: its file (None: the default), or a Dask collection's
     partition computed on the cluster."""

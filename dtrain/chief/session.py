@@ -145,11 +145,18 @@ class Session:
         replica contributes once per step, so its local step is the global step; otherwise the last
         local step it reported to ps task 0."""
         if self.spec.training.mode == "sync" and self.plan.replicas_to_aggregate == self.plan.num_replicas:
-            step = self.global_step
+            step = self._ps_step()
         else:
             step = int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))
         total = data_report.total_batches(self.spec, self.plan, index)
         return step if total is None else min(step, total)  # a replica retired at the end of its data
+
+    def _ps_step(self) -> int:
+        """The ps's own step (the polled ``global_step`` may lag it by ~0.1 s of steps)."""
+        try:
+            return max(self.shards.steps(timeout=10))
+        except Exception:  # a lost shard: what was seen last
+            return self.global_step
 
     def _replica_failure(self) -> str | None:
         if self.driver is not None:
@@ -397,7 +404,7 @@ class Session:
                 self._checkpoint_before_failing(failure)
                 self.shards.request_stop()
                 raise RunError(failure)
-            self._retire_finished()
+            data_report.retire_finished(self)
             if self.driver is not None:
                 if self.driver.done():
                     break
@@ -419,17 +426,6 @@ class Session:
             self.records.append(rec)
         if final["error"]:  # nan_guard fired after the last poll
             raise RunError(final["error"])
-
-    def _retire_finished(self) -> None:
-        """Replicas that ended on their own read all their data (data.epochs): the others' sync steps
-        stop waiting for them."""
-        if self.driver is not None:  # in-graph: the driver counts the steps
-            return
-        done = [r.index for r, f in zip(self.plan.replicas, self.replica_futures, strict=True)
-                if f is not None and f.status == "finished" and r.index not in self.retired]
-        if done:
-            self.retired.update(done)
-            self.shards.retire(done)
 
     def _checkpoint_before_failing(self, failure: str) -> None:
         """A replica failed (a shard that cannot be read, its own error): keep the last good step."""
