@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "pipelines"
 
 # Every task name any in-process test may ask for.
-SHARED_JOBS = {"ps": 2, "worker": 3, "local": 1}
+SHARED_JOBS = {"ps": 2, "worker": 4, "local": 1}
 
 
 @pytest.fixture(scope="session")

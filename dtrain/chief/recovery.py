@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dtrain.chief import checkpoint as ckpt_io
+from dtrain.chief import stages
 from dtrain.deploy.cluster import wait_for_tasks
 from dtrain.spec.errors import RunError
 
@@ -50,7 +51,8 @@ class Recovery:
         tasks = s.conn.tasks
         shards = [sh.index for sh, f in zip(s.plan.shards, s.shards.futures, strict=True)
                   if f.status == "error" or tasks.get(sh.task) not in live]
-        return shards, [r.index for r in s.plan.replicas if tasks.get(r.task) not in live]
+        return shards, [r.index for r in s.plan.replicas
+                        if any(tasks.get(t) not in live for t in (r.stage_tasks or (r.task,)))]
 
     def check(self) -> bool:
         """Recover now if a task was lost; say whether one was."""
@@ -120,6 +122,7 @@ class Recovery:
         # shard restarts from the newest checkpoint, with the step driver or every replica.
         restart = bool(lost_shards) or s.driver is not None
         stale = [f for i, f in enumerate(s.replica_futures) if restart or i in lost_replicas]
+        stale += stages.futures_of(s, None if restart else lost_replicas)
         if not restart:
             self._grant_barrier_grace()
             if s.spec.training.mode == "sync":

@@ -33,7 +33,7 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from . import data_report, evaluation, signals
+from . import data_report, evaluation, signals, stages
 from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
 from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
@@ -79,6 +79,7 @@ class Session:
         self.samples = 0
         self.records: list[dict[str, Any]] = []
         self.replica_futures: list[Future] = []
+        self.stage_futures: dict[int, list[Future]] = {}  # a pipeline's later stages, per replica (chief/stages.py)
         self.replica_stats: list[dict[str, Any]] = []
         self.sinks: list[Any] = []
         self.eval_history: list[dict[str, Any]] = []
@@ -125,6 +126,9 @@ class Session:
             self.shards.set_owners({r.index: self._submits for r in replicas})
         for r in replicas:
             addr = self.conn.tasks[r.task]
+            if r.stage_tasks:
+                self.replica_futures[r.index] = stages.submit(self, r, refs, self._start_local_step(r.index), self._submits)
+                continue
             self.replica_futures[r.index] = self.client.submit(
                 replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
                 self.shards.data_plane, self._local_rank(r.index), attempt=self._submits, workers=[addr],
@@ -167,7 +171,7 @@ class Session:
                 return f"replica {r.index} on {r.task} failed: {type(exc).__name__}: {exc}"
             if fut.status == "cancelled":
                 return f"replica {r.index} on {r.task} was cancelled (its worker was lost?)"
-        return None
+        return stages.failure(self)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
@@ -398,8 +402,8 @@ class Session:
             if self._checkpoint_due():
                 self.recovery.guarded(self.save_checkpoint)
             failure = self._replica_failure()
-            if failure:
-                if self.recovery.check():
+            if failure:  # a lost stage's neighbours fail before the scheduler sees its worker gone: wait
+                if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0):
                     continue
                 self._checkpoint_before_failing(failure)
                 self.shards.request_stop()
@@ -415,6 +419,7 @@ class Session:
             self.replica_stats = self.driver.replica_stats()
         else:
             self.replica_stats = [f.result() for f in self.replica_futures]
+            stages.collect(self, self.replica_stats)
         for r, st in zip(self.plan.replicas, self.replica_stats, strict=True):
             if "GPU" in r.device and not str(st.get("device", "")).startswith("cuda"):
                 logger.warning("replica %d was placed on %s but computed on %s (placement.soft: no CUDA device "
@@ -458,8 +463,8 @@ class Session:
         replica fails its task, and its worker prints Dask's "Compute Failed" with a traceback."""
         if self.driver is not None:
             self.driver.stop()
-        futures = [f for f in self.replica_futures + self.shards.futures if f is not None]
-        replicas = [f for f in self.replica_futures if f is not None and not f.done()]
+        futures = [f for f in self.replica_futures + stages.futures_of(self) + self.shards.futures if f is not None]
+        replicas = [f for f in self.replica_futures + stages.futures_of(self) if f is not None and not f.done()]
         if futures:
             self.shards.request_stop()
         if replicas:

@@ -21,6 +21,7 @@ from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
 from .inputs import DataPlan, data_json, format_data, plan_data
 from .placement import VariableRequest, partition, place_variables
+from .stages import StagePlan, format_stages, plan_stages
 from .tables import TablePlan, format_tables, plan_tables
 
 FLOAT32_BYTES = 4
@@ -53,6 +54,7 @@ class ShardPlan:
     bytes: int
     holds_global_step: bool
     table_bytes: int = 0  # rows of sparse tables this task holds (not in the flat buffer)
+    stage: int = 0  # the pipeline stage position whose variables it holds (plan/stages.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class ReplicaPlan:
     worker: str
     address: str | None
     device: str  # e.g. "/job:worker/task:0/device:CPU:0"
+    stage_tasks: tuple[str, ...] = ()  # a pipeline: the task of each stage position (the first is ``task``)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class Plan:
     pipeline_hash: str = ""
     data: DataPlan | None = None  # a sharded dataset's assignment (plan/inputs.py)
     epochs: int | None = None  # data.epochs: training ends when every replica has read its data so often
+    stages: tuple[StagePlan, ...] = ()  # pipeline stages (model parallelism; none: one stage)
+    stage_positions: int = 1  # stage tasks per replica
+    microbatches: int = 1
 
     @property
     def num_replicas(self) -> int:
@@ -144,13 +150,16 @@ class Plan:
             for s in self.shards:
                 where = s.address or s.worker
                 lines.append(f"  {s.task:<18} {s.bytes:>10} B  {s.numel:>9} params  on {where}"
+                             + (f"  stage task {s.stage}" if self.stages else "")
                              + (f"  + {s.table_bytes} B of table rows" if s.table_bytes else "")
                              + ("  (global_step)" if s.holds_global_step else ""))
         lines.extend(format_data(self.data))
         if self.replicas:
             lines.append("replicas:")
             for r in self.replicas:
-                lines.append(f"  replica {r.index}  -> {r.device}  on {r.address or r.worker}")
+                lines.append(f"  replica {r.index}  -> {r.device}  on {r.address or r.worker}"
+                             + (f"  stages on {', '.join(r.stage_tasks)}" if r.stage_tasks else ""))
+        lines.extend(format_stages(self.stages, self.stage_positions, self.num_replicas, self.microbatches))
         if self.layers:
             lines.append("layers:")
             for layer in self.layers:
@@ -282,6 +291,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     requests: list[VariableRequest] = []
     pins = spec.placement.variable_devices
     layout, table_modules = _layout_and_tables(spec)
+    staging, layer_shapes = _staging(spec)
     _check_pins(pins, [name for name, _, _ in layout], [name for name, _ in table_modules])
     tables = plan_tables(table_modules, ps_job, num_ps, spec.placement.embedding_partition)
     for name, shape, numel in layout:
@@ -295,37 +305,49 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     devices = place_variables(requests, ps_job, num_ps, spec.placement.variables)
 
     # Shards: every ps task (task 0 always exists: it holds the global step), then any other task
-    # that a pinned variable landed on, in first-use order.
-    shard_keys = [f"/job:{ps_job}/task:{i}" for i in range(num_ps)]
-    for dev in devices:
-        if _task_key(dev) not in shard_keys:
-            shard_keys.append(_task_key(dev))
+    # that a pinned variable landed on, in first-use order. A pipeline: one shard per task and
+    # stage position that holds variables (position 0's ps tasks always), position by position.
+    def position(req: VariableRequest) -> int:
+        return staging.param_position[req.source or req.name] if staging is not None else 0
+
+    shard_keys = [(f"/job:{ps_job}/task:{i}", 0) for i in range(num_ps)]
+    for pos in range(staging.positions if staging is not None else 1):
+        for req, dev in zip(requests, devices, strict=True):
+            if position(req) == pos and (_task_key(dev), pos) not in shard_keys:
+                shard_keys.append((_task_key(dev), pos))
     fill = dict.fromkeys(shard_keys, 0)
     variables = []
     for req, dev in zip(requests, devices, strict=True):
-        key = _task_key(dev)
+        key = (_task_key(dev), position(req))
         dev = dev if dev.task is not None else dev.replace(task=0)
         numel = req.nbytes // FLOAT32_BYTES
         variables.append(VariablePlan(req.name, tuple(req.shape), req.nbytes, dev.to_string(),
                                       shard_keys.index(key), fill[key], numel, req.source or req.name, req.start))
         fill[key] += numel
     shards = []
-    for i, key in enumerate(shard_keys):
+    for i, (key, pos) in enumerate(shard_keys):
         dev = DeviceSpec.from_string(key)
         table_bytes = sum(p.bytes for t in tables for p in t.parts if p.shard == i)
-        shards.append(ShardPlan(i, key, _worker_of(spec, dev.job, dev.task), addresses.get(key), fill[key],
-                                fill[key] * FLOAT32_BYTES, key == f"/job:{ps_job}/task:0", table_bytes))
-    ps_bytes = {s.task: s.bytes + s.table_bytes for s in shards if s.task.startswith(f"/job:{ps_job}/")}
+        shards.append(ShardPlan(i, key, _worker_of(spec, dev.job, dev.task), addresses.get(key), fill[key, pos],
+                                fill[key, pos] * FLOAT32_BYTES, i == 0, table_bytes, pos))
+    ps_bytes: dict[str, int] = {}
+    for s in shards:
+        if s.task.startswith(f"/job:{ps_job}/"):
+            ps_bytes[s.task] = ps_bytes.get(s.task, 0) + s.bytes + s.table_bytes
 
     # Only the device fields of worker_device count: replica r always runs on worker task r.
     wd = worker_device_spec(spec.placement.worker_device)
     compute = DeviceSpec(device_type=wd.device_type, device_index=wd.device_index)
     replicas = []
+    stride = staging.positions if staging is not None else 1
     for r in range(spec.num_replicas()):
-        base = DeviceSpec(job=worker_job, task=r)
+        base = DeviceSpec(job=worker_job, task=r * stride)
         dev = base.make_merged_spec(compute)
-        key = f"/job:{worker_job}/task:{r}"
-        replicas.append(ReplicaPlan(r, key, _worker_of(spec, worker_job, r), addresses.get(key), dev.to_string()))
+        if staging is not None:  # the device of the replica's first stage
+            dev = base.make_merged_spec(DeviceSpec.from_string(staging.stages[0].device).replace(job=None, task=None))
+        key = f"/job:{worker_job}/task:{r * stride}"
+        replicas.append(ReplicaPlan(r, key, _worker_of(spec, worker_job, r * stride), addresses.get(key),
+                                    dev.to_string(), staging.tasks_of(r, worker_job) if staging is not None else ()))
 
     layers = []
     model = spec.model
@@ -339,14 +361,33 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
             dev = replica0.make_merged_spec(DeviceSpec.from_string(layer.device)) if layer.device else replica0
             layers.append(LayerPlan(i, layer.type, layer.name or f"{layer.type}_{i}", dev.to_string(), tuple(shape)))
 
-    used = {s.task for s in shards} | {r.task for r in replicas}
+    used = {s.task for s in shards} | {t for r in replicas for t in (r.stage_tasks or (r.task,))}
     return Plan(
         name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.training.steps,
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
         replicas=tuple(replicas), layers=tuple(layers), tables=tables, ps_bytes=ps_bytes,
         missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
-        epochs=spec.data.epochs,
+        epochs=spec.data.epochs, stages=staging.stages if staging is not None else (),
+        stage_positions=staging.positions if staging is not None else 1, microbatches=spec.training.microbatches,
     )
+
+
+def _staging(spec: PipelineSpec) -> tuple[Any, list[tuple[int, ...]] | None]:
+    """The model's pipeline stages (None without stage pins) and ``model.layers``' output shapes."""
+    from dtrain.model.build import build_model_skeleton
+    from dtrain.model.layers import infer_shapes
+
+    model = spec.model
+    assert model is not None
+    shapes = None
+    if model.layers is not None:
+        if not any(layer.device for layer in model.layers):
+            return None, None
+        shapes = [tuple(s) for s in infer_shapes(tuple(model.input_shape or ()), [layer.model_dump() for layer in model.layers])]
+        return plan_stages(spec, build_model_skeleton(spec), shapes), shapes
+    if not spec.placement.layer_devices:
+        return None, None
+    return plan_stages(spec, build_model_skeleton(spec), None), None
 
 
 def _pin_for(name: str, pins: Mapping[str, str]) -> DeviceSpec | None:

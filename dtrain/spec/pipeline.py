@@ -19,6 +19,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from .device import DeviceSpec
 from .errors import CrossFieldErrors
 from .imports import missing_module
+from .stages import stage_problems, stage_tasks
 from .layers import TABLE_LAYERS, ModelSpec
 from .sections import (
     _ARITY,
@@ -76,7 +77,12 @@ class PipelineSpec(Strict):
         return Path(self.__pydantic_private__.get("_base_dir", ".") if self.__pydantic_private__ else ".")
 
     def num_replicas(self) -> int:
-        return self.training.total_num_replicas or self.cluster.num_tasks(self.placement.worker_job)
+        """Replicas: one per worker task, or per group of stage tasks for a pipeline (spec/stages.py)."""
+        workers = self.cluster.num_tasks(self.placement.worker_job)
+        stages = stage_tasks(self) if self.model is not None else 1
+        if stages > 1:
+            return max(1, workers // stages)
+        return self.training.total_num_replicas or workers
 
     def replicas_to_aggregate(self) -> int:
         return self.training.replicas_to_aggregate or self.num_replicas()
@@ -177,6 +183,13 @@ class PipelineSpec(Strict):
             for i, layer in enumerate(model.layers):
                 check_device(("model", "layers", i, "device"), layer.device)
             self._check_shapes(problems)
+        for name, dev in self.placement.layer_devices.items():
+            check_device(("placement", "layer_devices", name), dev)
+        if model.layers is not None and self.placement.layer_devices:
+            problems.append((("placement", "layer_devices"), "layer_devices pins a model.module's children; "
+                             "for model.layers set each layer's device instead"))
+        if not problems:
+            problems.extend(stage_problems(self))
         self._check_data(problems, base_dir)
         self._check_stream(problems, base_dir)
         self._check_imports(problems)

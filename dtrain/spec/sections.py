@@ -218,6 +218,12 @@ class PlacementSpec(Strict):
     min_slice_bytes: int = Field(
         256 * 1024, ge=1, description="partitioned: variables of at least this many bytes are split over ps tasks."
     )
+    layer_devices: dict[str, str] = Field(
+        default_factory=dict,
+        description="model.module: pin the module's top-level children (by name, or a prefix ending in '.') to "
+        "devices, e.g. {encoder: /job:worker/task:0, head: /job:worker/task:1}; the children then run in order, "
+        "like nn.Sequential, as pipeline stages (docs/pipeline.md). For model.layers use each layer's device.",
+    )
     embedding_partition: Literal["mod", "div"] = Field(
         "mod", description="How sparse embedding tables are split by rows over the ps tasks (TensorFlow's "
         "partition_strategy): mod puts id i on task i % P, div gives each task a contiguous range.",
@@ -229,7 +235,7 @@ class PlacementSpec(Strict):
         worker_device_spec(v)
         return v
 
-    @field_validator("variable_devices")
+    @field_validator("variable_devices", "layer_devices")
     @classmethod
     def _var_devices(cls, v: dict[str, str]) -> dict[str, str]:
         problems: list[tuple[tuple[str | int, ...], str]] = []
@@ -364,6 +370,10 @@ class TrainingSpec(Strict):
         1.0, ge=0, le=MAX_BUCKET_MB, description="transport: socket without shared memory: send the gradient in buckets of about "
         "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
         "after backward sends only the rest. 0 sends it whole after backward. At most 1024.")
+    microbatches: int = Field(
+        1, ge=1, le=4096, description="Split each replica's batch into this many micro-batches (GPipe): pipeline "
+        "stages work on different micro-batches at once; their gradients add up to the whole batch's. With one "
+        "stage, gradient accumulation. At most data.batch_size.")
     pin_cpus: bool = Field(
         False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
         "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")

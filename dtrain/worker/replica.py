@@ -173,11 +173,10 @@ class ReplicaModel:
         else:
             for p in self.model.parameters():
                 p.grad.zero_()
-        loss = self.loss_fn(self.model(xb), yb)
-        loss.backward()
+        loss = microbatched(self.model, self.loss_fn, xb, yb, self.spec.training.microbatches)
         if not self.zero_copy:
             self.bound.grads_into(grads)
-        return float(loss.detach()), len(yb)
+        return loss, len(yb)
 
     def peek_inputs(self) -> torch.Tensor | None:
         """The next batch's inputs, drawn ahead (its ids pick the rows the next reply brings); None
@@ -197,6 +196,24 @@ class ReplicaModel:
                 self.bound.params_as_views(s, buf)
             else:
                 self.bound.load_params(s, buf)
+
+
+def microbatched(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                 microbatches: int) -> float:
+    """Forward and backward of a batch in ``microbatches`` parts (gradient accumulation): each
+    part's mean loss weighted by its share of the batch, so the gradients and the returned loss
+    are the whole batch's mean."""
+    if microbatches <= 1:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return float(loss.detach())
+    total = 0.0
+    for xb, yb in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+        if len(yb):
+            loss = loss_fn(model(xb), yb) * (len(yb) / len(y))
+            loss.backward()
+            total += float(loss.detach())
+    return total
 
 
 def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
@@ -273,6 +290,12 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         stats.wait_s += time.perf_counter() - t0
         return out
 
+    # A pipeline's later stages end when the first stage says so (their shards never stop by themselves).
+    follows = getattr(rep, "follows", False)
+
+    def said_stop(replies: list[tuple[Any, ...]]) -> bool:
+        return not follows and any(r[2] for r in replies)
+
     router = SparseRouter(rep.model, plan.tables, len(shards), rep.device, record=spec.model.module is not None) \
         if getattr(plan, "tables", ()) else None
 
@@ -297,7 +320,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         router.take(replies)
     rep.load([r[0] for r in replies])
     versions = [r[1] for r in replies]
-    stop = any(r[2] for r in replies)
+    stop = said_stop(replies)
     pending: list[Any] | None = None
     k = start_local_step
     while not stop:
@@ -321,7 +344,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
             replies, version = _consistent(wait(futs), shards, wait, lambda i: sparse(i) and
                                            {"sparse": router.requests(False)[i]})
             rep.load([r[0] for r in replies])
-            stop = any(r[2] for r in replies)
+            stop = said_stop(replies)
             if router is not None and not stop:
                 router.take(replies)
             continue
@@ -330,7 +353,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
             replies = wait(pending)
             rep.load([r[0] for r in replies])
             versions = [r[1] for r in replies]
-            stop = any(r[2] for r in replies)
+            stop = said_stop(replies)
         futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
                              **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
         if t.overlap:
@@ -339,7 +362,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         replies = wait(futs)
         rep.load([r[0] for r in replies])
         versions = [r[1] for r in replies]
-        stop = any(r[2] for r in replies)
+        stop = said_stop(replies)
         if router is not None and not stop:
             router.take(replies)
     if pending is not None:

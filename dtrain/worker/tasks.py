@@ -79,10 +79,12 @@ class WorkerShard(ParameterShard):
         return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype)
 
 
-def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0) -> list[Any]:
+def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0,
+                   only: list[int] | None = None) -> list[Any]:
     """Socket data-plane handles (``training.transport: socket``), one per shard (TLS with this
     worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``: this
-    submission of the replica (the ps refuses pushes from its other attempts)."""
+    submission of the replica (the ps refuses pushes from its other attempts). ``only``: these
+    shards (a pipeline stage's own)."""
     from dtrain.dataplane.client import SocketShard
     from dtrain.dataplane.protocol import client_ssl_context
 
@@ -95,7 +97,8 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
                         shared_memory=data_plane.get("shared_memory", True), attempt=attempt,
                         tables={t.name: t.dim for t in plan.tables if s.index < len(t.parts)})
-            for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)]
+            for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)
+            if only is None or s.index in only]
 
 
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],

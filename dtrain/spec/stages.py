@@ -1,0 +1,117 @@
+"""Pipeline stages from device pins, as the spec states them (pure: no model is built).
+
+A layer's ``device:`` (``model.layers``) or a child's ``placement.layer_devices`` entry
+(``model.module``) names a task of the worker job relative to its replica: ``/job:worker/task:1``
+is the replica's second stage task (docs/pipeline.md). Consecutive layers on one task form a
+task-level stage, run in that task's process; the tasks a model's pins name are its *stage
+tasks* ``0..T-1``, and ``cluster.jobs.worker: W`` then holds ``W / T`` pipeline replicas:
+replica ``r``'s stage on position ``p`` runs on worker task ``r * T + p``.
+
+Here: the number of stage tasks, and what the spec alone can tell is wrong with the pins (a pin
+outside the worker job, positions without a stage, a task holding two stages of one replica,
+what pipelines cannot combine with). ``model.module``'s children are known only once it is
+built: the compiler checks those (``dtrain.plan.stages``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .device import DeviceSpec
+
+Loc = tuple[str | int, ...]
+
+
+def pinned_task(value: str | None, worker_job: str) -> int | None:
+    """The stage position a device string pins to (its task in the worker job), None if it names no task."""
+    if not value:
+        return None
+    dev = DeviceSpec.from_string(value)
+    if dev.job not in (None, worker_job) or dev.task is None:
+        return None
+    return dev.task
+
+
+def _pins(spec: Any) -> list[tuple[Loc, str | None]]:
+    model = spec.model
+    if model is None:
+        return []
+    if model.layers is not None:
+        return [(("model", "layers", i, "device"), layer.device) for i, layer in enumerate(model.layers)]
+    return [(("placement", "layer_devices", k), v) for k, v in spec.placement.layer_devices.items()]
+
+
+def stage_tasks(spec: Any) -> int:
+    """T: one more than the highest worker task a layer pin names (1 without task pins)."""
+    tasks = [pinned_task(v, spec.placement.worker_job) for _, v in _pins(spec)]
+    return 1 + max((t for t in tasks if t is not None), default=0)
+
+
+def layer_tasks(spec: Any) -> list[int]:
+    """``model.layers``: each layer's stage position (an unpinned layer is on its replica's task 0)."""
+    return [pinned_task(layer.device, spec.placement.worker_job) or 0 for layer in spec.model.layers or ()]
+
+
+def contiguity_problem(tasks: list[int], names: list[str]) -> tuple[int, str] | None:
+    """A task's layers must be consecutive (one stage per task and replica): the first member
+    that breaks that, with the message."""
+    seen: list[int] = []
+    for i, t in enumerate(tasks):
+        if seen and seen[-1] == t:
+            continue
+        if t in seen:
+            return i, (f"{names[i]} is on stage task {t} again after stage task {seen[-1]}: a task holds one "
+                       "consecutive stage per replica; pin it to a task of its own, or move the layers in between")
+        seen.append(t)
+    return None
+
+
+def missing_positions(tasks: list[int], count: int) -> list[int]:
+    return [p for p in range(count) if p not in tasks]
+
+
+def stage_problems(spec: Any) -> list[tuple[Loc, str]]:
+    """What is wrong with the stage pins and what a pipeline of several stage tasks is combined with."""
+    problems: list[tuple[Loc, str]] = []
+    worker_job, ps_job = spec.placement.worker_job, spec.placement.ps_job
+    for loc, value in _pins(spec):
+        if value and DeviceSpec.from_string(value).job not in (None, worker_job):
+            problems.append((loc, f"{value!r}: layers run in the tasks of the worker job {worker_job!r} (variables "
+                                  f"live on {ps_job!r} by themselves); write /job:{worker_job}/task:N to make the "
+                                  "layer a pipeline stage on the replica's N-th task"))
+    t = spec.training
+    if t.microbatches > spec.data.batch_size:
+        problems.append((("training", "microbatches"), f"{t.microbatches} micro-batches of a batch of "
+                         f"{spec.data.batch_size}: at most data.batch_size; lower it or raise the batch"))
+    count = stage_tasks(spec)
+    if count <= 1 or problems:
+        return problems
+    model = spec.model
+    where: Loc = ("model", "layers") if model.layers is not None else ("placement", "layer_devices")
+    if model.layers is not None:
+        tasks = layer_tasks(spec)
+        names = [f"layer {i} ({layer.name or layer.type})" for i, layer in enumerate(model.layers)]
+        bad = contiguity_problem(tasks, names)
+        if bad is not None:
+            problems.append((("model", "layers", bad[0], "device"), bad[1]))
+        for p in missing_positions(tasks, count):
+            problems.append((where, f"no layer is pinned to /job:{worker_job}/task:{p}, so stage task {p} would be "
+                             f"empty (the stage tasks are 0..{count - 1}: the highest pinned task plus one); pin "
+                             "layers there or renumber the pins"))
+    workers = spec.cluster.num_tasks(worker_job)
+    if workers % count:
+        problems.append((("cluster", "jobs", worker_job), f"{workers} worker task(s) for a pipeline of {count} stage "
+                         f"tasks: each pipeline replica needs {count} tasks, so the worker task count must be a "
+                         f"multiple of {count} (e.g. {count * max(1, workers // count)})"))
+    incompatible = [
+        (("training", "replication"), t.replication == "in_graph", "in_graph replication runs whole replicas as "
+         "graph tasks; pipeline stages need replication: between_graph"),
+        (("training", "overlap"), t.overlap, "overlap is not supported with pipeline stages (each stage already "
+         "overlaps its neighbours across micro-batches); remove it"),
+        (("training", "total_num_replicas"), t.total_num_replicas is not None, "total_num_replicas (backup "
+         "replicas) is not supported with pipeline stages; the replicas are the worker tasks / stage tasks"),
+        (where, spec.has_sparse_tables(), "sparse embedding tables are not supported with pipeline stages; "
+         "set sparse: false on the table layer or remove the stage pins"),
+    ]
+    problems.extend((loc, msg) for loc, bad, msg in incompatible if bad)
+    return problems

@@ -1,0 +1,247 @@
+"""One pipeline stage of a replica (model parallelism, GPipe): its layers, its shards, its links.
+Nothing here imports Dask.
+
+A replica of a model with stage pins runs as one task per stage position (``plan.stages``), each
+in its own worker task's process. :class:`StageModel` has the interface of
+:class:`~dtrain.worker.replica.ReplicaModel`, so the replica loop (``_train``: pulls, pushes,
+sync and async, staleness) drives a stage unchanged; only the step differs:
+
+- the **first** stage reads the batch, splits it into ``training.microbatches`` parts, runs its
+  layers on each and sends the outputs (and the labels) downstream, then takes the gradients of
+  those outputs as they come back and runs its backward; it decides when the pipeline stops;
+- a **middle** stage receives each micro-batch, runs its layers, sends the output on, and later
+  sends the gradient of its input back;
+- the **last** stage computes each micro-batch's loss (weighted by its share of the batch, so
+  the gradients sum to the whole batch's) and sends its input's gradient back at once.
+
+Each stage pushes the gradients of its own layers, summed over the micro-batches, to its own
+shards, and pulls only their parameters. Stages of one position on different devices run in
+that process, activations moved between devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, Message, StageLink
+from dtrain.model.build import build_model
+from dtrain.model.layers import get_loss
+from dtrain.plan.layout import BoundModel, Part, ShardLayout
+from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
+from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, torch_device
+
+logger = logging.getLogger(__name__)
+
+
+class StageError(ReplicaError):
+    """A stage received what the pipeline protocol does not allow."""
+
+
+def stage_shards(plan: Any, position: int) -> list[int]:
+    """The shards holding stage ``position``'s variables, in plan order."""
+    return [s.index for s in plan.shards if s.stage == position]
+
+
+def stage_layout(plan: Any, position: int) -> ShardLayout:
+    """The layout of stage ``position``'s shards, numbered from 0 in :func:`stage_shards` order."""
+    ids = stage_shards(plan, position)
+    local = {g: i for i, g in enumerate(ids)}
+    parts = [Part(local[v.shard], v.offset, v.numel, v.source, v.start) for v in plan.variables if v.shard in local]
+    return ShardLayout(parts, [plan.shards[g].numel for g in ids])
+
+
+class _Steps:
+    """A later stage's step counter (it reads no data: the batches arrive from upstream)."""
+
+    def __init__(self, start: int):
+        self.position = start
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class StageModel:
+    """A stage's layers, buffers and links, with ``ReplicaModel``'s interface (module docstring)."""
+
+    def __init__(self, spec: Any, plan: Any, index: int, position: int, up: StageLink | None,
+                 down: StageLink | None, start_local_step: int = 0, read: Reader | None = None):
+        torch.set_num_threads(spec.training.torch_threads)
+        self.spec, self.index, self.position = spec, index, position
+        self.up, self.down = up, down
+        self.follows = position > 0
+        self.microbatches = spec.training.microbatches
+        soft = spec.placement.soft
+        mine = [s for s in plan.stages if s.position == position]
+        whole = build_model(spec)  # every stage builds the same modules; the ps sends the values
+        children = list(whole.named_children())
+        self.model = nn.Module()
+        self.parts: list[tuple[torch.device, list[nn.Module]]] = []
+        for st in mine:
+            dev = torch_device(st.device, soft)
+            modules = []
+            for m in st.members:
+                name, child = children[m]
+                child.to(dev)
+                self.model.add_module(name, child)
+                modules.append(child)
+            self.parts.append((dev, modules))
+        del whole
+        self.device = self.parts[0][0]
+        self.model.train()
+        self.loss_fn = get_loss(spec.model.loss)
+        self.bound = BoundModel(self.model, stage_layout(plan, position))
+        self.zero_copy = False
+        self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
+        if position > 0:
+            self.batches: Any = _Steps(start_local_step)
+        elif getattr(plan, "data", None) is not None:
+            self.batches = StreamBatches(spec, plan, index, self.device, start_local_step, read)
+        else:
+            from dtrain.data.sources import to_tensors
+
+            data = dataset_for(spec)
+            x, y = to_tensors(data.x_train, data.y_train, self.device)
+            self.batches = MemoryBatches(x, y, spec, index, plan.num_replicas, start_local_step)
+        self._peeked: Any = None
+        self.stopped = False
+        self.exchange_s = 0.0  # waiting for a neighbour's activations or gradients
+        self.exchanges = 0
+        torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + position * 104_729 + start_local_step)
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for dev, modules in self.parts:
+            x = x.to(dev)
+            for m in modules:
+                x = m(x)
+        return x
+
+    def _receive(self, link: StageLink, kind: int) -> Message:
+        t0 = time.perf_counter()
+        msg = link.receive()
+        self.exchange_s += time.perf_counter() - t0
+        self.exchanges += 1
+        if msg.kind != kind:
+            raise StageError(f"replica {self.index} stage {self.position}: expected a "
+                             f"{'forward' if kind == FORWARD else 'backward'} message, got kind {msg.kind}")
+        return msg
+
+    def peek_inputs(self) -> torch.Tensor | None:
+        """The next step's first input: a batch read (first stage) or a micro-batch received;
+        None at the end (the data's end, or the first stage's STOP)."""
+        if self._peeked is not None:
+            return self._peeked[0]
+        if self.stopped:
+            return None
+        if self.position == 0:
+            from dtrain.data.stream import OutOfRange
+
+            try:
+                self._peeked = self.batches.next()
+            except OutOfRange:
+                return None
+            return self._peeked[0]
+        t0 = time.perf_counter()
+        msg = self.up.receive()  # type: ignore[union-attr]
+        self.exchange_s += time.perf_counter() - t0
+        if msg.kind == STOP:
+            self.stopped = True
+            return None
+        if msg.kind != FORWARD:
+            raise StageError(f"replica {self.index} stage {self.position}: expected a forward message, got kind {msg.kind}")
+        self._peeked = (msg.tensors[0], msg)
+        return msg.tensors[0]
+
+    def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
+        """One step's forwards and backwards of this stage; its gradient ends up in ``grads``."""
+        if self.peek_inputs() is None:
+            raise StageError(f"replica {self.index} stage {self.position}: a step past the end")
+        peeked, self._peeked = self._peeked, None
+        self.model.zero_grad(set_to_none=True)
+        if self.position == 0:
+            loss, n = self._first(*peeked)
+        else:
+            loss, n = self._later(peeked[1])
+        self.bound.grads_into(grads)
+        if self.position > 0:
+            self.batches.position += 1
+        return loss, n
+
+    def _first(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        chunks = [(xb, yb) for xb, yb in zip(torch.tensor_split(x, self.microbatches),
+                                              torch.tensor_split(y, self.microbatches), strict=True) if len(yb)]
+        outs = []
+        for i, (xb, yb) in enumerate(chunks):
+            out = self.forward(xb)
+            self.down.send(FORWARD, i, (out, yb), loss=len(yb) / len(y), count=len(chunks))  # type: ignore[union-attr]
+            outs.append(out)
+        loss = 0.0
+        for _ in chunks:
+            msg = self._receive(self.down, BACKWARD)  # type: ignore[arg-type]
+            outs[msg.microbatch].backward(msg.tensors[0].to(outs[msg.microbatch].device))
+            loss += msg.loss
+        return loss, len(y)
+
+    def _later(self, first: Message) -> tuple[float, int]:
+        msgs = [first] + [self._receive(self.up, FORWARD) for _ in range(first.count - 1)]  # type: ignore[arg-type]
+        kept = []
+        n = 0
+        for msg in msgs:
+            act, y = msg.tensors
+            inp = act.to(self.parts[0][0]).requires_grad_(act.is_floating_point())
+            out = self.forward(inp)
+            n += len(y)
+            if self.down is None:  # the last stage: the loss, and the input's gradient back at once
+                loss = self.loss_fn(out, y.to(out.device)) * msg.loss
+                loss.backward()
+                self.up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=float(loss.detach()))  # type: ignore[union-attr]
+            else:
+                self.down.send(FORWARD, msg.microbatch, (out, y), loss=msg.loss, count=first.count)
+                kept.append((inp, out))
+        for _ in msgs if self.down is not None else ():
+            msg = self._receive(self.down, BACKWARD)
+            inp, out = kept[msg.microbatch]
+            out.backward(msg.tensors[0].to(out.device))
+            self.up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=msg.loss)  # type: ignore[union-attr]
+        return 0.0, n
+
+    def load(self, buffers: list[torch.Tensor]) -> None:
+        for s, buf in enumerate(buffers):
+            self.bound.load_params(s, buf)
+
+
+def _grad_of(inp: torch.Tensor) -> torch.Tensor:
+    return inp.grad if inp.grad is not None else torch.zeros_like(inp)
+
+
+def run_stage(spec: Any, plan: Any, index: int, position: int, shards: Any, up: StageLink | None,
+              down: StageLink | None, start_local_step: int = 0, read: Reader | None = None) -> ReplicaStats:
+    """Run stage ``position`` of replica ``index`` until the pipeline stops (the first stage: the
+    ps says stop or its data ends; the others: the first stage's STOP). ``shards``: this stage's
+    shard handles (or a function opening them). Links are closed at the end; a stage with a
+    downstream neighbour tells it to stop first, whatever ended this one."""
+    rep = None
+    try:
+        rep = StageModel(spec, plan, index, position, up, down, start_local_step, read)
+        stats = _train(rep, spec, SimpleNamespace(tables=()), index, shards, start_local_step)
+        stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s,
+                                "bytes_sent": sum(lk.bytes_sent for lk in (up, down) if lk is not None),
+                                "bytes_received": sum(lk.bytes_received for lk in (up, down) if lk is not None)}
+        return stats
+    finally:
+        if down is not None:
+            down.send(STOP)
+        for link in (down, up):
+            if link is not None:
+                link.close()
+        if rep is not None:
+            rep.batches.close()
