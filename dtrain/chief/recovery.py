@@ -39,6 +39,7 @@ class Recovery:
         self.session = session
         self.count = 0
         self.log: list[dict[str, Any]] = []
+        self.lost_stage_tasks: dict[int, list[str]] = {}
 
     def lost_tasks(self) -> tuple[list[int], list[int]]:
         """(lost shard indices, lost replica indices): their worker left the scheduler, or the
@@ -51,6 +52,9 @@ class Recovery:
         tasks = s.conn.tasks
         shards = [sh.index for sh, f in zip(s.plan.shards, s.shards.futures, strict=True)
                   if f.status == "error" or tasks.get(sh.task) not in live]
+        # A pipeline replica is lost with any of its stage tasks (named in the log by the lost ones).
+        self.lost_stage_tasks = {r.index: [t for t in r.stage_tasks if tasks.get(t) not in live]
+                                 for r in s.plan.replicas if r.stage_tasks}
         return shards, [r.index for r in s.plan.replicas
                         if any(tasks.get(t) not in live for t in (r.stage_tasks or (r.task,)))]
 
@@ -106,7 +110,8 @@ class Recovery:
         s = self.session
         t_lost = time.time()
         step_lost = s.global_step  # the global step when the loss was seen (the chief's last poll)
-        lost = [s.plan.shards[i].task for i in lost_shards] + [s.plan.replicas[i].task for i in lost_replicas]
+        lost = [s.plan.shards[i].task for i in lost_shards] + [
+            t for i in lost_replicas for t in (self.lost_stage_tasks.get(i) or [s.plan.replicas[i].task])]
         for h in s.hooks:  # before anything else: the hooks hear of every loss, the last one too
             for task in lost:
                 h.on_task_lost(task)

@@ -143,7 +143,7 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
     from dtrain.plan.compiler import compile
 
     plan = compile(spec)
-    used = {s.task for s in plan.shards} | {r.task for r in plan.replicas}
+    used = {s.task for s in plan.shards} | {t for r in plan.replicas for t in (r.stage_tasks or (r.task,))}
     used |= {DeviceSpec.from_string(o.device).task_key() for o in plan.ops}
     deadline = time.monotonic() + timeout
     while True:

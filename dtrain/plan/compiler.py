@@ -356,7 +356,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         from dtrain.model.layers import infer_shapes
 
         shapes = infer_shapes(tuple(model.input_shape or ()), [layer.model_dump() for layer in model.layers])
-        replica0 = DeviceSpec(job=worker_job).make_merged_spec(compute)
+        replica0 = DeviceSpec(job=worker_job, task=0 if staging is not None else None).make_merged_spec(compute)
         for i, (layer, shape) in enumerate(zip(model.layers, shapes, strict=True)):
             dev = replica0.make_merged_spec(DeviceSpec.from_string(layer.device)) if layer.device else replica0
             layers.append(LayerPlan(i, layer.type, layer.name or f"{layer.type}_{i}", dev.to_string(), tuple(shape)))

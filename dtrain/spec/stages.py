@@ -53,16 +53,16 @@ def layer_tasks(spec: Any) -> list[int]:
 
 
 def contiguity_problem(tasks: list[int], names: list[str]) -> tuple[int, str] | None:
-    """A task's layers must be consecutive (one stage per task and replica): the first member
-    that breaks that, with the message."""
-    seen: list[int] = []
-    for i, t in enumerate(tasks):
-        if seen and seen[-1] == t:
-            continue
-        if t in seen:
-            return i, (f"{names[i]} is on stage task {t} again after stage task {seen[-1]}: a task holds one "
+    """Stage tasks run in order, each one consecutive run of layers (the first layers on task 0,
+    the next on task 1, ...): the first member that breaks that, with the message."""
+    for i in range(1, len(tasks)):
+        t, before = tasks[i], tasks[i - 1]
+        if t < before and t in tasks[:i - 1] + [before]:
+            return i, (f"{names[i]} is on stage task {t} again after stage task {before}: a task holds one "
                        "consecutive stage per replica; pin it to a task of its own, or move the layers in between")
-        seen.append(t)
+        if t < before:
+            return i, (f"{names[i]} is on stage task {t} after layers on stage task {before}: stages run in task "
+                       f"order (the first layers on /job:worker/task:0, the next on task 1, ...); renumber the pins")
     return None
 
 

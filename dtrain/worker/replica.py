@@ -271,7 +271,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
         rep.grad_bufs = [[s[j] for s in slots] for j in range(2)]
     buckets = None
-    if spec.training.bucket_mb and rep.zero_copy:
+    if spec.training.bucket_mb and rep.zero_copy and spec.training.microbatches == 1:  # (not mid-accumulation)
         buckets = GradBuckets(rep.bound, shards, max(1, int(spec.training.bucket_mb * 2**20 / 4)))
         if not buckets.active:  # no shard's bytes cross a socket
             buckets.remove()

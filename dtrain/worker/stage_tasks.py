@@ -82,7 +82,7 @@ def stage_task(spec: Any, plan: Any, index: int, position: int, refs: list[tuple
     shards = open_handles if data_plane else shard_handles([refs[i] for i in mine])
     try:
         stats = run_stage(spec, plan, index, position, shards, up, down, start_local_step,
-                          read=partition_reader(plan) if position == 0 else None)
+                          read=partition_reader(plan) if position == 0 else None, owns_replies=bool(data_plane))
     finally:
         for s in opened:
             s.close()

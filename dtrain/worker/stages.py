@@ -73,7 +73,8 @@ class StageModel:
     """A stage's layers, buffers and links, with ``ReplicaModel``'s interface (module docstring)."""
 
     def __init__(self, spec: Any, plan: Any, index: int, position: int, up: StageLink | None,
-                 down: StageLink | None, start_local_step: int = 0, read: Reader | None = None):
+                 down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
+                 owns_replies: bool = False):
         torch.set_num_threads(spec.training.torch_threads)
         self.spec, self.index, self.position = spec, index, position
         self.up, self.down = up, down
@@ -99,7 +100,11 @@ class StageModel:
         self.model.train()
         self.loss_fn = get_loss(spec.model.loss)
         self.bound = BoundModel(self.model, stage_layout(plan, position))
-        self.zero_copy = False
+        # As a whole replica's (ReplicaModel): gradients written by backward straight into the
+        # shard-shaped buffers, parameters as views of the replies when they stay ours.
+        self.zero_copy = self.bound.zero_copy and owns_replies
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
         if position > 0:
             self.batches: Any = _Steps(start_local_step)
@@ -166,12 +171,17 @@ class StageModel:
         if self.peek_inputs() is None:
             raise StageError(f"replica {self.index} stage {self.position}: a step past the end")
         peeked, self._peeked = self._peeked, None
-        self.model.zero_grad(set_to_none=True)
+        if self.zero_copy:
+            self.bound.grads_as_views(grads)
+        else:
+            for p in self.model.parameters():
+                p.grad.zero_()
         if self.position == 0:
             loss, n = self._first(*peeked)
         else:
             loss, n = self._later(peeked[1])
-        self.bound.grads_into(grads)
+        if not self.zero_copy:
+            self.bound.grads_into(grads)
         if self.position > 0:
             self.batches.position += 1
         return loss, n
@@ -192,10 +202,15 @@ class StageModel:
         return loss, len(y)
 
     def _later(self, first: Message) -> tuple[float, int]:
-        msgs = [first] + [self._receive(self.up, FORWARD) for _ in range(first.count - 1)]  # type: ignore[arg-type]
+        if first.count < 1:
+            raise StageError(f"replica {self.index} stage {self.position}: a step of {first.count} micro-batches")
         kept = []
         n = 0
-        for msg in msgs:
+        for i in range(first.count):  # each micro-batch as soon as it arrives (overlaps the stage before)
+            msg = first if i == 0 else self._receive(self.up, FORWARD)  # type: ignore[arg-type]
+            if msg.microbatch != i:
+                raise StageError(f"replica {self.index} stage {self.position}: micro-batch {msg.microbatch} "
+                                 f"arrived as the step's {i}-th")
             act, y = msg.tensors
             inp = act.to(self.parts[0][0]).requires_grad_(act.is_floating_point())
             out = self.forward(inp)
@@ -207,7 +222,7 @@ class StageModel:
             else:
                 self.down.send(FORWARD, msg.microbatch, (out, y), loss=msg.loss, count=first.count)
                 kept.append((inp, out))
-        for _ in msgs if self.down is not None else ():
+        for _ in kept:
             msg = self._receive(self.down, BACKWARD)
             inp, out = kept[msg.microbatch]
             out.backward(msg.tensors[0].to(out.device))
@@ -216,7 +231,10 @@ class StageModel:
 
     def load(self, buffers: list[torch.Tensor]) -> None:
         for s, buf in enumerate(buffers):
-            self.bound.load_params(s, buf)
+            if self.zero_copy:
+                self.bound.params_as_views(s, buf)
+            else:
+                self.bound.load_params(s, buf)
 
 
 def _grad_of(inp: torch.Tensor) -> torch.Tensor:
@@ -224,16 +242,18 @@ def _grad_of(inp: torch.Tensor) -> torch.Tensor:
 
 
 def run_stage(spec: Any, plan: Any, index: int, position: int, shards: Any, up: StageLink | None,
-              down: StageLink | None, start_local_step: int = 0, read: Reader | None = None) -> ReplicaStats:
+              down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
+              owns_replies: bool = False) -> ReplicaStats:
     """Run stage ``position`` of replica ``index`` until the pipeline stops (the first stage: the
     ps says stop or its data ends; the others: the first stage's STOP). ``shards``: this stage's
     shard handles (or a function opening them). Links are closed at the end; a stage with a
     downstream neighbour tells it to stop first, whatever ended this one."""
     rep = None
     try:
-        rep = StageModel(spec, plan, index, position, up, down, start_local_step, read)
+        rep = StageModel(spec, plan, index, position, up, down, start_local_step, read, owns_replies)
         stats = _train(rep, spec, SimpleNamespace(tables=()), index, shards, start_local_step)
-        stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s,
+        stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
+                                "send_s": sum(lk.send_s for lk in (up, down) if lk is not None),
                                 "bytes_sent": sum(lk.bytes_sent for lk in (up, down) if lk is not None),
                                 "bytes_received": sum(lk.bytes_received for lk in (up, down) if lk is not None)}
         return stats

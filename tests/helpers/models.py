@@ -80,3 +80,34 @@ class RecordingMLP(nn.Module):
             with open(os.path.join(where, f"{os.getpid()}-{threading.get_ident()}.txt"), "a") as f:
                 f.write(" ".join(str(int(v)) for v in x[:, 0].tolist()) + "\n")
         return self.net(x)
+
+
+class _Recorded(nn.Module):
+    """A child that leaves a file named after itself, its process id and its device each time it
+    runs forward in training mode on real tensors."""
+
+    def __init__(self, name: str, inner: nn.Module, record_dir: str):
+        super().__init__()
+        self.name, self.record_dir, self.inner = name, record_dir, inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        from pathlib import Path
+
+        if self.training and x.device.type != "meta":
+            (Path(self.record_dir) / f"{self.name}-{os.getpid()}-{x.device.type}").touch()
+        return self.inner(x)
+
+
+class StageRecorder(nn.Module):
+    """Three children run in order (encoder, act, head), each recording where it runs: the test of
+    pipeline stages compares those process ids with the worker tasks' own."""
+
+    def __init__(self, record_dir: str, features: int = 64, hidden: int = 32, classes: int = 10):
+        super().__init__()
+        self.encoder = _Recorded("encoder", nn.Linear(features, hidden), record_dir)
+        self.act = _Recorded("act", nn.ReLU(), record_dir)
+        self.head = _Recorded("head", nn.Linear(hidden, classes), record_dir)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.encoder(x)))

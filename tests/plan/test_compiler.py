@@ -62,8 +62,11 @@ def assert_consistent(plan: Plan) -> None:
         for d in v.shape:
             numel *= d
         assert v.numel == numel and v.bytes == 4 * numel
-    ps = [s for s in plan.shards if s.task in plan.ps_bytes]
-    assert plan.ps_bytes == {s.task: s.bytes + s.table_bytes for s in ps}
+    ps_bytes: dict[str, int] = {}
+    for s in plan.shards:  # a task may hold several shards (one per pipeline stage)
+        if s.task in plan.ps_bytes:
+            ps_bytes[s.task] = ps_bytes.get(s.task, 0) + s.bytes + s.table_bytes
+    assert plan.ps_bytes == ps_bytes
     for s in plan.shards:  # a sparse table's rows count on the task holding them, nowhere else
         assert s.table_bytes == sum(p.bytes for t in plan.tables for p in t.parts if p.shard == s.index)
     assert [s.holds_global_step for s in plan.shards] == [s.index == 0 for s in plan.shards]
@@ -396,15 +399,15 @@ def test_to_json_snapshot(digits, digits_plan):
         ],
         "shards": [
             {"index": 0, "task": "/job:ps/task:0", "worker": "ps-0", "address": None, "numel": 9472,
-             "bytes": 37888, "holds_global_step": True, "table_bytes": 0},
+             "bytes": 37888, "holds_global_step": True, "table_bytes": 0, "stage": 0},
             {"index": 1, "task": "/job:ps/task:1", "worker": "ps-1", "address": None, "numel": 138,
-             "bytes": 552, "holds_global_step": False, "table_bytes": 0},
+             "bytes": 552, "holds_global_step": False, "table_bytes": 0, "stage": 0},
         ],
         "replicas": [
             {"index": 0, "task": "/job:worker/task:0", "worker": "worker-0", "address": None,
-             "device": "/job:worker/task:0/device:CPU:0"},
+             "device": "/job:worker/task:0/device:CPU:0", "stage_tasks": []},
             {"index": 1, "task": "/job:worker/task:1", "worker": "worker-1", "address": None,
-             "device": "/job:worker/task:1/device:CPU:0"},
+             "device": "/job:worker/task:1/device:CPU:0", "stage_tasks": []},
         ],
         "layers": [
             {"index": 0, "type": "linear", "name": "linear_0", "device": "/job:worker/device:CPU:0",
@@ -416,6 +419,7 @@ def test_to_json_snapshot(digits, digits_plan):
         ],
         "ops": [], "fetch": [], "ps_bytes": {"/job:ps/task:0": 37888, "/job:ps/task:1": 552},
         "missing_tasks": [], "tables": [], "data": None, "epochs": None,
+        "stages": [], "stage_positions": 1, "microbatches": 1,
     }
 
 
@@ -433,12 +437,17 @@ def test_format_mentions_every_variable_and_replica(digits_plan):
 
 def test_layer_devices():
     spec = _spec("digits_async", model={"input_shape": [64], "loss": "cross_entropy", "layers": [
-        {"type": "linear", "out": 32, "device": "/job:worker/task:1"}, {"type": "relu", "name": "act"},
-        {"type": "linear", "out": 10, "device": "/gpu:0"}]}, placement={"worker_device": "cpu"})
+        {"type": "linear", "out": 32}, {"type": "relu", "name": "act", "device": "/job:worker/task:1"},
+        {"type": "linear", "out": 10, "device": "/job:worker/task:1/gpu:0"}]}, placement={"worker_device": "cpu"})
     plan = dtrain.compile(spec)
     assert [(layer.name, layer.device, layer.output_shape) for layer in plan.layers] == [
-        ("linear_0", "/job:worker/task:1/device:CPU:0", (32,)), ("act", "/job:worker/device:CPU:0", (32,)),
-        ("linear_2", "/job:worker/device:GPU:0", (10,))]
+        ("linear_0", "/job:worker/task:0/device:CPU:0", (32,)), ("act", "/job:worker/task:1/device:CPU:0", (32,)),
+        ("linear_2", "/job:worker/task:1/device:GPU:0", (10,))]
+    # Three stages (one per device) on two stage tasks; one pipeline replica on the 2 worker tasks.
+    assert [(s.position, s.device, s.layers) for s in plan.stages] == [
+        (0, "/job:worker/task:0/device:CPU:0", ("linear_0",)), (1, "/job:worker/task:1/device:CPU:0", ("act",)),
+        (1, "/job:worker/task:1/device:GPU:0", ("linear_2",))]
+    assert plan.num_replicas == 1 and plan.replicas[0].stage_tasks == ("/job:worker/task:0", "/job:worker/task:1")
 
 
 # ----------------------------------------------------------------------------------------- graphs

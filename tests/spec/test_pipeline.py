@@ -265,7 +265,7 @@ def test_worker_device_spec_rejects(value: str):
 
 def test_device_strings_are_checked_against_the_cluster():
     ok = mlp(placement={"variable_devices": {"0.weight": "/job:ps/task:0"}},
-             model={**MLP, "layers": [{"type": "linear", "out": 3, "device": "/job:worker/task:1"}]})
+             model={**MLP, "layers": [{"type": "linear", "out": 3, "device": "/job:worker/task:0"}]})
     assert ok.placement.variable_devices == {"0.weight": "/job:ps/task:0"}
     with pytest.raises(SpecError) as info:
         validate({"model": MLP, "placement": {"variable_devices": {"0.weight": "/job:ps/task:1"}}})

@@ -1,0 +1,75 @@
+"""Stage links on real sockets (127.0.0.1): messages both ways with their tensors intact, the
+HMAC handshake refusing a wrong secret, and a closed peer reported to the waiting stage."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, StageListener, connect
+from dtrain.dataplane.protocol import DataPlaneError
+
+SECRET = b"s" * 32
+
+
+def pair(secret: bytes = SECRET, timeout: float = 5.0):
+    listener = StageListener("127.0.0.1", SECRET)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("down", _accept(listener, timeout)))
+    t.start()
+    try:
+        up = connect("127.0.0.1", listener.port, secret, "test 0->1", timeout)
+    finally:
+        t.join()
+    return up, out["down"]
+
+
+def _accept(listener, timeout):
+    try:
+        return listener.accept("test 0->1", timeout)
+    except DataPlaneError as exc:
+        return exc
+
+
+def test_messages_cross_both_ways_intact():
+    up, down = pair()
+    try:
+        act = torch.randn(5, 3, dtype=torch.float32)
+        labels = torch.tensor([1, 0, 2, 2, 9])
+        up.send(FORWARD, 3, (act, labels), loss=0.25, count=4)
+        msg = down.receive()
+        assert (msg.kind, msg.microbatch, msg.loss, msg.count) == (FORWARD, 3, 0.25, 4)
+        assert torch.equal(msg.tensors[0], act) and torch.equal(msg.tensors[1], labels)
+        assert msg.tensors[1].dtype == torch.int64
+        down.send(BACKWARD, 3, (torch.ones(5, 3, dtype=torch.bfloat16),), loss=1.5)
+        back = up.receive()
+        assert back.kind == BACKWARD and back.loss == 1.5 and back.tensors[0].dtype == torch.bfloat16
+        assert torch.equal(back.tensors[0].float(), torch.ones(5, 3))
+        up.send(STOP)
+        assert down.receive().kind == STOP
+        assert up.bytes_sent > act.numel() * 4 and down.bytes_received >= act.numel() * 4 + 5 * 8
+    finally:
+        up.close()
+        down.close()
+
+
+def test_a_wrong_secret_is_refused():
+    listener = StageListener("127.0.0.1", SECRET)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", _accept(listener, 2.0)))
+    t.start()
+    with pytest.raises((DataPlaneError, OSError)):
+        link = connect("127.0.0.1", listener.port, b"x" * 32, "intruder", 2.0)
+        link.receive(timeout=2.0)  # never reached when the handshake already failed
+    t.join()
+    assert isinstance(out["r"], DataPlaneError)  # the listener never handed out a link
+
+
+def test_a_closed_peer_fails_the_waiting_stage():
+    up, down = pair()
+    up.close()
+    with pytest.raises(DataPlaneError, match="closed by the peer"):
+        down.receive(timeout=5)
+    down.close()
