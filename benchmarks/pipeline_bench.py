@@ -115,6 +115,8 @@ def child_pipeline(a: argparse.Namespace) -> dict[str, Any]:
     return {"samples_per_sec": rate, "method": method, "run_status": result.summary["status"],
             "activation_bytes": result.plan.stages[0].activation_bytes,
             "link_bytes_per_step": (link0["bytes_sent"] + link0["bytes_received"]) / max(1, steps),
+            "shared_bytes_per_step": (link0["bytes_shared"] + link1["bytes_shared"]) / max(1, steps),
+            "shared_memory": int(link0["shared_memory"]),
             "send_ms_per_message": 1e3 * (link0["send_s"] + link1["send_s"]) / (2 * microbatch_steps),
             "wait_ms_per_gradient": 1e3 * link0["exchange_s"] / microbatch_steps}
 

@@ -90,3 +90,20 @@ def test_input_bench_tiny_runs_and_writes_json(tmp_path):
         r = results[name]
         assert r["peak_rss_mb"] > 0 and r["samples"] == (r["rows_assigned"] // 128) * 128
     assert set(doc["summary"]) == {"rss_growth_mb", "input_over_training", "stream_over_dataloader"}
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(330)
+def test_pipeline_bench_quick_runs_and_writes_json(tmp_path):
+    """benchmarks/pipeline_bench.py --quick: every row measured (no figure asserted)."""
+    out = tmp_path / "pipeline.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_bench.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"plain", "pipeline_m1", "pipeline_m4"}
+    for name in ("pipeline_m1", "pipeline_m4"):
+        r = results[name]
+        assert r["status"] == "ok" and r["samples_per_sec"] > 0 and r["ratio"] > 0, (name, r)
+        assert r["activation_bytes"] == 4 * 256 * 64 // (1 if name == "pipeline_m1" else 4)
+        assert r["link_bytes_per_step"] > 0 and r["send_ms_per_message"] > 0

@@ -70,6 +70,8 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool =
         else:
             if embedded:
                 _memory(spec, plan, problems)
+            if plan.stages and spec.model is not None and spec.model.module is not None:
+                _sequential(spec, problems)
     if problems:
         raise SpecError(problems)
     return hooks
@@ -222,6 +224,28 @@ def _fits(spec: PipelineSpec, skeleton: Any, data: Any, problems: list[Problem])
     except ValueError as exc:
         path = "model.module" if model.layers is None else "model.layers"
         problems.append(Problem(f"{exc} (with the data of {source!r})", path=path))
+
+
+def _sequential(spec: PipelineSpec, problems: list[Problem]) -> None:
+    """A ``model.module`` split into pipeline stages must compute what it computes whole when its
+    children run one after the other (the plan checked the shapes on the meta device; a residual
+    connection or a branch keeps the shapes but not the values): one real forward of two examples."""
+    import torch
+
+    from dtrain.model.build import build_model
+
+    model = build_model(spec).eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randn(2, *(spec.model.input_shape or ()))  # type: ignore[union-attr]
+        whole, h = model(x), x
+        for _, child in model.named_children():
+            h = child(h)
+    if h.shape != whole.shape or not torch.allclose(h, whole, rtol=1e-4, atol=1e-5):
+        problems.append(Problem(f"{spec.model.module} cannot be split into pipeline stages: its children run one "  # type: ignore[union-attr]
+                                "after the other do not compute what its forward computes (a residual connection, "
+                                "a branch, or a child used twice?); make its forward a sequence of its children or "
+                                "remove placement.layer_devices", path="placement.layer_devices"))
 
 
 def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:

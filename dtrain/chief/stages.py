@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import Future
 
 from dtrain.worker.stage_tasks import open_stage_listener, stage_task
+from dtrain.worker.stages import link_shape
 
 if TYPE_CHECKING:  # pragma: no cover
     from dtrain.chief.session import Session
@@ -32,8 +33,9 @@ def submit(session: Session, replica: Any, refs: list[tuple[str, str]], start: i
     tls = bool(s.shards.tls)
     base = f"{s.token}-g{s.generation}-{attempt}-r{replica.index}"
     keys = {p: f"dtrain-stage-{base}-p{p}" for p in range(1, plan.stage_positions)}
-    opening = {p: s.client.submit(open_stage_listener, keys[p], secret, tls, workers=[s.conn.tasks[replica.stage_tasks[p]]],
-                                  allow_other_workers=False, pure=False, key=f"{keys[p]}-listen")
+    opening = {p: s.client.submit(open_stage_listener, keys[p], secret, tls, link_shape(s.spec, plan, p - 1),
+                                  workers=[s.conn.tasks[replica.stage_tasks[p]]], allow_other_workers=False,
+                                  pure=False, key=f"{keys[p]}-listen")
                for p in keys}
     links = {"secret": secret, "tls": tls, "keys": keys,
              "endpoints": {p: tuple(f.result(timeout=s.spec.cluster.wait_s)) for p, f in opening.items()}}

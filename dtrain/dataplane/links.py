@@ -8,7 +8,17 @@ connecting stage answers ``HMAC-SHA256(secret, nonce)`` with the run's per-run s
 processes that got it through Dask hold); TLS wraps the socket when the cluster uses TLS.
 
 Messages (little-endian): a header ``<B kind, B ntensors, H count, I microbatch, d loss>`` then each
-tensor as ``<B dtype, B ndim, 6x pad>``, ``ndim`` int64 dims and its bytes. Kinds: FORWARD
+tensor as ``<B dtype, B ndim, B where, 5x pad>``, ``ndim`` int64 dims and, unless ``where`` is 1,
+its bytes.
+
+Same machine: the connecting stage offers a shared-memory file in the handshake (its name and a
+token, as the ps data plane's replicas do: ``shm.SharedSlots``); when the listener can map it, a
+message's tensors go into the file and only the headers cross the socket (``where`` 1). The file
+holds, per direction and per step parity, one region per micro-batch of ``capacity`` bytes (what
+the plan says one micro-batch's activations and labels take); a message that does not fit goes
+over the socket. A region is written again only two steps later, by which time its reader has
+long copied it out: the pipeline's own order (no step starts before the last one's gradients
+came back) keeps every access safe. Kinds: FORWARD
 (stage ``p``'s output and the labels), BACKWARD (the gradient of that output, and the
 micro-batch's loss from the last stage), STOP (the first stage ends: no more steps). Each end
 has a sender thread (a send never blocks the compute thread, so two stages can never deadlock
@@ -33,12 +43,14 @@ from dataclasses import dataclass
 import torch
 
 from .protocol import DataPlaneError, authenticated, recv_bytes, recv_exact, tune
+from .shm import SHM_DIR, SharedSlots, unlink
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DTRNS1"
 HEAD = struct.Struct("<BBHId")
-TENSOR = struct.Struct("<BB6x")
+TENSOR = struct.Struct("<BBB5x")
+ALIGN = 64
 FORWARD, BACKWARD, STOP = 1, 2, 3
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int16, torch.int8]
@@ -55,6 +67,29 @@ class Message:
     count: int = 0  # FORWARD: the step's micro-batches
 
 
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class LinkSlots:
+    """A link's shared-memory regions (see the module docstring): ``SharedSlots``' two "gradient"
+    slots carry FORWARD messages (one per step parity), its two "parameter" slots BACKWARD ones."""
+
+    def __init__(self, shared: SharedSlots, microbatches: int, capacity: int):
+        self.shared, self.microbatches, self.capacity = shared, microbatches, capacity
+
+    @staticmethod
+    def numel(microbatches: int, capacity: int) -> int:
+        return microbatches * capacity
+
+    def region(self, kind: int, parity: int, microbatch: int) -> torch.Tensor:
+        base = (self.shared.grad if kind == FORWARD else self.shared.param)[parity]
+        return base[microbatch * self.capacity:(microbatch + 1) * self.capacity]
+
+    def close(self) -> None:
+        self.shared.close()
+
+
 def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
@@ -67,15 +102,19 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 class StageLink:
     """One end of a connection between neighbouring stages (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, name: str, timeout: float):
+    def __init__(self, sock: socket.socket, name: str, timeout: float, slots: LinkSlots | None = None):
         self._sock = sock
         self.name = name
+        self.slots = slots  # shared memory with the neighbour (same machine), else None
+        self._parity = {FORWARD: 1, BACKWARD: 1}  # the step parity of the last message sent/received
+        self._recv_parity = {FORWARD: 1, BACKWARD: 1}
         self.timeout = timeout
         self._out: queue.Queue = queue.Queue()
         self._in: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = 0  # on the socket: headers and the tensors that did not go through shared memory
+        self.bytes_received = 0  # tensor bytes received on the socket
+        self.bytes_shared = 0  # tensor bytes sent through shared memory
         self.send_s = 0.0
         self._sender = threading.Thread(target=self._send_loop, name=f"dtrain-{name}-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"dtrain-{name}-recv", daemon=True)
@@ -97,9 +136,18 @@ class StageLink:
                 kind, mb, loss, tensors, count = item
                 t0 = time.perf_counter()
                 parts = [HEAD.pack(kind, len(tensors), count, mb, loss)]
-                for t in tensors:
-                    parts.append(TENSOR.pack(CODES[t.dtype], t.dim()) + struct.pack(f"<{t.dim()}q", *t.shape))
-                    parts.append(_as_bytes(t))
+                data = [_as_bytes(t) for t in tensors]
+                region = self._region(kind, mb, sum(_align(len(d)) for d in data), self._parity)
+                off = 0
+                for t, d in zip(tensors, data, strict=True):
+                    parts.append(TENSOR.pack(CODES[t.dtype], t.dim(), region is not None)
+                                 + struct.pack(f"<{t.dim()}q", *t.shape))
+                    if region is None:
+                        parts.append(d)
+                    elif len(d):
+                        region[off:off + len(d)].copy_(torch.frombuffer(d, dtype=torch.uint8))
+                        off += _align(len(d))
+                        self.bytes_shared += len(d)
                 for p in parts:
                     self._sock.sendall(p)
                     self.bytes_sent += len(p)
@@ -109,6 +157,17 @@ class StageLink:
                 logger.debug("stage link %s: send failed: %s", self.name, exc)
                 self._in.put(DataPlaneError(f"stage link {self.name}: send failed: {exc}"))
 
+    def _region(self, kind: int, mb: int, nbytes: int, parity: dict[int, int]) -> torch.Tensor | None:
+        """The shared-memory region of this message (None: it travels over the socket). Each
+        direction's step parity flips at its micro-batch 0, on the sending and the receiving side alike."""
+        if kind not in parity:
+            return None
+        if mb == 0:
+            parity[kind] ^= 1
+        if self.slots is None or mb >= self.slots.microbatches or nbytes > self.slots.capacity:
+            return None
+        return self.slots.region(kind, parity[kind], mb)
+
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self) -> None:
         try:
@@ -117,19 +176,27 @@ class StageLink:
                 if kind not in (FORWARD, BACKWARD, STOP):
                     raise DataPlaneError(f"unknown message kind {kind}")
                 tensors = []
+                region = self._region(kind, mb, 0, self._recv_parity) if kind in (FORWARD, BACKWARD) else None
+                off = 0
                 for _ in range(n):
-                    code, ndim = TENSOR.unpack(recv_bytes(self._sock, TENSOR.size))
-                    if code >= len(DTYPES) or ndim > MAX_DIMS:
-                        raise DataPlaneError(f"bad tensor header ({code}, {ndim})")
+                    code, ndim, where = TENSOR.unpack(recv_bytes(self._sock, TENSOR.size))
+                    if code >= len(DTYPES) or ndim > MAX_DIMS or where > 1 or (where and region is None):
+                        raise DataPlaneError(f"bad tensor header ({code}, {ndim}, {where})")
                     shape = struct.unpack(f"<{ndim}q", recv_bytes(self._sock, 8 * ndim)) if ndim else ()
                     if any(d < 0 for d in shape):
                         raise DataPlaneError(f"bad tensor shape {shape}")
                     dtype = DTYPES[code]
                     wire = torch.int16 if dtype == torch.bfloat16 else torch.uint8 if dtype == torch.bool else dtype
                     t = torch.empty(shape, dtype=wire)
-                    if t.numel():
+                    nbytes = t.numel() * t.element_size()
+                    if where and nbytes:
+                        if off + nbytes > region.numel():  # type: ignore[union-attr]
+                            raise DataPlaneError(f"a tensor of {nbytes} bytes past its shared region")
+                        t.view(-1).view(torch.uint8).copy_(region[off:off + nbytes])  # type: ignore[index]
+                        off += _align(nbytes)
+                    elif nbytes:
                         recv_exact(self._sock, memoryview(t.numpy()).cast("B"))
-                    self.bytes_received += t.numel() * t.element_size()
+                        self.bytes_received += nbytes
                     tensors.append(t.view(dtype) if wire != dtype else t)
                 self._in.put(Message(kind, mb, loss, tensors, count))
                 if kind == STOP:
@@ -160,6 +227,8 @@ class StageLink:
         except OSError:
             pass
         self._sock.close()
+        if self.slots is not None:
+            self.slots.close()
 
 
 # ---------------------------------------------------------------------------------- connecting
@@ -168,8 +237,10 @@ class StageLink:
 class StageListener:
     """A listening socket for the upstream stage's connection (on the downstream stage's worker)."""
 
-    def __init__(self, host: str, secret: bytes, ssl_context: ssl.SSLContext | None = None):
+    def __init__(self, host: str, secret: bytes, ssl_context: ssl.SSLContext | None = None,
+                 shm: tuple[int, int] | None = None):
         self.secret = secret
+        self.shm = shm  # (micro-batches, capacity): accept a shared-memory offer of that shape
         self.ssl_context = ssl_context
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -192,18 +263,18 @@ class StageListener:
                 except TimeoutError:
                     continue
                 try:
-                    sock = self._handshake(sock, min(10.0, timeout))
+                    sock, slots = self._handshake(sock, min(10.0, timeout))
                 except (OSError, DataPlaneError) as exc:
                     logger.warning("stage link %s: refused a connection: %s", name, exc)
                     sock.close()
                     continue
                 tune(sock, timeout)
                 authenticated(sock)  # no receive timeout: receive() has the deadline
-                return StageLink(sock, name, timeout)
+                return StageLink(sock, name, timeout, slots)
         finally:
             self.close()
 
-    def _handshake(self, sock: socket.socket, timeout: float) -> socket.socket:
+    def _handshake(self, sock: socket.socket, timeout: float) -> tuple[socket.socket, LinkSlots | None]:
         sock.settimeout(timeout)
         if self.ssl_context is not None:
             sock = self.ssl_context.wrap_socket(sock, server_side=True)
@@ -212,17 +283,26 @@ class StageListener:
         answer = recv_bytes(sock, 32)
         if not hmac.compare_digest(answer, hmac.new(self.secret, nonce, hashlib.sha256).digest()):
             raise DataPlaneError("wrong secret")
-        sock.sendall(b"\x01")
-        return sock
+        (length,) = struct.unpack("<H", recv_bytes(sock, 2))
+        slots = None
+        if length:
+            name, token = recv_bytes(sock, length).decode("ascii", "replace"), recv_bytes(sock, 16)
+            if self.shm is not None:
+                shared = SharedSlots.attach(name, token, LinkSlots.numel(*self.shm), torch.uint8)
+                slots = LinkSlots(shared, *self.shm) if shared is not None else None
+        sock.sendall(b"\x02" if slots is not None else b"\x01")
+        return sock, slots
 
     def close(self) -> None:
         self._sock.close()
 
 
 def connect(host: str, port: int, secret: bytes, name: str, timeout: float,
-            ssl_context: ssl.SSLContext | None = None) -> StageLink:
-    """The upstream end: connect to the downstream stage's listener and authenticate."""
+            ssl_context: ssl.SSLContext | None = None, shm: tuple[int, int] | None = None) -> StageLink:
+    """The upstream end: connect to the downstream stage's listener and authenticate. ``shm``:
+    (micro-batches, capacity) of a shared-memory file to offer (used when the listener maps it)."""
     sock = socket.create_connection((host, port), timeout=min(timeout, 30.0))
+    offer = SharedSlots.create(LinkSlots.numel(*shm), torch.uint8) if shm is not None else None
     try:
         sock.settimeout(min(timeout, 30.0))
         if ssl_context is not None:
@@ -230,12 +310,25 @@ def connect(host: str, port: int, secret: bytes, name: str, timeout: float,
         head = recv_bytes(sock, len(MAGIC) + 16)
         if head[:len(MAGIC)] != MAGIC:
             raise DataPlaneError(f"{host}:{port} is not a dtrain stage link")
-        sock.sendall(hmac.new(secret, head[len(MAGIC):], hashlib.sha256).digest())
-        if recv_bytes(sock, 1) != b"\x01":
+        file = offer[1].encode() if offer else b""
+        sock.sendall(hmac.new(secret, head[len(MAGIC):], hashlib.sha256).digest() + struct.pack("<H", len(file))
+                     + file + (offer[2] if offer else b""))
+        answer = recv_bytes(sock, 1)
+        if answer not in (b"\x01", b"\x02"):
             raise DataPlaneError(f"stage link {name}: the handshake was refused")
     except (OSError, DataPlaneError):
         sock.close()
+        if offer:
+            offer[0].close()
         raise
+    finally:
+        if offer:
+            unlink(os.path.join(SHM_DIR, offer[1]))  # mapped by both, or not wanted: gone either way
+    slots = None
+    if offer and answer == b"\x02":
+        slots = LinkSlots(offer[0], *shm)  # type: ignore[misc]
+    elif offer:
+        offer[0].close()
     tune(sock, timeout)
     authenticated(sock)
-    return StageLink(sock, name, timeout)
+    return StageLink(sock, name, timeout, slots)

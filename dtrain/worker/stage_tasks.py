@@ -19,7 +19,7 @@ from distributed import get_worker, secede
 
 from dtrain.dataplane.links import StageListener, connect
 
-from .stages import run_stage, stage_shards
+from .stages import link_shape, run_stage, stage_shards
 from .tasks import own_tls, partition_reader, shard_handles, socket_handles
 
 _LISTENERS: dict[str, StageListener] = {}
@@ -31,12 +31,13 @@ def _host(address: str) -> str:
     return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def open_stage_listener(key: str, secret: bytes, tls: bool) -> tuple[str, int]:
-    """Listen for the upstream stage on this worker's host; the stage task ``key`` takes it."""
+def open_stage_listener(key: str, secret: bytes, tls: bool, shm: tuple[int, int] | None = None) -> tuple[str, int]:
+    """Listen for the upstream stage on this worker's host; the stage task ``key`` takes it.
+    ``shm``: the link's shared-memory shape (``stages.link_shape``), accepted when offered."""
     from dtrain.dataplane.protocol import server_ssl_context
 
     ctx = server_ssl_context(own_tls()) if tls else None
-    listener = StageListener(_host(get_worker().address), secret, ctx)
+    listener = StageListener(_host(get_worker().address), secret, ctx, shm)
     with _LOCK:
         now = time.monotonic()
         for k in [k for k, v in _LISTENERS.items() if now - v.created > UNCLAIMED_S]:
@@ -66,7 +67,7 @@ def stage_task(spec: Any, plan: Any, index: int, position: int, refs: list[tuple
             host, port = links["endpoints"][position + 1]
             ctx = client_ssl_context(own_tls()) if links.get("tls") else None
             down = connect(host, port, links["secret"], f"replica {index} stage {position}->{position + 1}",
-                           timeout, ctx)
+                           timeout, ctx, link_shape(spec, plan, position))
     except BaseException:
         for link in (up, down):
             if link is not None:

@@ -48,6 +48,17 @@ def stage_shards(plan: Any, position: int) -> list[int]:
     return [s.index for s in plan.shards if s.stage == position]
 
 
+def link_shape(spec: Any, plan: Any, position: int) -> tuple[int, int] | None:
+    """(micro-batches, capacity in bytes) of the shared-memory regions of the link from stage
+    ``position`` to the next: one micro-batch's activations as the plan sizes them, plus room for
+    its labels (64 bytes an example). None when ``training.shared_memory`` is off."""
+    if not spec.training.shared_memory:
+        return None
+    last = [s for s in plan.stages if s.position == position][-1]
+    examples = -(-spec.data.batch_size // spec.training.microbatches)
+    return spec.training.microbatches, -(-(last.activation_bytes + 64 * examples) // 64) * 64 + 64
+
+
 def stage_layout(plan: Any, position: int) -> ShardLayout:
     """The layout of stage ``position``'s shards, numbered from 0 in :func:`stage_shards` order."""
     ids = stage_shards(plan, position)
@@ -189,6 +200,14 @@ class StageModel:
     def _first(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
         chunks = [(xb, yb) for xb, yb in zip(torch.tensor_split(x, self.microbatches),
                                               torch.tensor_split(y, self.microbatches), strict=True) if len(yb)]
+        if self.down is None:  # one stage task (stages on several devices of it): the loss here
+            total = 0.0
+            for xb, yb in chunks:
+                out = self.forward(xb)
+                loss = self.loss_fn(out, yb.to(out.device)) * (len(yb) / len(y))
+                loss.backward()
+                total += float(loss.detach())
+            return total, len(y)
         outs = []
         for i, (xb, yb) in enumerate(chunks):
             out = self.forward(xb)
@@ -253,9 +272,12 @@ def run_stage(spec: Any, plan: Any, index: int, position: int, shards: Any, up: 
         rep = StageModel(spec, plan, index, position, up, down, start_local_step, read, owns_replies)
         stats = _train(rep, spec, SimpleNamespace(tables=()), index, shards, start_local_step)
         stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
+                                "devices": [str(dev) for dev, _ in rep.parts],
                                 "send_s": sum(lk.send_s for lk in (up, down) if lk is not None),
                                 "bytes_sent": sum(lk.bytes_sent for lk in (up, down) if lk is not None),
-                                "bytes_received": sum(lk.bytes_received for lk in (up, down) if lk is not None)}
+                                "bytes_received": sum(lk.bytes_received for lk in (up, down) if lk is not None),
+                                "bytes_shared": sum(lk.bytes_shared for lk in (up, down) if lk is not None),
+                                "shared_memory": any(lk.slots is not None for lk in (up, down) if lk is not None)}
         return stats
     finally:
         if down is not None:

@@ -12,7 +12,7 @@ TOLERANCE = 1e-5
 
 
 def stage_spec(workers: int, optimizer: str, mode: str = "sync", microbatches: int = 4, steps: int = 50,
-               num_ps: int = 1) -> dtrain.PipelineSpec:
+               num_ps: int = 1, shared_memory: bool = True) -> dtrain.PipelineSpec:
     return dtrain.loads(f"""
 name: stages
 cluster: {{jobs: {{ps: {num_ps}, worker: {workers}}}}}
@@ -27,19 +27,20 @@ model:
   loss: cross_entropy
 data: {{source: sklearn:digits, batch_size: 16}}
 optimizer: {optimizer}
-training: {{mode: {mode}, steps: {steps}, seed: 5, microbatches: {microbatches}}}
+training: {{mode: {mode}, steps: {steps}, seed: 5, microbatches: {microbatches}, shared_memory: {str(shared_memory).lower()}}}
 summary: {{every_steps: 25, tensorboard: false}}
 """, base_dir=".")
 
 
-@pytest.mark.parametrize(("workers", "optimizer", "num_ps"), [
-    (2, "{name: sgd, lr: 0.1}", 1),
-    (2, "{name: adam, lr: 0.01}", 2),
-    (4, "{name: sgd, lr: 0.1}", 2),
-    (4, "{name: adam, lr: 0.01}", 1),
+@pytest.mark.parametrize(("workers", "optimizer", "num_ps", "shared_memory"), [
+    (2, "{name: sgd, lr: 0.1}", 1, True),
+    (2, "{name: adam, lr: 0.01}", 2, False),
+    (4, "{name: sgd, lr: 0.1}", 2, False),
+    (4, "{name: adam, lr: 0.01}", 1, True),
 ])
-def test_a_two_stage_pipeline_trains_as_one_process(inproc_client, tmp_path, workers, optimizer, num_ps):
-    spec = stage_spec(workers, optimizer, num_ps=num_ps)
+def test_a_two_stage_pipeline_trains_as_one_process(inproc_client, tmp_path, workers, optimizer, num_ps,
+                                                    shared_memory):
+    spec = stage_spec(workers, optimizer, num_ps=num_ps, shared_memory=shared_memory)
     plan = dtrain.compile(spec)
     replicas = workers // 2
     assert plan.num_replicas == replicas and plan.stage_positions == 2
@@ -54,8 +55,13 @@ def test_a_two_stage_pipeline_trains_as_one_process(inproc_client, tmp_path, wor
     assert max_abs_diff(result.model, single_process(spec, replicas)) <= TOLERANCE
     stages = result.replica_stats[0]["extra"]["stages"]
     assert [st["extra"]["stage"]["position"] for st in stages] == [1]
-    # Activations and gradients crossed the link: 4 micro-batches x 50 steps each way.
-    assert stages[0]["extra"]["stage"]["bytes_received"] >= 50 * 16 * 24 * 4
+    # Activations (16 x 24 floats a step) crossed the link: through shared memory on one machine
+    # (only headers on the socket), else over the socket.
+    link = stages[0]["extra"]["stage"]
+    assert link["shared_memory"] is shared_memory
+    moved = link["bytes_shared"] if shared_memory else link["bytes_received"]
+    assert moved >= 50 * 16 * 24 * 4
+    assert (link["bytes_received"] == 0) is shared_memory
     assert stages[0]["local_steps"] == 50
 
 
@@ -72,3 +78,43 @@ def test_async_pipeline_replicas_reach_accuracy(inproc_client, tmp_path):
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     assert result.summary["status"] == "completed"
     assert result.summary["eval"]["accuracy"] >= 0.9
+
+
+def test_stages_on_devices_of_one_task(inproc_client, tmp_path):
+    """Layers pinned to a GPU of the replica's own task: a stage on that device in the same process
+    (CUDA when present, else the CPU by soft placement), still single-process training."""
+    import torch
+
+    spec = dtrain.loads("""
+name: device-stages
+cluster: {jobs: {ps: 1, worker: 2}}
+model:
+  input_shape: [64]
+  layers:
+    - {type: linear, out: 24, device: /device:GPU:0}
+    - {type: tanh, device: /device:GPU:0}
+    - {type: linear, out: 10}
+  loss: cross_entropy
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.1}
+training: {mode: sync, steps: 20, seed: 5, microbatches: 2}
+summary: {tensorboard: false}
+""", base_dir=".")
+    plan = dtrain.compile(spec)
+    assert plan.stage_positions == 1 and plan.num_replicas == 2
+    assert [s.device for s in plan.stages] == ["/job:worker/task:0/device:GPU:0", "/job:worker/task:0/device:CPU:0"]
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    gpu = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert result.replica_stats[0]["extra"]["stage"]["devices"] == [gpu, "cpu"]
+    assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE
+
+
+def test_a_resumed_pipeline_continues_exactly(inproc_client, tmp_path):
+    spec = stage_spec(2, "{name: adam, lr: 0.01}", steps=20)
+    spec = dtrain.loads(spec.model_dump_json(), base_dir=".", overrides=["checkpoint={every_steps: 10}"])
+    first = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert first.summary["global_step"] == 20
+    longer = dtrain.loads(spec.model_dump_json(), base_dir=".", overrides=["training.steps=30"])
+    result = dtrain.run(longer, client=inproc_client, run_dir=tmp_path / "run", resume=True)
+    assert result.summary["start_step"] == 20 and result.summary["global_step"] == 30
+    assert max_abs_diff(result.model, single_process(longer, 1)) <= TOLERANCE

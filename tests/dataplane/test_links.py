@@ -73,3 +73,57 @@ def test_a_closed_peer_fails_the_waiting_stage():
     with pytest.raises(DataPlaneError, match="closed by the peer"):
         down.receive(timeout=5)
     down.close()
+
+
+def test_shared_memory_carries_the_tensors_and_the_socket_only_headers():
+    import os
+
+    from dtrain.dataplane.shm import SHM_DIR
+
+    before = {n for n in os.listdir(SHM_DIR) if n.startswith("dtrain-")}
+    shape = (4, 4096)  # 4 micro-batches of up to 4096 bytes
+    listener = StageListener("127.0.0.1", SECRET, shm=shape)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("down", listener.accept("shm 0->1", 5.0)))
+    t.start()
+    up = connect("127.0.0.1", listener.port, SECRET, "shm 0->1", 5.0, shm=shape)
+    t.join()
+    down = out["down"]
+    try:
+        assert up.slots is not None and down.slots is not None
+        assert {n for n in os.listdir(SHM_DIR) if n.startswith("dtrain-")} == before  # unlinked once mapped
+        for step in range(3):  # the step parity alternates the regions; every value arrives intact
+            acts = [torch.full((8, 16), float(step * 10 + i)) for i in range(4)]
+            for i, a in enumerate(acts):
+                up.send(FORWARD, i, (a, torch.arange(8)), loss=0.25, count=4)
+            for i, a in enumerate(acts):
+                msg = down.receive()
+                assert msg.microbatch == i and torch.equal(msg.tensors[0], a) and torch.equal(msg.tensors[1], torch.arange(8))
+                down.send(BACKWARD, i, (a * 2,), loss=float(i))
+            for i, a in enumerate(acts):
+                back = up.receive()
+                assert back.microbatch == i and torch.equal(back.tensors[0], a * 2)
+        big = torch.ones(64, 64)  # 16 KiB: more than a region holds, so it crosses the socket
+        up.send(FORWARD, 0, (big, torch.arange(64)), count=1)
+        assert torch.equal(down.receive().tensors[0], big)
+        # Headers only: far fewer bytes on the socket than the 3 x 4 x 2 tensors of 512+ bytes.
+        assert up.bytes_sent < 3 * 4 * 400 + big.numel() * 4 + 2000
+    finally:
+        up.close()
+        down.close()
+
+
+def test_without_a_shape_the_listener_declines_the_offer():
+    listener = StageListener("127.0.0.1", SECRET)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("down", listener.accept("no shm", 5.0)))
+    t.start()
+    up = connect("127.0.0.1", listener.port, SECRET, "no shm", 5.0, shm=(2, 1024))
+    t.join()
+    try:
+        assert up.slots is None and out["down"].slots is None
+        up.send(FORWARD, 0, (torch.ones(3),), count=1)
+        assert torch.equal(out["down"].receive().tensors[0], torch.ones(3))
+    finally:
+        up.close()
+        out["down"].close()

@@ -111,3 +111,26 @@ class StageRecorder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.act(self.encoder(x)))
+
+
+class Residual(nn.Module):
+    """Children fc1, act, fc2 whose shapes chain, but the forward adds the input back: not a
+    sequence of its children (pipeline stages must refuse it)."""
+
+    def __init__(self, features: int = 64, classes: int = 64):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Branches(nn.Module):
+    """Two children applied to the same input: the second fails on the first's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(64, 10), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) + self.right(x)
