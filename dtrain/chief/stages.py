@@ -23,13 +23,11 @@ from dtrain.worker.stages import link_shape
 if TYPE_CHECKING:  # pragma: no cover
     from dtrain.chief.session import Session
 
-_SECRETS: dict[str, bytes] = {}
-
 
 def submit(session: Session, replica: Any, refs: list[tuple[str, str]], start: int, attempt: int) -> Future:
     """Submit every stage of ``replica``; returns the first stage's future."""
     s, plan = session, session.plan
-    secret = _SECRETS.setdefault(s.token, secrets.token_bytes(32))
+    secret = s.__dict__.setdefault("stage_secret", secrets.token_bytes(32))  # one per run, like the ps data plane's
     tls = bool(s.shards.tls)
     base = f"{s.token}-g{s.generation}-{attempt}-r{replica.index}"
     keys = {p: f"dtrain-stage-{base}-p{p}" for p in range(1, plan.stage_positions)}

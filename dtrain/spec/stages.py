@@ -84,11 +84,11 @@ def stage_problems(spec: Any) -> list[tuple[Loc, str]]:
         problems.append((("training", "microbatches"), f"{t.microbatches} micro-batches of a batch of "
                          f"{spec.data.batch_size}: at most data.batch_size; lower it or raise the batch"))
     count = stage_tasks(spec)
-    if count <= 1 or problems:
+    if problems or not any(v for _, v in _pins(spec)):
         return problems
     model = spec.model
     where: Loc = ("model", "layers") if model.layers is not None else ("placement", "layer_devices")
-    if model.layers is not None:
+    if count > 1 and model.layers is not None:
         tasks = layer_tasks(spec)
         names = [f"layer {i} ({layer.name or layer.type})" for i, layer in enumerate(model.layers)]
         bad = contiguity_problem(tasks, names)
@@ -99,17 +99,20 @@ def stage_problems(spec: Any) -> list[tuple[Loc, str]]:
                              f"empty (the stage tasks are 0..{count - 1}: the highest pinned task plus one); pin "
                              "layers there or renumber the pins"))
     workers = spec.cluster.num_tasks(worker_job)
-    if workers % count:
+    if count > 1 and workers % count:
         problems.append((("cluster", "jobs", worker_job), f"{workers} worker task(s) for a pipeline of {count} stage "
                          f"tasks: each pipeline replica needs {count} tasks, so the worker task count must be a "
                          f"multiple of {count} (e.g. {count * max(1, workers // count)})"))
+    # Any device pin makes stages (on tasks or on devices of one task): what they do not combine with.
     incompatible = [
         (("training", "replication"), t.replication == "in_graph", "in_graph replication runs whole replicas as "
-         "graph tasks; pipeline stages need replication: between_graph"),
+         "graph tasks; layers pinned to devices (pipeline stages) need replication: between_graph"),
         (("training", "overlap"), t.overlap, "overlap is not supported with pipeline stages (each stage already "
          "overlaps its neighbours across micro-batches); remove it"),
-        (("training", "total_num_replicas"), t.total_num_replicas is not None, "total_num_replicas (backup "
-         "replicas) is not supported with pipeline stages; the replicas are the worker tasks / stage tasks"),
+        (("training", "total_num_replicas"), t.total_num_replicas is not None and count > 1, "total_num_replicas "
+         "(backup replicas) is not supported with pipeline stages; the replicas are the worker tasks / stage tasks"),
+        (("training", "pin_cpus"), t.pin_cpus, "pin_cpus is not supported with layers pinned to devices (pipeline "
+         "stages); remove it"),
         (where, spec.has_sparse_tables(), "sparse embedding tables are not supported with pipeline stages; "
          "set sparse: false on the table layer or remove the stage pins"),
     ]
