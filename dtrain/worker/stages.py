@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, Message, StageLink
-from dtrain.model.build import build_model
-from dtrain.model.layers import get_loss
+from dtrain.model.build import build_model, build_model_skeleton
+from dtrain.model.layers import get_loss, init_parameters
 from dtrain.plan.layout import BoundModel, Part, ShardLayout
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, torch_device
@@ -93,7 +93,12 @@ class StageModel:
         self.microbatches = spec.training.microbatches
         soft = spec.placement.soft
         mine = [s for s in plan.stages if s.position == position]
-        whole = build_model(spec)  # every stage builds the same modules; the ps sends the values
+        # model.layers: only this stage's layers get memory (built on the meta device, then
+        # materialised and initialised here; the ps sends their values at the first pull), so a
+        # model too large for one process can be split. A model.module is built whole (its own
+        # buffers need its constructor), then only this stage's children are kept.
+        lean = spec.model.layers is not None
+        whole = build_model_skeleton(spec) if lean else build_model(spec)
         children = list(whole.named_children())
         self.model = nn.Module()
         self.parts: list[tuple[torch.device, list[nn.Module]]] = []
@@ -102,7 +107,7 @@ class StageModel:
             modules = []
             for m in st.members:
                 name, child = children[m]
-                child.to(dev)
+                child = init_parameters(child.to_empty(device=dev), spec.training.seed) if lean else child.to(dev)
                 self.model.add_module(name, child)
                 modules.append(child)
             self.parts.append((dev, modules))
