@@ -198,19 +198,22 @@ class ReplicaModel:
                 self.bound.load_params(s, buf)
 
 
-def microbatched(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                 microbatches: int) -> float:
+def microbatched(model: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable[..., torch.Tensor],
+                 x: torch.Tensor, y: torch.Tensor, microbatches: int) -> float:
     """Forward and backward of a batch in ``microbatches`` parts (gradient accumulation): each
     part's mean loss weighted by its share of the batch, so the gradients and the returned loss
-    are the whole batch's mean."""
+    are the whole batch's mean. The labels follow the output to its device (a model whose last
+    layers sit on another device: pipeline stages in one task)."""
     if microbatches <= 1:
-        loss = loss_fn(model(x), y)
+        out = model(x)
+        loss = loss_fn(out, y.to(out.device))
         loss.backward()
         return float(loss.detach())
     total = 0.0
     for xb, yb in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
         if len(yb):
-            loss = loss_fn(model(xb), yb) * (len(yb) / len(y))
+            out = model(xb)
+            loss = loss_fn(out, yb.to(out.device)) * (len(yb) / len(y))
             loss.backward()
             total += float(loss.detach())
     return total

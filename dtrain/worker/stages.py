@@ -34,7 +34,7 @@ from dtrain.model.build import build_model, build_model_skeleton
 from dtrain.model.layers import get_loss, init_parameters
 from dtrain.plan.layout import BoundModel, Part, ShardLayout
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
-from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, torch_device
+from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, microbatched, torch_device
 
 logger = logging.getLogger(__name__)
 
@@ -203,16 +203,10 @@ class StageModel:
         return loss, n
 
     def _first(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        if self.down is None:  # one stage task (stages on several devices of it): the loss here
+            return microbatched(self.forward, self.loss_fn, x, y, self.microbatches), len(y)
         chunks = [(xb, yb) for xb, yb in zip(torch.tensor_split(x, self.microbatches),
                                               torch.tensor_split(y, self.microbatches), strict=True) if len(yb)]
-        if self.down is None:  # one stage task (stages on several devices of it): the loss here
-            total = 0.0
-            for xb, yb in chunks:
-                out = self.forward(xb)
-                loss = self.loss_fn(out, yb.to(out.device)) * (len(yb) / len(y))
-                loss.backward()
-                total += float(loss.detach())
-            return total, len(y)
         outs = []
         for i, (xb, yb) in enumerate(chunks):
             out = self.forward(xb)
