@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("pipeline")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--scheduler", help="a running Dask scheduler: show which of its workers would serve each task "
+                    "(named, or assigned automatically: cluster.assign); starts nothing there")
 
     sub.add_parser("schema", help="print the JSON Schema of pipeline files (for editors' YAML completion)")
 
@@ -152,7 +154,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .spec.loading import load, locate
 
-    spec = load(args.pipeline, overrides=args.overrides)
+    spec = load(args.pipeline, overrides=args.overrides, scheduler=args.scheduler)
     try:
         # What `run` checks before it starts (the user's code imported, the data read): a plan
         # that `run` would refuse is refused here too, as a spec error (exit 2).
@@ -161,7 +163,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .plan.compiler import compile
 
         check_before_start(spec, embedded=spec.cluster.scheduler is None)
-        plan = compile(spec, data=file_input(spec, with_stats=False) if sharded(spec) else None)
+        data = file_input(spec, with_stats=False) if sharded(spec) else None
+        workers = None
+        if args.scheduler:
+            from .deploy.cluster import connect
+
+            with connect(spec, scheduler=args.scheduler, wait=False) as conn:
+                workers = conn.workers()
+        plan = compile(spec, workers, data=data)
     except SpecError as exc:
         raise locate(exc, args.pipeline, args.overrides) from None
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())

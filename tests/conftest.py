@@ -61,6 +61,15 @@ def _tls_dirs() -> set[str]:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("dtrain-tls-")}
 
 
+def _is_resource_tracker(p) -> bool:
+    """multiprocessing's resource tracker, which a LocalCluster's spawned workers start: it lives as
+    long as this interpreter (it ends when its pipe from here closes) and is no worker."""
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in p.cmdline())
+    except Exception:
+        return False
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _no_leaked_children():
     """No worker, scheduler or nanny process outlives the suite, and neither does a shared-memory
@@ -72,7 +81,8 @@ def _no_leaked_children():
     assert _shm_files() <= shm, f"/dev/shm files left behind: {sorted(_shm_files() - shm)}"
     assert _tls_dirs() <= tls, f"temporary TLS directories left behind: {sorted(_tls_dirs() - tls)}"
     me = psutil.Process(os.getpid())
-    alive = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+             and not _is_resource_tracker(p)]
     gone, alive = psutil.wait_procs(alive, timeout=10)
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
     assert threading.active_count() < 200

@@ -166,3 +166,21 @@ def describe_exit(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, RunError):
         return "failed", str(exc)
     return "failed", f"{type(exc).__name__}: {exc}"
+
+
+def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: str) -> None:
+    """``cluster.json``: scheduler, dashboard, how tasks found their workers (``assign``: named or
+    auto), and each task's worker address and process id (for operators, and for fault tests
+    that kill a task's process by pid)."""
+    import logging
+
+    try:
+        # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
+        pids = conn.client.run(os.getpid, workers=list(set(conn.tasks.values())), callback_timeout=30)
+    except Exception as exc:  # informational only
+        logging.getLogger(__name__).debug("could not read worker pids: %s", exc)
+        pids = {}
+    workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(conn.tasks.items())}
+    write_json(run_dir / "cluster.json", {
+        "scheduler": conn.client.scheduler.address, "dashboard": conn.dashboard_link,
+        "generation": generation, "assign": assignment, "tasks": workers})

@@ -38,11 +38,7 @@ from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
 from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
 from .recovery import Recovery
-from .rundir import (
-    Result,
-    save_torch,
-    write_json,
-)
+from .rundir import Result, save_torch, write_cluster_info, write_json
 from .shards import ShardGroup, checkpoint_layout, task_host
 
 logger = logging.getLogger(__name__)
@@ -95,8 +91,9 @@ class Session:
     def compile_plan(self) -> Any:
         """The plan on the cluster's workers (with a sharded dataset's assignment and statistics)."""
         if self.data_input is None:
-            return compile(self.spec, self.conn.workers())
-        return with_stats(compile(self.spec, self.conn.workers(), data=self.data_input.manifests), self.data_input)
+            return compile(self.spec, self.conn.workers(), keep=self.conn.tasks)
+        return with_stats(compile(self.spec, self.conn.workers(), data=self.data_input.manifests, keep=self.conn.tasks),
+                          self.data_input)
 
     @property
     def generation(self) -> int:
@@ -255,20 +252,7 @@ class Session:
         return summary
 
     def write_cluster_info(self) -> None:
-        """``cluster.json``: scheduler, dashboard and each task's worker address and process id
-        (for operators, and for fault tests that kill a task's process by pid)."""
-        import os
-
-        try:
-            # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
-            pids = self.client.run(os.getpid, workers=list(set(self.conn.tasks.values())), callback_timeout=30)
-        except Exception as exc:  # informational only
-            logger.debug("could not read worker pids: %s", exc)
-            pids = {}
-        workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(self.conn.tasks.items())}
-        write_json(self.run_dir / "cluster.json", {
-            "scheduler": self.client.scheduler.address, "dashboard": self.conn.dashboard_link,
-            "generation": self.generation, "tasks": workers})
+        write_cluster_info(self.run_dir, self.conn, self.generation, self.plan.assignment)
 
     def start_generation(self, checkpoint: ckpt_io.Checkpoint | None) -> None:
         """Create the ps actors (restored from ``checkpoint`` when given) and start the replicas."""

@@ -25,6 +25,7 @@ from distributed import Future
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
 from dtrain.model.tables import div_starts
+from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
 from dtrain.plan.tables import reshard_table, table_config, table_layout
@@ -33,10 +34,6 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
 
 logger = logging.getLogger(__name__)
-
-def task_host(address: str) -> str:
-    """The host of a worker address (``tcp://[::1]:4000`` -> ``::1``)."""
-    return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
 
 
 def lease_seconds(spec: PipelineSpec) -> float:

@@ -24,7 +24,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
-from dtrain.plan.compiler import resolve_workers
+from dtrain.plan.assign import assign_workers
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import ConnectError, RunError
 from dtrain.spec.pipeline import PipelineSpec
@@ -110,6 +110,7 @@ class Connection:
     cluster: SpecCluster | None = None
     owns_client: bool = False
     tasks: dict[str, str] = field(default_factory=dict)
+    shared: tuple[str, ...] = ()  # automatic assignment: ps tasks sharing a replica's worker
 
     @property
     def dashboard_link(self) -> str | None:
@@ -147,13 +148,25 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
     used |= {DeviceSpec.from_string(o.device).task_key() for o in plan.ops}
     deadline = time.monotonic() + timeout
     while True:
-        addresses, missing = resolve_workers(spec, conn.workers())
-        missing = [m for m in missing if m in used]
+        assignment = assign_workers(spec, conn.workers(), keep=conn.tasks)
+        missing = [m for m in assignment.missing if m in used]
         if not missing:
-            conn.tasks = {k: v for k, v in addresses.items() if v}
+            if assignment.shared and assignment.shared != conn.shared:
+                logger.warning("%d Dask workers for %d tasks: %s share%s a worker with a replica (cluster.assign: auto; "
+                               "add workers to give every task its own)", assignment.workers, len(assignment.addresses),
+                               ", ".join(assignment.shared), "s" if len(assignment.shared) == 1 else "")
+            conn.shared = assignment.shared
+            conn.tasks = {k: v for k, v in assignment.addresses.items() if v}
             return conn.tasks
         if time.monotonic() >= deadline:
             have = sorted(str(w.get("name")) for w in conn.workers().values())
+            if assignment.mode == "auto":
+                replicas = sum(1 for m in used if m.startswith(f"/job:{spec.placement.worker_job}/"))
+                raise RunError(
+                    f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s): the "
+                    f"cluster has {len(have)} worker(s) and none is named or tagged for the tasks, so they are assigned "
+                    f"automatically, one replica per worker: it needs at least {max(replicas, 1)} worker(s). Scale the "
+                    f"cluster up, or lower cluster.jobs.{spec.placement.worker_job}")
             raise RunError(
                 f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s); "
                 f"workers present: {', '.join(have) or 'none'}. Start them with "
@@ -164,8 +177,10 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
 
 @contextlib.contextmanager
 def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | None = None,
-            processes: bool = True) -> Iterator[Connection]:
+            processes: bool = True, wait: bool = True) -> Iterator[Connection]:
     """The cluster for a run: the given client's, a running scheduler's, or an embedded one.
+    ``wait``: block until a worker serves every task (``wait_for_tasks``); without it, connect
+    only (``dtrain plan --scheduler`` reads the workers there are).
 
     Whatever dtrain starts here it also stops, whether the run ends, fails or is interrupted.
     """
@@ -225,7 +240,8 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
                 raise
             conn = Connection(c, cluster=cluster, owns_client=True)
         try:
-            wait_for_tasks(conn, spec, spec.cluster.wait_s)
+            if wait:
+                wait_for_tasks(conn, spec, spec.cluster.wait_s)
             yield conn
         finally:
             conn.close()

@@ -19,6 +19,7 @@ from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
+from .assign import Assignment, assign_workers, resolve_workers  # noqa: F401 (re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data
 from .placement import VariableRequest, partition, place_variables
 from .stages import StagePlan, format_stages, plan_stages
@@ -115,6 +116,8 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()  # pipeline stages (model parallelism; none: one stage)
     stage_positions: int = 1  # stage tasks per replica
     microbatches: int = 1
+    assignment: str = ""  # how tasks found their workers: named or auto (plan/assign.py); "" before a cluster
+    shared_tasks: tuple[str, ...] = ()  # auto assignment: ps tasks sharing a replica's worker
 
     @property
     def num_replicas(self) -> int:
@@ -170,91 +173,30 @@ class Plan:
             for op in self.ops:
                 ins = ", ".join(map(str, op.inputs))
                 lines.append(f"  {op.name} = {op.op}({ins})  -> {op.device}  on {op.address or op.worker}")
+        if self.assignment == "auto":
+            lines.append("workers assigned automatically (cluster.assign: auto; none named or tagged for the tasks)"
+                         + (f"; sharing a replica's worker: {', '.join(self.shared_tasks)}" if self.shared_tasks else ""))
         if self.missing_tasks:
             lines.append("missing tasks: " + ", ".join(self.missing_tasks))
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------- workers
-
-
-def resolve_workers(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None
-                    ) -> tuple[dict[str, str | None], list[str]]:
-    """Map every task key ("/job:ps/task:0") to a worker address.
-
-    ``workers`` is the scheduler's view: ``scheduler_info()["workers"]`` (address -> info with
-    ``name`` and ``resources``), or a list of such infos (each with its ``address``), or ``None``
-    (nothing resolved: the plan shows worker names only). A task is served by, in order:
-
-    1. the worker named as ``cluster.jobs`` expects (``J-i``, or the name listed for the task), or
-       whose address is the one listed (``tcp://host:port``, or ``host:port`` as TF's ClusterSpec
-       writes it);
-    2. for a task listed as a bare host name, the first unclaimed worker on that host;
-    3. otherwise the first unclaimed worker tagged with the resource ``J`` (sorted by name).
-
-    Each pass runs over every task before the next starts, so a worker that a later task names
-    exactly is never taken by an earlier task's host or resource match. Returns
-    (task -> address or None, missing task keys).
-    """
-    tasks = [(job, i, spec.cluster.task_workers(job)[i])
-             for job in spec.cluster.jobs for i in range(spec.cluster.num_tasks(job))]
-    if workers is None:
-        return {f"/job:{j}/task:{i}": None for j, i, _ in tasks}, []
-    infos: list[dict[str, Any]] = []
-    items = workers.items() if isinstance(workers, Mapping) else ((w.get("address"), w) for w in workers)
-    for addr, info in items:
-        addr = addr or info.get("address")
-        if not addr:
-            continue  # a worker without an address cannot be pinned to
-        infos.append({"address": str(addr), "name": str(info.get("name", "")),
-                      "resources": dict(info.get("resources") or {})})
-    infos.sort(key=lambda w: (w["name"], w["address"]))  # deterministic whatever the scheduler's order
-    claimed: set[str] = set()
-    out: dict[str, str | None] = {f"/job:{j}/task:{i}": None for j, i, _ in tasks}
-
-    def claim(key: str, addr: str | None) -> None:
-        if addr is not None:
-            out[key] = addr
-            claimed.add(addr)
-
-    for job, i, expected in tasks:
-        claim(f"/job:{job}/task:{i}",
-              next((w["address"] for w in infos if expected in (w["name"], w["address"], _strip_scheme(w["address"]))),
-                   None))
-    for job, i, expected in tasks:
-        key = f"/job:{job}/task:{i}"
-        if out[key] is None and "://" not in expected and ":" not in expected:
-            claim(key, next((w["address"] for w in infos
-                             if w["address"] not in claimed and _host(w["address"]) == expected), None))
-    for job, i, _ in tasks:
-        key = f"/job:{job}/task:{i}"
-        if out[key] is None:
-            claim(key, next((w["address"] for w in infos
-                             if w["resources"].get(job) and w["address"] not in claimed), None))
-    missing = [k for k, v in out.items() if v is None]
-    return out, missing
-
-
-def _strip_scheme(address: str) -> str:
-    return address.split("://", 1)[-1]
-
-
-def _host(address: str) -> str:
-    return _strip_scheme(address).rsplit(":", 1)[0]
 
 
 # ------------------------------------------------------------------------------------- compile
 
 
 def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None = None,  # noqa: A001
-            data: tuple[Manifest, Manifest | None] | None = None) -> Plan:
+            data: tuple[Manifest, Manifest | None] | None = None, keep: Mapping[str, str] | None = None) -> Plan:
     """Turn a validated spec into a Plan. Pure: the same inputs always give the same Plan.
     ``data``: a sharded dataset's (training, evaluation) manifests (``dtrain.data.shards``, read by
-    the caller): the plan assigns the training shards to the replicas."""
-    addresses, missing = resolve_workers(spec, workers)
+    the caller): the plan assigns the training shards to the replicas. ``keep``: an earlier
+    automatic assignment of tasks to workers, kept where its workers live (plan/assign.py)."""
+    assignment = assign_workers(spec, workers, keep)
+    addresses, missing = assignment.addresses, assignment.missing
     if spec.is_graph:
-        return _compile_graph(spec, addresses, missing)
-    plan = _compile_training(spec, addresses, missing)
+        plan = _compile_graph(spec, addresses, missing)
+    else:
+        plan = _compile_training(spec, addresses, missing)
+    plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared)
     if data is not None:
         plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
     return plan

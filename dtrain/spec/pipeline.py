@@ -19,7 +19,6 @@ from pydantic import Field, ValidationInfo, model_validator
 from .device import DeviceSpec
 from .errors import CrossFieldErrors
 from .imports import missing_module
-from .stages import stage_problems, stage_tasks
 from .layers import TABLE_LAYERS, ModelSpec
 from .sections import (
     _ARITY,
@@ -43,6 +42,7 @@ from .sections import (
     VariableSpec,
     did_you_mean,
 )
+from .stages import stage_problems, stage_tasks
 
 # ---------------------------------------------------------------------------------------- pipeline
 

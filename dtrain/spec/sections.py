@@ -143,6 +143,11 @@ class ClusterSpec(Strict):
     nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
     dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
+    assign: Literal["auto", "named"] = Field(
+        "auto", description="Which Dask worker serves each task. named: the worker named J-i (or listed for the "
+        "task, or tagged with the resource J), as `dtrain worker` and the embedded cluster start them. auto: the "
+        "same when such workers exist; otherwise the tasks go to the cluster's workers as they are (a LocalCluster, "
+        "dask-jobqueue, dask-kubernetes): ps tasks first, spread over hosts, then one replica per remaining worker.")
 
     @field_validator("jobs", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 from distributed import get_worker, secede
 
 from dtrain.dataplane.links import StageListener, connect
+from dtrain.plan.assign import task_host
 
 from .stages import link_shape, run_stage, stage_shards
 from .tasks import own_tls, partition_reader, shard_handles, socket_handles
@@ -27,17 +28,13 @@ _LOCK = threading.Lock()
 UNCLAIMED_S = 900.0  # a listener no stage task took (its run died first) is closed after this
 
 
-def _host(address: str) -> str:
-    return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-
-
 def open_stage_listener(key: str, secret: bytes, tls: bool, shm: tuple[int, int] | None = None) -> tuple[str, int]:
     """Listen for the upstream stage on this worker's host; the stage task ``key`` takes it.
     ``shm``: the link's shared-memory shape (``stages.link_shape``), accepted when offered."""
     from dtrain.dataplane.protocol import server_ssl_context
 
     ctx = server_ssl_context(own_tls()) if tls else None
-    listener = StageListener(_host(get_worker().address), secret, ctx, shm)
+    listener = StageListener(task_host(get_worker().address), secret, ctx, shm)
     with _LOCK:
         now = time.monotonic()
         for k in [k for k, v in _LISTENERS.items() if now - v.created > UNCLAIMED_S]:
