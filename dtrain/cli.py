@@ -265,6 +265,8 @@ class _Progress:
             parts.append(f"{info['samples_per_sec']:.0f} samples/s")
         if info.get("dropped_stale"):
             parts.append(f"stale {info['dropped_stale']}")
+        if info.get("elastic"):
+            parts.append(f"replicas {info['replicas']}/{info['replicas_max']}")
         done = round(100 * info.get("share", 0)) if self._by_share else min(info["step"], info["steps"])
         self._p.update(self._task, completed=done, info="  ".join(parts))
 

@@ -55,6 +55,8 @@ class Recovery:
         # A pipeline replica is lost with any of its stage tasks (named in the log by the lost ones).
         self.lost_stage_tasks = {r.index: [t for t in r.stage_tasks if tasks.get(t) not in live]
                                  for r in s.plan.replicas if r.stage_tasks}
+        if s.elastic is not None:  # a replica's worker that left is a leave, not a loss (chief/elastic.py)
+            return shards, []
         return shards, [r.index for r in s.plan.replicas
                         if any(tasks.get(t) not in live for t in (r.stage_tasks or (r.task,)))]
 

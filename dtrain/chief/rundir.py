@@ -168,18 +168,23 @@ def describe_exit(exc: BaseException) -> tuple[str, str]:
     return "failed", f"{type(exc).__name__}: {exc}"
 
 
-def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: str) -> None:
+def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: str, refresh: bool = True) -> None:
     """``cluster.json``: scheduler, dashboard, how tasks found their workers (``assign``: named or
     auto), and each task's worker address and process id (for operators, and for fault tests
-    that kill a task's process by pid)."""
+    that kill a task's process by pid). Without ``refresh`` only new workers are asked their
+    pid (elastic joins and leaves: a worker busy closing is not waited on)."""
     import logging
 
-    try:
-        # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
-        pids = conn.client.run(os.getpid, workers=list(set(conn.tasks.values())), callback_timeout=30)
-    except Exception as exc:  # informational only
-        logging.getLogger(__name__).debug("could not read worker pids: %s", exc)
-        pids = {}
+    pids = conn.pids
+    if refresh:  # a restarted worker may come back at the same address
+        pids.clear()
+    new = sorted(set(conn.tasks.values()) - set(pids))
+    if new:
+        try:
+            # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
+            pids.update(conn.client.run(os.getpid, workers=new, callback_timeout=10))
+        except Exception as exc:  # informational only
+            logging.getLogger(__name__).debug("could not read worker pids: %s", exc)
     workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(conn.tasks.items())}
     write_json(run_dir / "cluster.json", {
         "scheduler": conn.client.scheduler.address, "dashboard": conn.dashboard_link,

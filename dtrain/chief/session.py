@@ -33,7 +33,7 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from . import data_report, evaluation, signals, stages
+from . import data_report, elastic, evaluation, signals, stages
 from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
 from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
@@ -60,8 +60,8 @@ class Session:
         self.progress = progress
         self.data_input = data  # a sharded dataset (files or a Dask collection): chief/inputs.py
         self.plan = self.compile_plan()
-        if self.plan.missing_tasks:
-            raise RunError("no worker for task(s) " + ", ".join(self.plan.missing_tasks))
+        if elastic.required_missing(self.spec, self.plan):
+            raise RunError("no worker for task(s) " + ", ".join(elastic.required_missing(self.spec, self.plan)))
         self.layout = ShardLayout.from_plan(self.plan)
         self._table_names = {t.name for t in self.plan.tables}  # sparse tables: rows on the ps, not in the layout
         self.token = uuid.uuid4().hex[:8]
@@ -87,6 +87,7 @@ class Session:
         self._last_ckpt_time = time.monotonic()
         self.summary_written = False
         self.retired: set[int] = set()  # replicas at the end of their data (no sync step waits for them)
+        self.elastic = elastic.elastic(self)  # workers that join and leave (chief/elastic.py), or None
 
     def compile_plan(self) -> Any:
         """The plan on the cluster's workers (with a sharded dataset's assignment and statistics)."""
@@ -118,7 +119,7 @@ class Session:
             self.replica_futures = [None] * self.plan.num_replicas  # type: ignore[list-item]
         self.retired -= {r.index for r in self.plan.replicas if only is None or r.index == only}
         self._submits += 1
-        replicas = [r for r in self.plan.replicas if only is None or r.index == only]
+        replicas = [r for r in self.plan.replicas if (only is None or r.index == only) and r.task in self.conn.tasks]
         if self.shards.data_plane:  # fencing: this submission owns these replica indices now
             self.shards.set_owners({r.index: self._submits for r in replicas})
         for r in replicas:
@@ -139,7 +140,7 @@ class Session:
             return task_host(self.conn.tasks[task])
 
         mine = host(self.plan.replicas[index].task)
-        return [r.index for r in self.plan.replicas if host(r.task) == mine].index(index)
+        return [r.index for r in self.plan.replicas if r.task in self.conn.tasks and host(r.task) == mine].index(index)
 
     def _start_local_step(self, index: int) -> int:
         """Where replica ``index`` resumes in its data order: in sync mode without backups every
@@ -163,6 +164,8 @@ class Session:
         if self.driver is not None:
             return self.driver.error()
         for r, fut in zip(self.plan.replicas, self.replica_futures, strict=True):
+            if fut is None:  # a free elastic slot
+                continue
             if fut.status == "error":
                 exc = fut.exception(timeout=5)
                 return f"replica {r.index} on {r.task} failed: {type(exc).__name__}: {exc}"
@@ -251,8 +254,8 @@ class Session:
             logger.error("could not write %s: %s", self.run_dir / "summary.json", exc)
         return summary
 
-    def write_cluster_info(self) -> None:
-        write_cluster_info(self.run_dir, self.conn, self.generation, self.plan.assignment)
+    def write_cluster_info(self, refresh: bool = True) -> None:
+        write_cluster_info(self.run_dir, self.conn, self.generation, self.plan.assignment, refresh)
 
     def start_generation(self, checkpoint: ckpt_io.Checkpoint | None) -> None:
         """Create the ps actors (restored from ``checkpoint`` when given) and start the replicas."""
@@ -337,7 +340,7 @@ class Session:
             now = time.monotonic()
             if now - last_liveness >= 0.25:
                 last_liveness = now
-                if self.recovery.check():
+                if self.recovery.check() or (self.elastic is not None and self.elastic.poll()):
                     continue
             try:
                 stats = self.shards.stats(timeout=10)
@@ -358,7 +361,7 @@ class Session:
                 logger.warning("recovered: first update %.1f s after the loss was seen", rec["first_apply_s"])
             for rec in stats["records"]:
                 metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
-                metrics["learning_rate"] = lr
+                metrics["learning_rate"], metrics["replicas"] = lr, elastic.live_count(self)
                 self._log(metrics, rec["step"])
                 self.records.append(rec)
                 latest = metrics
@@ -379,7 +382,9 @@ class Session:
             if self.progress is not None:
                 self.progress({"step": self.global_step, "steps": self.shards.last_step,
                                "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
-                               "dropped_stale": self.dropped_stale, **data_report.progress(self)})
+                               "dropped_stale": self.dropped_stale, "replicas": elastic.live_count(self),
+                               "replicas_max": self.plan.num_replicas, "elastic": self.elastic is not None,
+                               **data_report.progress(self)})
             if stats["error"]:
                 self.shards.request_stop()
                 raise RunError(stats["error"])
@@ -396,13 +401,13 @@ class Session:
             if self.driver is not None:
                 if self.driver.done():
                     break
-            elif all(f.status == "finished" for f in self.replica_futures):
+            elif any(self.replica_futures) and all(f.status == "finished" for f in self.replica_futures if f):
                 break
             time.sleep(POLL_S)
         if self.driver is not None:
             self.replica_stats = self.driver.replica_stats()
         else:
-            self.replica_stats = [f.result() for f in self.replica_futures]
+            self.replica_stats = [f.result() if f is not None else {} for f in self.replica_futures]
             stages.collect(self, self.replica_stats)
         for r, st in zip(self.plan.replicas, self.replica_stats, strict=True):
             if "GPU" in r.device and not str(st.get("device", "")).startswith("cuda"):
@@ -479,6 +484,7 @@ class Session:
             summary["data_plane"] = {"transport": t.transport, "wire_dtype": t.wire_dtype,
                                      **self.shards.data_plane_counts}
         summary.update(data_report.summary(self))
+        summary.update(elastic.summary(self))
         if error:
             summary["error"] = error
         return summary

@@ -26,6 +26,7 @@ from distributed.security import Security
 
 from dtrain.plan.assign import assign_workers
 from dtrain.spec.device import DeviceSpec
+from dtrain.spec.elastic import elastic_of
 from dtrain.spec.errors import ConnectError, RunError
 from dtrain.spec.pipeline import PipelineSpec
 
@@ -111,6 +112,7 @@ class Connection:
     owns_client: bool = False
     tasks: dict[str, str] = field(default_factory=dict)
     shared: tuple[str, ...] = ()  # automatic assignment: ps tasks sharing a replica's worker
+    pids: dict[str, int] = field(default_factory=dict)  # worker address -> process id (cluster.json)
 
     @property
     def dashboard_link(self) -> str | None:
@@ -150,6 +152,11 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
     while True:
         assignment = assign_workers(spec, conn.workers(), keep=conn.tasks)
         missing = [m for m in assignment.missing if m in used]
+        bounds = elastic_of(spec)
+        if bounds is not None:  # elastic replicas: at least min of the slots served, the rest join later
+            slots = [k for k in used if k.startswith(f"/job:{spec.placement.worker_job}/")]
+            if sum(1 for k in slots if assignment.addresses.get(k)) >= bounds.min:
+                missing = [m for m in missing if m not in slots]
         if not missing:
             if assignment.shared and assignment.shared != conn.shared:
                 logger.warning("%d Dask workers for %d tasks: %s share%s a worker with a replica (cluster.assign: auto; "

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.spec.elastic import elastic_of
 from dtrain.spec.pipeline import PipelineSpec
 
 
@@ -133,6 +134,9 @@ def _auto(spec: PipelineSpec, infos: list[dict[str, Any]], out: dict[str, str | 
     # ps tasks first, each on the host with the fewest ps tasks so far, while enough workers stay free
     # for the replica tasks still without one.
     replicas_waiting = sum(1 for k in replica_keys if out[k] is None)
+    bounds = elastic_of(spec)
+    if bounds is not None:  # elastic: the ps tasks need their own workers beside min replicas only
+        replicas_waiting = max(0, bounds.min - sum(1 for k in replica_keys if out[k] is not None))
     shared: list[str] = []
     for key in other_keys:
         if out[key] is not None:

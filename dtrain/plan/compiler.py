@@ -15,6 +15,7 @@ from typing import Any
 
 from dtrain.data.shards import Manifest
 from dtrain.spec.device import DeviceSpec
+from dtrain.spec.elastic import elastic_of
 from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import MAX_STEPS, worker_device_spec
@@ -118,6 +119,7 @@ class Plan:
     microbatches: int = 1
     assignment: str = ""  # how tasks found their workers: named or auto (plan/assign.py); "" before a cluster
     shared_tasks: tuple[str, ...] = ()  # auto assignment: ps tasks sharing a replica's worker
+    replicas_min: int | None = None  # elastic replicas: the fewest live (the replicas are its max slots)
 
     @property
     def num_replicas(self) -> int:
@@ -137,6 +139,7 @@ class Plan:
                      + (f", fetch {', '.join(self.fetch)}" if self.fetch else "")]
         else:
             lines = [f"plan {self.name}: {self.mode} {self.replication}, {self.num_replicas} replica(s)"
+                     + (f" (elastic: {self.replicas_min} to {self.num_replicas} live)" if self.replicas_min else "")
                      + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" else "")
                      + (f", {self.epochs} epoch(s)" if self.epochs else "")
                      + (f", {self.steps} steps" if self.steps < MAX_STEPS else "")]
@@ -196,7 +199,9 @@ def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | Non
         plan = _compile_graph(spec, addresses, missing)
     else:
         plan = _compile_training(spec, addresses, missing)
-    plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared)
+    bounds = elastic_of(spec)
+    plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared,
+                   replicas_min=bounds.min if bounds is not None and not spec.is_graph else None)
     if data is not None:
         plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
     return plan

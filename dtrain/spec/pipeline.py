@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, model_validator
 
 from .device import DeviceSpec
+from .elastic import check_elastic, elastic_of
 from .errors import CrossFieldErrors
 from .imports import missing_module
 from .layers import TABLE_LAYERS, ModelSpec
@@ -120,6 +121,7 @@ class PipelineSpec(Strict):
             problems.append((("cluster", "jobs"), f"the embedded cluster would start {total} worker processes, one "
                              f"per task ({job_list}); at most {MAX_EMBEDDED_TASKS} run on one machine: lower the "
                              "task counts, or run on a Dask cluster with cluster.scheduler (or dtrain run --scheduler)"))
+        check_elastic(self, problems)
 
         if self.is_graph:
             if not self.graph and not self.variables:
@@ -190,6 +192,9 @@ class PipelineSpec(Strict):
                              "for model.layers set each layer's device instead"))
         if not problems:
             problems.extend(stage_problems(self))
+        if not problems and elastic_of(self) is not None and stage_tasks(self) > 1:
+            problems.append((("cluster", "jobs", self.placement.worker_job), "elastic replicas cannot be pipeline "
+                             "stages (a stage needs its neighbours); give the job a number of tasks"))
         self._check_data(problems, base_dir)
         self._check_stream(problems, base_dir)
         self._check_imports(problems)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .device import DeviceSpec
+from .elastic import ElasticJob
 from .errors import CrossFieldErrors
 from .sizes import memory_limit_bytes
 
@@ -116,14 +117,31 @@ class SecuritySpec(Strict):
     key_file: str | None = Field(None, description="This client's private key (PEM); omit when cert_file holds both.")
 
 
+def _elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[str | int, ...], str]]) -> Any:
+    """``{min, max}`` as an ElasticJob, or its problems (one per key, in the spec's own words)."""
+    from pydantic import ValidationError
+
+    from .messages import error_message
+
+    try:
+        return ElasticJob.model_validate(tasks)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = (name, *err["loc"]) if err["type"] != "value_error" else (name,)
+            problems.append((loc, error_message(err, ("cluster", "jobs", *loc)) if err["type"] != "value_error"
+                             else str(err["ctx"]["error"])))
+        return tasks
+
+
 class ClusterSpec(Strict):
     """The jobs and tasks of the cluster (TF's ClusterSpec) and where its scheduler is."""
 
-    jobs: dict[str, Annotated[int, Field(ge=1, le=MAX_TASKS_PER_JOB)] | list[str]] = Field(
+    jobs: dict[str, Annotated[int, Field(ge=1, le=MAX_TASKS_PER_JOB)] | list[str] | ElasticJob] = Field(
         default_factory=lambda: {"ps": 1, "worker": 2},
         description="Job name -> number of tasks, or a list of Dask worker names/addresses, one per task "
         "(like ClusterSpec's host lists), at most 256 tasks per job. Task i of job J is served by the worker named "
-        "'J-i'. The embedded cluster (no scheduler) starts one process per task: at most 64 in all.",
+        "'J-i'. The embedded cluster (no scheduler) starts one process per task: at most 64 in all. The replicas' "
+        "job may be elastic, {min: M, max: N}: workers join and leave a running async job (docs/elastic.md).",
     )
     scheduler: str | None = Field(
         None,
@@ -163,9 +181,11 @@ class ClusterSpec(Strict):
         for name, tasks in jobs.items():
             if not isinstance(name, str) or not re.match(NAME, name):
                 problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
+            elif isinstance(tasks, dict):  # elastic: {min, max}
+                jobs = {**jobs, name: _elastic(name, tasks, problems)}
             elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
-                problems.append(((name,), f"expected a number of tasks (1..{most}) or a list of Dask worker "
-                                          f"names/addresses, got {tasks!r}"))
+                problems.append(((name,), f"expected a number of tasks (1..{most}), a list of Dask worker "
+                                          f"names/addresses, or {{min: M, max: N}} (elastic), got {tasks!r}"))
             elif isinstance(tasks, int) and not 1 <= tasks <= most:
                 problems.append(((name,), f"job {name!r} needs 1..{most} tasks, got {tasks}"))
             elif isinstance(tasks, (list, tuple)) and len(tasks) > most:
@@ -186,7 +206,10 @@ class ClusterSpec(Strict):
         return v
 
     def num_tasks(self, job: str) -> int:
+        """Tasks of ``job`` (an elastic job's slots: its ``max``)."""
         tasks = self.jobs.get(job, 0)
+        if isinstance(tasks, ElasticJob):
+            return tasks.max
         return len(tasks) if isinstance(tasks, list) else int(tasks)
 
     def task_workers(self, job: str) -> list[str]:
@@ -194,7 +217,7 @@ class ClusterSpec(Strict):
         tasks = self.jobs.get(job, 0)
         if isinstance(tasks, list):
             return list(tasks)
-        return [f"{job}-{i}" for i in range(int(tasks))]
+        return [f"{job}-{i}" for i in range(self.num_tasks(job))]
 
 
 # ------------------------------------------------------------------------------------- placement

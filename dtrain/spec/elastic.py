@@ -1,0 +1,66 @@
+"""Elastic replicas in the spec: ``cluster.jobs.worker: {min: M, max: N}`` (a plain number keeps a
+fixed count).
+
+The replicas' job then has N task slots, each with its own part of the data; a slot runs a
+replica while a worker serves it. Workers that join the cluster take free slots at once, and
+workers that leave take their replica with them, with no recovery; the run goes on while at least
+M replicas live (the chief's side: ``dtrain.chief.elastic``). Elasticity is asynchronous training's:
+a synchronous step's quorum, in-graph replication and pipeline stages are fixed, so those
+combinations are refused here with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_ELASTIC = 256  # as MAX_TASKS_PER_JOB
+
+
+class ElasticJob(BaseModel):
+    """A job whose tasks come and go: between ``min`` and ``max`` of them run at any time."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    min: int = Field(ge=1, le=MAX_ELASTIC, description="The fewest live replicas the run goes on with; it starts "
+                     "when this many workers serve the job, and fails after cluster.wait_s below it.")
+    max: int = Field(ge=1, le=MAX_ELASTIC, description="The most replicas at once: the job's task slots, each with "
+                     "its own part of the data; workers beyond it are left idle.")
+
+    @model_validator(mode="after")
+    def _order(self) -> ElasticJob:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min}); write e.g. {{min: {self.max}, "
+                             f"max: {self.min}}}")
+        return self
+
+
+def elastic_of(spec: Any) -> ElasticJob | None:
+    """The replicas' job's elastic bounds, or None for a fixed count."""
+    tasks = spec.cluster.jobs.get(spec.placement.worker_job)
+    return tasks if isinstance(tasks, ElasticJob) else None
+
+
+def check_elastic(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+    """The combinations elastic replicas do not support, one problem each (the fix named)."""
+    for job, tasks in spec.cluster.jobs.items():
+        if isinstance(tasks, ElasticJob) and (spec.is_graph or job != spec.placement.worker_job):
+            problems.append((("cluster", "jobs", job), f"only the replicas' job ({spec.placement.worker_job!r}) can "
+                             "be elastic ({min, max}): ps tasks hold the variables and stay fixed; give a number"))
+    elastic = elastic_of(spec)
+    if elastic is None or spec.is_graph:
+        return
+    loc = ("cluster", "jobs", spec.placement.worker_job)
+    t = spec.training
+    if t.mode != "async":
+        problems.append((loc, "elastic replicas ({min, max}) need training.mode: async (a sync step's quorum is "
+                         "fixed); set mode: async, or give the job a number of tasks"))
+    if t.replication != "between_graph":
+        problems.append((loc, "elastic replicas need replication: between_graph (in-graph steps use every task)"))
+    if t.total_num_replicas is not None:
+        problems.append((("training", "total_num_replicas"), "with elastic replicas the live workers decide the "
+                         "count (between min and max); remove total_num_replicas"))
+    if t.max_staleness is not None:
+        problems.append((("training", "max_staleness"), "the staleness gate waits for every replica; it does not "
+                         "apply to elastic replicas: remove it, or give the job a number of tasks"))

@@ -1,0 +1,64 @@
+"""Elastic replicas as the spec states them (``cluster.jobs.worker: {min, max}``): the slots they
+give, and the combinations refused with the key and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import dtrain
+from dtrain.spec.elastic import ElasticJob, elastic_of
+from dtrain.spec.errors import SpecError
+from dtrain.spec.loading import validate
+
+MODEL = {"input_shape": [4], "layers": [{"type": "linear", "out": 3}]}
+
+
+def spec(jobs: dict[str, Any], **training: Any):
+    return validate({"model": MODEL, "cluster": {"jobs": jobs}, "training": {"mode": "async", **training}})
+
+
+def problems(jobs: dict[str, Any], **training: Any) -> list[tuple[str, str]]:
+    with pytest.raises(SpecError) as info:
+        spec(jobs, **training)
+    return [(p.path, p.message) for p in info.value.problems]
+
+
+def test_min_max_gives_max_slots():
+    s = spec({"ps": 1, "worker": {"min": 2, "max": 5}})
+    assert elastic_of(s) == ElasticJob(min=2, max=5)
+    assert s.cluster.num_tasks("worker") == 5 and s.num_replicas() == 5
+    assert s.cluster.task_workers("worker") == [f"worker-{i}" for i in range(5)]
+    plan = dtrain.compile(s)
+    assert plan.replicas_min == 2 and plan.num_replicas == 5
+    assert "(elastic: 2 to 5 live)" in plan.format().splitlines()[0]
+    assert elastic_of(spec({"ps": 1, "worker": 3})) is None and dtrain.compile(spec({"ps": 1, "worker": 3})).replicas_min is None
+
+
+@pytest.mark.parametrize(("bounds", "message"), [
+    ({"min": 3, "max": 2}, "max (2) is below min (3)"),
+    ({"min": 0, "max": 2}, "must be >= 1, got 0"),
+    ({"min": 1}, "max"),
+    ({"min": 1, "max": 2, "step": 1}, "step"),
+])
+def test_bad_bounds(bounds, message):
+    found = problems({"ps": 1, "worker": bounds})
+    assert any(path.startswith("cluster.jobs.worker") and message in msg for path, msg in found), found
+
+
+def test_only_the_replicas_job_is_elastic():
+    found = problems({"ps": {"min": 1, "max": 2}, "worker": 2})
+    assert ("cluster.jobs.ps", "only the replicas' job ('worker') can be elastic ({min, max}): ps tasks hold the "
+            "variables and stay fixed; give a number") in found
+
+
+@pytest.mark.parametrize(("training", "path", "fix"), [
+    ({"mode": "sync"}, "cluster.jobs.worker", "set mode: async"),
+    ({"mode": "sync", "replication": "in_graph"}, "cluster.jobs.worker", "between_graph"),
+    ({"total_num_replicas": 2}, "training.total_num_replicas", "remove total_num_replicas"),
+    ({"max_staleness": 3}, "training.max_staleness", "remove it"),
+])
+def test_unsupported_combinations_name_the_fix(training, path, fix):
+    found = problems({"ps": 1, "worker": {"min": 1, "max": 3}}, **training)
+    assert any(p == path and fix in msg for p, msg in found), found
