@@ -10,7 +10,10 @@ slots, each with its own part of the data. The session polls the scheduler's wor
   workers are named, else automatically, the ps tasks kept where they are) and a replica starts
   there from the ps's current parameters, at the local step where that slot's replica stopped, so
   the slot's data goes on where it left off and no sample already consumed is read again;
-- fewer than M live replicas for ``cluster.wait_s`` fails the run.
+- fewer than M live replicas for ``cluster.wait_s`` fails the run;
+- in sync mode the shards retire a slot that is free or left (no step waits for it: the quorum
+  is every live replica, and a gradient of the step before is dropped as stale as ever) and count
+  it again when a worker joins.
 
 A lost ps task is still a recovery from the latest checkpoint (``dtrain.chief.recovery``).
 """
@@ -76,6 +79,8 @@ class Elastic:
         if joining or changed:
             s.plan = s.shards.plan = s.compile_plan()
             s.write_cluster_info(refresh=False)
+        if joining and s.spec.training.mode == "sync":
+            s.shards.retire([r.index for r in joining], how="rejoin")
         for r in joining:
             s.submit_replicas(only=r.index)
             self.joined += 1
@@ -86,6 +91,13 @@ class Elastic:
             logger.warning("replica(s) %s joined (elastic); %d live", ", ".join(str(r.index) for r in joining), live)
         self._check_quorum(live)
         return changed or bool(joining)
+
+    def retire_free(self) -> None:
+        """Sync: the shards (new, or restored) wait for no free slot's replica."""
+        s = self.session
+        free = [r.index for r in s.plan.replicas if r.task not in s.conn.tasks]
+        if free and s.spec.training.mode == "sync":
+            s.shards.retire(free)
 
     def _leave(self, index: int, task: str, address: str) -> None:
         s = self.session
@@ -99,6 +111,8 @@ class Elastic:
         del s.conn.tasks[task]
         if s.shards.data_plane:  # fence it off: its next push is refused and its task ends, freeing the worker
             s.shards.set_owners({index: FENCED})
+        if s.spec.training.mode == "sync":  # no step waits for it: the quorum follows the live replicas
+            s.shards.retire([index])
         self.left += 1
         self._event("leave", index, task, address)
         logger.warning("replica %d left with its worker %s (elastic: no recovery); %d live", index, address,

@@ -268,6 +268,8 @@ class Session:
             self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
                                 .get("local_steps", {}).items()}
             logger.info("restored %s (global step %d)", checkpoint.path.name, checkpoint.step)
+        if self.elastic is not None:
+            self.elastic.retire_free()
         self.submit_replicas()
 
     # ------------------------------------------------------------------ checkpoints

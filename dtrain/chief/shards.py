@@ -362,13 +362,14 @@ class ShardGroup:
             logger.debug("excuse failed: %s", exc)
 
 
-    def retire(self, replicas: list[int]) -> None:
-        """``replicas`` read all their data (data.epochs) and ended: no shard waits for them again
-        (see ``ParameterShard.excuse``)."""
+    def retire(self, replicas: list[int], how: str = "retire") -> None:
+        """``replicas`` read all their data (data.epochs) and ended, or left an elastic job: no
+        shard waits for them again; ``how="rejoin"``: an elastic job's replicas are back (see
+        ``ParameterShard.excuse``)."""
         for s in self.handles:
             for i in replicas:
                 try:
-                    call(s.excuse(i, None, retire=True), timeout=self.spec.training.barrier_timeout_s + 5)
+                    call(s.excuse(i, None, how), timeout=self.spec.training.barrier_timeout_s + 5)
                 except Exception as exc:  # a shard that does not answer is handled as lost next
                     logger.debug("retire failed: %s", exc)
 

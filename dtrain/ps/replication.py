@@ -121,6 +121,12 @@ class SyncAggregator:
             return self._advance(len(self.contributors))
         return None
 
+    def rejoin(self, replica: int) -> None:
+        """An elastic job's ``replica`` (retired when its worker left, or never started) has a worker
+        again: the quorum counts it from now on, as it pulls and pushes for the current step."""
+        self.retired.discard(replica)
+        self.excused.discard(replica)
+
     def push_aggregated(self, step: int, count: int) -> Decision:
         """A mean of ``count`` gradients computed on the parameters of ``step`` and aggregated
         elsewhere (in-graph replication: the step's graph reduced them). It is the whole update of

@@ -310,22 +310,24 @@ class ParameterShard(SparseRows):
     async def current_step(self) -> int:
         return self.step
 
-    async def excuse(self, replica: int, at_step: int | None, retire: bool = False) -> int:
-        """Sync: lost ``replica`` will not push for step ``at_step`` (see ``SyncAggregator.excuse``);
-        if the gradients already accumulated now make the quorum, apply their mean and release
-        the replicas waiting for it. No-op unless this shard is still at ``at_step``. ``retire``:
-        the replica read all its data and never pushes again (``SyncAggregator.retire``; nor does
-        it hold a staleness bound back). Returns the shard's step."""
-        if retire and self.gate is not None:
+    async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
+        """Sync: lost ``replica`` will not push for step ``at_step`` (``SyncAggregator.excuse``): if
+        the gradients in make the quorum, apply their mean (no-op unless still at ``at_step``).
+        ``how``: ``retire`` (it read all its data, or left an elastic job: never pushes again, nor
+        holds a staleness bound back) or ``rejoin`` (an elastic replica is back). Returns the step."""
+        if how == "retire" and self.gate is not None:
             self.gate.replica_lost(replica)
         if self.mode != "sync":
+            return self.step
+        if how == "rejoin":
+            self.sync.rejoin(replica)
             return self.step
         await self._wait_unheld(at_step)
         cond = self._condition()
         async with cond:
-            if (self.sync.step != at_step and not retire) or self.stop or self.error is not None:
+            if (self.sync.step != at_step and how != "retire") or self.stop or self.error is not None:
                 return self.step
-            decision = self.sync.retire(replica) if retire else self.sync.excuse(replica)
+            decision = self.sync.retire(replica) if how == "retire" else self.sync.excuse(replica)
             if isinstance(decision, Apply):
                 self._apply(self.acc, 1.0 / decision.count)
                 cond.notify_all()

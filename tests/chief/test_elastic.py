@@ -1,7 +1,8 @@
-"""Elastic replicas on a real cluster that changes size (issue 20): async digits on a
-``LocalCluster`` this test scales from 3 workers to 5 and then down to 2 during the run. The two
-workers that join take replicas at once; the three that leave take theirs with them, with no
-recovery; the run completes every step to the usual accuracy. Real worker processes."""
+"""Elastic replicas on a real cluster that changes size (issue 20): digits on a ``LocalCluster``
+this test scales up and then down during the run (async: 3 workers -> 5 -> 2; sync: 3 -> 4 -> 2).
+The workers that join take replicas at once; those that leave take theirs with them, with no
+recovery; the run completes every step to the usual accuracy, and a sync step aggregates every
+live replica. Real worker processes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.helpers.paths import PIPELINES
 pytestmark = pytest.mark.processes
 
 STEPS = 8000
+BATCH = 32  # digits_*.yaml's batch_size
 
 
 def _wait(cond, run: threading.Thread, what: str, timeout: float = 120.0) -> None:
@@ -27,9 +29,12 @@ def _wait(cond, run: threading.Thread, what: str, timeout: float = 120.0) -> Non
         time.sleep(0.05)
 
 
-def test_workers_join_and_leave_an_async_run(tmp_path):
-    spec = dtrain.load(PIPELINES / "digits_async.yaml",
-                       overrides=["cluster.jobs={ps: 1, worker: {min: 1, max: 4}}", f"training.steps={STEPS}"])
+def _scaled_run(tmp_path, pipeline: str, jobs: str, steps: int, up: int, down: int, live: tuple[int, int, int],
+                extra: tuple[str, ...] = (), hold: int = 0) -> tuple[dict, list[dict]]:
+    """Run ``pipeline`` on a 3-worker LocalCluster scaled to ``up`` workers after step 200 and to
+    ``down`` ``hold`` steps after every joined replica runs; ``live``: the replicas expected live
+    in each phase."""
+    spec = dtrain.load(PIPELINES / pipeline, overrides=[f"cluster.jobs={jobs}", f"training.steps={steps}", *extra])
     seen: list[dict] = []
     out: dict = {}
     with LocalCluster(n_workers=3, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
@@ -44,24 +49,46 @@ def test_workers_join_and_leave_an_async_run(tmp_path):
         run.start()
         try:
             _wait(lambda: seen and seen[-1]["step"] >= 200, run, "step 200")
-            assert seen[-1]["replicas"] == 2  # 3 workers: the ps task and 2 replicas
-            cluster.scale(5)
-            _wait(lambda: seen[-1]["replicas"] == 4, run, "4 live replicas")
+            assert seen[-1]["replicas"] == live[0]  # 3 workers: the ps task and 2 replicas
+            cluster.scale(up)
+            _wait(lambda: seen[-1]["replicas"] == live[1], run, f"{live[1]} live replicas")
             joined_at = seen[-1]["step"]
-            cluster.scale(2)
-            _wait(lambda: seen[-1]["replicas"] == 1, run, "1 live replica")
+            _wait(lambda: seen[-1]["step"] >= joined_at + hold, run, f"step {joined_at + hold}")
+            cluster.scale(down)
+            _wait(lambda: seen[-1]["replicas"] == live[2], run, f"{live[2]} live replica(s)")
             left_at = seen[-1]["step"]
         finally:
             run.join(300)
     assert "error" not in out, out.get("error")
+    assert left_at < steps, "the workers left only after the last step: nothing was elastic"
     summary = out["result"].summary
-    assert left_at < STEPS, "the workers left only after the last step: nothing was elastic"
-    assert summary["status"] == "completed" and summary["global_step"] == STEPS
+    assert summary["status"] == "completed" and summary["global_step"] == steps
+    assert summary["recoveries"] == 0 and summary["recovery_log"] == []  # a leave is not a loss
+    assert seen[-1]["replicas"] == live[2] and max(s["step"] for s in seen) == steps
+    return summary, seen
+
+
+def test_workers_join_and_leave_an_async_run(tmp_path):
+    summary, seen = _scaled_run(tmp_path, "digits_async.yaml", "{ps: 1, worker: {min: 1, max: 4}}", STEPS,
+                                up=5, down=2, live=(2, 4, 1))
     assert summary["eval"]["accuracy"] >= 0.95, summary["eval"]
     assert (summary["replicas_joined"], summary["replicas_left"], summary["replicas_max"]) == (2, 3, 4)
-    assert summary["recoveries"] == 0 and summary["recovery_log"] == []  # a leave is not a loss
+    assert [e["event"] for e in summary["elastic_log"]] == ["join", "join", "leave", "leave", "leave"]
+
+
+def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
+    steps = 3000
+    summary, seen = _scaled_run(tmp_path, "digits_sync.yaml", "{ps: 1, worker: {min: 1, max: 3}}", steps,
+                                up=4, down=2, live=(2, 3, 1), extra=("training.replicas_to_aggregate=null",), hold=800)
+    assert summary["eval"]["accuracy"] >= 0.9, summary["eval"]
+    assert (summary["replicas_joined"], summary["replicas_left"], summary["replicas_max"]) == (1, 2, 3)
     events = summary["elastic_log"]
-    assert [e["event"] for e in events] == ["join", "join", "leave", "leave", "leave"]
-    assert all(e["step"] <= joined_at for e in events[:2])
-    # The steps after the leaves were the last replica's: it went on alone to the end.
-    assert seen[-1]["replicas"] == 1 and max(s["step"] for s in seen) == STEPS
+    assert [e["event"] for e in events] == ["join", "leave", "leave"]
+    # Every step aggregated the replicas live then: 2, then 3 after the join, 2 and 1 after the leaves.
+    # (Event steps are the chief's polls, so allow a little slack.) A quorum stuck at the first two
+    # would count 2 per step in the 800 steps between the join and the leaves (800 fewer); one that
+    # never shrank would hang.
+    bounds = [0, events[0]["step"], events[1]["step"], events[2]["step"], steps]
+    expected = sum(n * (b - a) for n, a, b in zip((2, 3, 2, 1), bounds, bounds[1:]))
+    assert abs(summary["samples"] / BATCH - expected) <= 0.05 * steps, (summary["samples"] / BATCH, expected, bounds)
+    assert bounds[2] - bounds[1] >= 800

@@ -274,3 +274,25 @@ def test_retiring_a_replica_that_already_pushed_waits_for_the_others():
     assert agg.retire(0) is None and agg.step == 0  # its gradient stays; replica 1's completes the step
     assert isinstance(agg.push(1, 0), Apply) and agg.step == 1
     assert isinstance(agg.push(1, 1), Apply)  # and from then on replica 1 alone
+
+
+def test_elastic_quorum_follows_the_live_replicas():
+    # Four slots, two free from the start: a step aggregates the two live replicas.
+    agg = SyncAggregator(replicas_to_aggregate=4, total_num_replicas=4)
+    assert agg.retire(2) is None and agg.retire(3) is None
+    assert isinstance(agg.push(0, 0), Accumulate)
+    assert agg.push(1, 0) == Apply(1, 2)
+    # Slot 2 gets a worker: from now on a step needs three.
+    agg.rejoin(2)
+    assert isinstance(agg.push(0, 1), Accumulate) and isinstance(agg.push(1, 1), Accumulate)
+    assert agg.push(2, 1) == Apply(2, 3)
+    # Replica 0 leaves in the middle of a step whose other gradients are in: retiring it completes the step.
+    agg.push(1, 2)
+    agg.push(2, 2)
+    assert agg.retire(0) == Apply(3, 2)
+    # A gradient of the step before a change is stale, as ever.
+    assert agg.push(1, 2) == Drop("stale", 3)
+    # Rejoining an excused replica counts it again too.
+    agg.excuse(3)
+    agg.rejoin(3)
+    assert 3 not in agg.retired and 3 not in agg.excused

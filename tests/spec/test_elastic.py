@@ -47,6 +47,11 @@ def test_bad_bounds(bounds, message):
     assert any(path.startswith("cluster.jobs.worker") and message in msg for path, msg in found), found
 
 
+def test_sync_is_elastic_with_every_live_replica_in_the_quorum():
+    s = spec({"ps": 1, "worker": {"min": 1, "max": 3}}, mode="sync")
+    assert s.replicas_to_aggregate() == 3 and dtrain.compile(s).replicas_min == 1
+
+
 def test_only_the_replicas_job_is_elastic():
     found = problems({"ps": {"min": 1, "max": 2}, "worker": 2})
     assert ("cluster.jobs.ps", "only the replicas' job ('worker') can be elastic ({min, max}): ps tasks hold the "
@@ -54,7 +59,7 @@ def test_only_the_replicas_job_is_elastic():
 
 
 @pytest.mark.parametrize(("training", "path", "fix"), [
-    ({"mode": "sync"}, "cluster.jobs.worker", "set mode: async"),
+    ({"mode": "sync", "replicas_to_aggregate": 1}, "training.replicas_to_aggregate", "remove replicas_to_aggregate"),
     ({"mode": "sync", "replication": "in_graph"}, "cluster.jobs.worker", "between_graph"),
     ({"total_num_replicas": 2}, "training.total_num_replicas", "remove total_num_replicas"),
     ({"max_staleness": 3}, "training.max_staleness", "remove it"),
