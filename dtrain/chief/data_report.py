@@ -41,7 +41,8 @@ def positions(session: Any, step: int) -> dict[str, Any]:
     if plan.data is None:
         return {}
     out = {}
-    lockstep = spec.training.mode == "sync" and plan.replicas_to_aggregate == plan.num_replicas
+    lockstep = spec.training.mode == "sync" and plan.replicas_to_aggregate == plan.num_replicas \
+        and plan.replicas_min is None
     for r in plan.replicas:
         # In sync without backups replica r's k-th batch is in step k: the snapshot's step says where
         # it is (the session's polled step may lag it); otherwise the local step it last reported.

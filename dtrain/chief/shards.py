@@ -77,6 +77,7 @@ class ShardGroup:
             "barrier_timeout_s": t.barrier_timeout_s, "summary_every": self.spec.summary.every_steps,
             "nan_guard": self.nan_guard,
             "num_replicas": self.plan.num_replicas, "replicas_to_aggregate": self.plan.replicas_to_aggregate,
+            "aggregate_fraction": self.plan.aggregate_fraction,
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,

@@ -120,6 +120,7 @@ class Plan:
     assignment: str = ""  # how tasks found their workers: named or auto (plan/assign.py); "" before a cluster
     shared_tasks: tuple[str, ...] = ()  # auto assignment: ps tasks sharing a replica's worker
     replicas_min: int | None = None  # elastic replicas: the fewest live (the replicas are its max slots)
+    aggregate_fraction: float | None = None  # elastic sync: the quorum's share of the live replicas
 
     @property
     def num_replicas(self) -> int:
@@ -140,7 +141,9 @@ class Plan:
         else:
             lines = [f"plan {self.name}: {self.mode} {self.replication}, {self.num_replicas} replica(s)"
                      + (f" (elastic: {self.replicas_min} to {self.num_replicas} live)" if self.replicas_min else "")
-                     + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" else "")
+                     + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" and not self.aggregate_fraction
+                        else f", aggregate {self.aggregate_fraction:g} of the live replicas" if self.mode == "sync"
+                        else "")
                      + (f", {self.epochs} epoch(s)" if self.epochs else "")
                      + (f", {self.steps} steps" if self.steps < MAX_STEPS else "")]
         if self.variables:
@@ -201,7 +204,9 @@ def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | Non
         plan = _compile_training(spec, addresses, missing)
     bounds = elastic_of(spec)
     plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared,
-                   replicas_min=bounds.min if bounds is not None and not spec.is_graph else None)
+                   replicas_min=bounds.min if bounds is not None and not spec.is_graph else None,
+                   aggregate_fraction=spec.aggregate_fraction() if bounds is not None and not spec.is_graph
+                   and spec.training.mode == "sync" else None)
     if data is not None:
         plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
     return plan

@@ -18,6 +18,7 @@ microseconds without a cluster (tests/test_replication.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -62,6 +63,8 @@ class SyncAggregator:
     excused: set[int] = field(default_factory=set)
     # Replicas at the end of their data (data.epochs): no step waits for them again (see retire()).
     retired: set[int] = field(default_factory=set)
+    # Elastic replicas: the quorum is this share of the live replicas (rounded up), not a count.
+    fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas_to_aggregate <= self.total_num_replicas:
@@ -89,7 +92,10 @@ class SyncAggregator:
 
     def _quorum(self) -> int:
         absent = (self.excused | self.retired) - self.contributors
-        return max(1, min(self.replicas_to_aggregate, self.total_num_replicas - len(absent)))
+        live = self.total_num_replicas - len(absent)
+        if self.fraction is not None:
+            return max(1, math.ceil(self.fraction * live - 1e-9))
+        return max(1, min(self.replicas_to_aggregate, live))
 
     def _advance(self, count: int) -> Apply:
         """The current step is complete (``count`` gradients): start the next one."""

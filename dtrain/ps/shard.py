@@ -74,7 +74,8 @@ class ParameterShard(SparseRows):
         self.tables: dict[str, TablePart] = {
             t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
         self.acc = torch.zeros_like(self.param)
-        self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas)
+        self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas,
+                                   fraction=config.get("aggregate_fraction"))
         self.policy = AsyncPolicy(config.get("max_staleness"))
         k = config.get("max_staleness")
         self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None

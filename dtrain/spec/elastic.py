@@ -4,8 +4,8 @@ fixed count).
 The replicas' job then has N task slots, each with its own part of the data; a slot runs a
 replica while a worker serves it. Workers that join the cluster take free slots at once, and
 workers that leave take their replica with them, with no recovery; the run goes on while at least
-M replicas live (the chief's side: ``dtrain.chief.elastic``). In sync mode a step aggregates every
-live replica: the quorum follows them. In-graph replication, backups (``total_num_replicas``), the
+M replicas live (the chief's side: ``dtrain.chief.elastic``). In sync mode the quorum follows the
+live replicas: ``replicas_to_aggregate`` is a fraction of them (``all``, the default, or 0.75). In-graph replication, backups (``total_num_replicas``), the
 staleness gate and pipeline stages need a fixed set, so those combinations are refused with the fix.
 """
 
@@ -53,9 +53,9 @@ def check_elastic(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) 
         return
     loc = ("cluster", "jobs", spec.placement.worker_job)
     t = spec.training
-    if t.mode == "sync" and t.replicas_to_aggregate is not None:
-        problems.append((("training", "replicas_to_aggregate"), "with elastic replicas a sync step aggregates "
-                         "every live replica (the quorum follows them); remove replicas_to_aggregate"))
+    if t.mode == "sync" and isinstance(t.replicas_to_aggregate, int):
+        problems.append((("training", "replicas_to_aggregate"), "with elastic replicas the quorum follows the live "
+                         f"replicas: give a fraction of them (e.g. 0.75) or all, not a count ({t.replicas_to_aggregate})"))
     if t.replication != "between_graph":
         problems.append((loc, "elastic replicas need replication: between_graph (in-graph steps use every task)"))
     if t.total_num_replicas is not None:

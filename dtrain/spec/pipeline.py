@@ -86,7 +86,16 @@ class PipelineSpec(Strict):
         return self.training.total_num_replicas or workers
 
     def replicas_to_aggregate(self) -> int:
-        return self.training.replicas_to_aggregate or self.num_replicas()
+        """Gradients per sync update, of all the replicas (a fraction rounded up)."""
+        fraction = self.aggregate_fraction()
+        if fraction is None:
+            return int(self.training.replicas_to_aggregate)  # type: ignore[arg-type]
+        return max(1, math.ceil(fraction * self.num_replicas() - 1e-9))
+
+    def aggregate_fraction(self) -> float | None:
+        """``replicas_to_aggregate`` as a share of the replicas (``all``, or unset: 1.0); None for a count."""
+        v = self.training.replicas_to_aggregate
+        return 1.0 if v is None or v == "all" else (float(v) if isinstance(v, float) else None)
 
     def pipeline_hash(self) -> str:
         """sha256 of the canonical JSON of the spec (stored beside checkpoints)."""
@@ -148,7 +157,7 @@ class PipelineSpec(Strict):
             problems.append((("training", "total_num_replicas"),
                              f"{t.total_num_replicas} replicas but job {self.placement.worker_job!r} has {workers} "
                              f"task(s); one replica runs per worker task: add worker tasks"))
-        elif t.replicas_to_aggregate is not None and workers and t.replicas_to_aggregate > self.num_replicas():
+        elif isinstance(t.replicas_to_aggregate, int) and workers and t.replicas_to_aggregate > self.num_replicas():
             source = ("training.total_num_replicas" if t.total_num_replicas is not None
                       else f"the {workers} task(s) of job {self.placement.worker_job!r}")
             problems.append((("training", "replicas_to_aggregate"),

@@ -362,9 +362,9 @@ class TrainingSpec(Strict):
     mode: Literal["async", "sync"] = Field(
         "async", description="async: each push is applied at once; sync: SyncReplicasOptimizer semantics."
     )
-    replicas_to_aggregate: int | None = Field(
-        None, ge=1, description="sync: gradients averaged per update (default: all replicas)."
-    )
+    replicas_to_aggregate: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | Literal["all"] | None \
+        = Field(None, description="sync: gradients averaged per update: a count, a fraction of the replicas "
+                "(0.75: three quarters, rounded up; with elastic replicas, of the live ones) or all (the default).")
     total_num_replicas: int | None = Field(
         None, ge=1, description="Replicas, backups included (default and maximum: the worker job's task count)."
     )

@@ -296,3 +296,25 @@ def test_elastic_quorum_follows_the_live_replicas():
     agg.excuse(3)
     agg.rejoin(3)
     assert 3 not in agg.retired and 3 not in agg.excused
+
+
+def test_a_fractional_quorum_is_that_share_of_the_live_replicas_rounded_up():
+    agg = SyncAggregator(replicas_to_aggregate=4, total_num_replicas=4, fraction=0.75)
+    # 4 live: 3 make a step, the fourth is a backup whose late gradient is stale.
+    agg.push(0, 0)
+    agg.push(1, 0)
+    assert agg.push(2, 0) == Apply(1, 3)
+    assert agg.push(3, 0) == Drop("stale", 1)
+    # 2 live after two leave: ceil(0.75 * 2) = 2.
+    agg.retire(2)
+    agg.retire(3)
+    agg.push(0, 1)
+    assert agg.push(1, 1) == Apply(2, 2)
+    # 1 live: it alone makes a step; with 3 live again, 3 (ceil 2.25).
+    agg.retire(1)
+    assert agg.push(0, 2) == Apply(3, 1)
+    agg.rejoin(1)
+    agg.rejoin(2)
+    agg.push(0, 3)
+    assert isinstance(agg.push(1, 3), Accumulate)
+    assert agg.push(2, 3) == Apply(4, 3)

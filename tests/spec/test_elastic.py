@@ -59,7 +59,7 @@ def test_only_the_replicas_job_is_elastic():
 
 
 @pytest.mark.parametrize(("training", "path", "fix"), [
-    ({"mode": "sync", "replicas_to_aggregate": 1}, "training.replicas_to_aggregate", "remove replicas_to_aggregate"),
+    ({"mode": "sync", "replicas_to_aggregate": 1}, "training.replicas_to_aggregate", "give a fraction of them"),
     ({"mode": "sync", "replication": "in_graph"}, "cluster.jobs.worker", "between_graph"),
     ({"total_num_replicas": 2}, "training.total_num_replicas", "remove total_num_replicas"),
     ({"max_staleness": 3}, "training.max_staleness", "remove it"),
@@ -67,3 +67,23 @@ def test_only_the_replicas_job_is_elastic():
 def test_unsupported_combinations_name_the_fix(training, path, fix):
     found = problems({"ps": 1, "worker": {"min": 1, "max": 3}}, **training)
     assert any(p == path and fix in msg for p, msg in found), found
+
+
+@pytest.mark.parametrize(("value", "fixed", "fraction"), [(None, 4, 1.0), ("all", 4, 1.0), (0.75, 3, 0.75),
+                                                          (0.1, 1, 0.1), (2, 2, None)])
+def test_replicas_to_aggregate_as_a_count_a_fraction_or_all(value, fixed, fraction):
+    s = validate({"model": MODEL, "cluster": {"jobs": {"ps": 1, "worker": 4}},
+                  "training": {"mode": "sync", "replicas_to_aggregate": value}})
+    assert s.replicas_to_aggregate() == fixed and s.aggregate_fraction() == fraction
+    assert dtrain.compile(s).aggregate_fraction is None  # a fixed job: the count goes to the ps
+    if fraction is not None:
+        e = spec({"ps": 1, "worker": {"min": 1, "max": 4}}, mode="sync", replicas_to_aggregate=value)
+        assert dtrain.compile(e).aggregate_fraction == fraction
+
+
+@pytest.mark.parametrize(("value", "message"), [(0, "must be >= 1, got 0"), (1.5, "must be <= 1, got 1.5"),
+                                                ("most", "allowed values")])
+def test_bad_replicas_to_aggregate(value, message):
+    with pytest.raises(SpecError) as info:
+        validate({"model": MODEL, "training": {"mode": "sync", "replicas_to_aggregate": value}})
+    assert any(p.path == "training.replicas_to_aggregate" and message in p.message for p in info.value.problems)
