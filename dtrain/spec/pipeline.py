@@ -292,6 +292,10 @@ class PipelineSpec(Strict):
         elif t.replication == "in_graph":
             problems.append((("training", "replication"), "a sharded source is streamed by each replica's own "
                              "loop: use replication: between_graph (in_graph reads a file held in memory)"))
+        if sharded and elastic_of(self) is not None:
+            problems.append((("cluster", "jobs", self.placement.worker_job), "elastic replicas read in-memory data "
+                             "(each slot its share of every epoch); a sharded source's files are split among fixed "
+                             "replicas: give the job a number of tasks"))
         if data.epochs and t.replication == "in_graph":
             problems.append((("data", "epochs"), "data.epochs ends each replica's own loop; in_graph replication "
                              "counts training.steps only: remove data.epochs or use replication: between_graph"))

@@ -87,3 +87,14 @@ def test_bad_replicas_to_aggregate(value, message):
     with pytest.raises(SpecError) as info:
         validate({"model": MODEL, "training": {"mode": "sync", "replicas_to_aggregate": value}})
     assert any(p.path == "training.replicas_to_aggregate" and message in p.message for p in info.value.problems)
+
+
+def test_sharded_sources_need_fixed_replicas(tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "part-0.npz", x=np.zeros((64, 4), dtype=np.float32), y=np.zeros(64, dtype=np.int64))
+    with pytest.raises(SpecError) as info:
+        validate({"model": MODEL, "cluster": {"jobs": {"ps": 1, "worker": {"min": 1, "max": 2}}},
+                  "data": {"source": str(tmp_path / "*.npz")}, "training": {"mode": "async"}})
+    assert any(p.path == "cluster.jobs.worker" and "give the job a number of tasks" in p.message
+               for p in info.value.problems), info.value.problems
