@@ -24,6 +24,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
+from dtrain.deploy import plugin
 from dtrain.plan.assign import assign_workers
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import elastic_of
@@ -248,6 +249,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
             conn = Connection(c, cluster=cluster, owns_client=True)
         try:
             if wait:
+                plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)
                 wait_for_tasks(conn, spec, spec.cluster.wait_s)
             yield conn
         finally:

@@ -6,6 +6,7 @@ live replica. Real worker processes."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -92,3 +93,44 @@ def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
     expected = sum(n * (b - a) for n, a, b in zip((2, 3, 2, 1), bounds[:-1], bounds[1:], strict=True))
     assert abs(summary["samples"] / BATCH - expected) <= 0.05 * steps, (summary["samples"] / BATCH, expected, bounds)
     assert bounds[2] - bounds[1] >= 800
+
+
+def test_an_adaptive_cluster_keeps_the_ps_and_replicas_and_closes_idle_workers(tmp_path):
+    # The user's own cluster.adapt(): the idle worker beyond the 2 replica slots goes; the ps worker,
+    # idle too as Dask sees it (an actor runs no task), is never even tried (dtrain.deploy.plugin:
+    # without it the scheduler tries to retire it at every adaptive tick and refuses, as its actor
+    # cannot move), and the replicas' workers stay: no recovery, no leave.
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("distributed").addHandler(handler)  # (it does not propagate to pytest's capture)
+    spec = dtrain.load(PIPELINES / "digits_async.yaml",
+                       overrides=["cluster.jobs={ps: 1, worker: {min: 1, max: 2}}", "training.steps=6000"])
+    seen: list[dict] = []
+    out: dict = {}
+    with LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
+                      processes=True) as cluster, Client(cluster, set_as_default=False) as client:
+        def train() -> None:
+            try:
+                out["result"] = dtrain.run(spec, client=client, run_dir=tmp_path / "run", progress=seen.append)
+            except BaseException as exc:  # reported by the assertions below
+                out["error"] = exc
+
+        run = threading.Thread(target=train)
+        run.start()
+        try:
+            _wait(lambda: seen and seen[-1]["step"] >= 200, run, "step 200")
+            cluster.adapt(minimum=1, maximum=1, interval="200ms", wait_count=2)  # as small as it may
+            _wait(lambda: len(client.scheduler_info()["workers"]) == 3, run, "the idle worker closed")
+            closed_at = seen[-1]["step"]
+        finally:
+            run.join(300)
+            logging.getLogger("distributed").removeHandler(handler)
+    assert "error" not in out, out.get("error")
+    summary = out["result"].summary
+    assert closed_at < 6000, "the idle worker closed only after the last step"
+    assert summary["status"] == "completed" and summary["global_step"] == 6000
+    assert summary["recoveries"] == 0 and summary["replicas_left"] == 0 and summary["replicas_max"] == 2
+    assert summary["eval"]["accuracy"] >= 0.95, summary["eval"]
+    tried = [m for m in messages if "retir" in m]
+    assert not tried, tried
