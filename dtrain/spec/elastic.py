@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_ELASTIC = 256  # as MAX_TASKS_PER_JOB
 
@@ -34,6 +34,20 @@ class ElasticJob(BaseModel):
             raise ValueError(f"max ({self.max}) is below min ({self.min}); write e.g. {{min: {self.max}, "
                              f"max: {self.min}}}")
         return self
+
+
+def parse_elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[str | int, ...], str]]) -> Any:
+    """``{min, max}`` as an ElasticJob, or its problems (one per key, in the spec's own words)."""
+    from .messages import error_message
+
+    try:
+        return ElasticJob.model_validate(tasks)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = (name, *err["loc"]) if err["type"] != "value_error" else (name,)
+            problems.append((loc, error_message(err, ("cluster", "jobs", *loc)) if err["type"] != "value_error"
+                             else str(err["ctx"]["error"])))
+        return tasks
 
 
 def elastic_of(spec: Any) -> ElasticJob | None:

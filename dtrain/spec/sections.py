@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .device import DeviceSpec
-from .elastic import ElasticJob
+from .elastic import ElasticJob, parse_elastic
 from .errors import CrossFieldErrors
 from .sizes import memory_limit_bytes
 
@@ -117,22 +117,6 @@ class SecuritySpec(Strict):
     key_file: str | None = Field(None, description="This client's private key (PEM); omit when cert_file holds both.")
 
 
-def _elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[str | int, ...], str]]) -> Any:
-    """``{min, max}`` as an ElasticJob, or its problems (one per key, in the spec's own words)."""
-    from pydantic import ValidationError
-
-    from .messages import error_message
-
-    try:
-        return ElasticJob.model_validate(tasks)
-    except ValidationError as exc:
-        for err in exc.errors():
-            loc = (name, *err["loc"]) if err["type"] != "value_error" else (name,)
-            problems.append((loc, error_message(err, ("cluster", "jobs", *loc)) if err["type"] != "value_error"
-                             else str(err["ctx"]["error"])))
-        return tasks
-
-
 class ClusterSpec(Strict):
     """The jobs and tasks of the cluster (TF's ClusterSpec) and where its scheduler is."""
 
@@ -182,7 +166,7 @@ class ClusterSpec(Strict):
             if not isinstance(name, str) or not re.match(NAME, name):
                 problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
             elif isinstance(tasks, dict):  # elastic: {min, max}
-                jobs = {**jobs, name: _elastic(name, tasks, problems)}
+                jobs = {**jobs, name: parse_elastic(name, tasks, problems)}
             elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
                 problems.append(((name,), f"expected a number of tasks (1..{most}), a list of Dask worker "
                                           f"names/addresses, or {{min: M, max: N}} (elastic), got {tasks!r}"))

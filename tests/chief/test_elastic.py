@@ -6,6 +6,7 @@ live replica. Real worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,39 +31,62 @@ def _wait(cond, run: threading.Thread, what: str, timeout: float = 120.0) -> Non
         time.sleep(0.05)
 
 
+class _Run:
+    """``dtrain.run`` of ``spec`` in a thread on a ``LocalCluster`` of ``workers`` processes; the
+    test steers the cluster (``self.cluster``) while it trains, watching ``self.seen``."""
+
+    def __init__(self, spec, tmp_path, workers: int):
+        self.spec, self.run_dir, self.workers = spec, tmp_path / "run", workers
+        self.seen: list[dict] = []
+        self.out: dict = {}
+
+    def __enter__(self) -> _Run:
+        self._stack = contextlib.ExitStack()
+        self.cluster = self._stack.enter_context(LocalCluster(
+            n_workers=self.workers, threads_per_worker=1, host="127.0.0.1", dashboard_address=None, processes=True))
+        self.client = self._stack.enter_context(Client(self.cluster, set_as_default=False))
+        self.thread = threading.Thread(target=self._train)
+        self.thread.start()
+        return self
+
+    def _train(self) -> None:
+        try:
+            self.out["result"] = dtrain.run(self.spec, client=self.client, run_dir=self.run_dir,
+                                            progress=self.seen.append)
+        except BaseException as exc:  # reported by summary()
+            self.out["error"] = exc
+
+    def wait(self, cond, what: str) -> None:
+        _wait(cond, self.thread, what)
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(300)
+        self._stack.close()
+
+    def summary(self) -> dict:
+        assert "error" not in self.out, self.out.get("error")
+        return self.out["result"].summary
+
+
 def _scaled_run(tmp_path, pipeline: str, jobs: str, steps: int, up: int, down: int, live: tuple[int, int, int],
                 extra: tuple[str, ...] = (), hold: int = 0) -> tuple[dict, list[dict]]:
     """Run ``pipeline`` on a 3-worker LocalCluster scaled to ``up`` workers after step 200 and to
     ``down`` ``hold`` steps after every joined replica runs; ``live``: the replicas expected live
     in each phase."""
     spec = dtrain.load(PIPELINES / pipeline, overrides=[f"cluster.jobs={jobs}", f"training.steps={steps}", *extra])
-    seen: list[dict] = []
-    out: dict = {}
-    with LocalCluster(n_workers=3, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
-                      processes=True) as cluster, Client(cluster, set_as_default=False) as client:
-        def train() -> None:
-            try:
-                out["result"] = dtrain.run(spec, client=client, run_dir=tmp_path / "run", progress=seen.append)
-            except BaseException as exc:  # reported by the assertions below
-                out["error"] = exc
-
-        run = threading.Thread(target=train)
-        run.start()
-        try:
-            _wait(lambda: seen and seen[-1]["step"] >= 200, run, "step 200")
-            assert seen[-1]["replicas"] == live[0]  # 3 workers: the ps task and 2 replicas
-            cluster.scale(up)
-            _wait(lambda: seen[-1]["replicas"] == live[1], run, f"{live[1]} live replicas")
-            joined_at = seen[-1]["step"]
-            _wait(lambda: seen[-1]["step"] >= joined_at + hold, run, f"step {joined_at + hold}")
-            cluster.scale(down)
-            _wait(lambda: seen[-1]["replicas"] == live[2], run, f"{live[2]} live replica(s)")
-            left_at = seen[-1]["step"]
-        finally:
-            run.join(300)
-    assert "error" not in out, out.get("error")
+    with _Run(spec, tmp_path, workers=3) as run:
+        seen = run.seen
+        run.wait(lambda: seen and seen[-1]["step"] >= 200, "step 200")
+        assert seen[-1]["replicas"] == live[0]  # 3 workers: the ps task and 2 replicas
+        run.cluster.scale(up)
+        run.wait(lambda: seen[-1]["replicas"] == live[1], f"{live[1]} live replicas")
+        joined_at = seen[-1]["step"]
+        run.wait(lambda: seen[-1]["step"] >= joined_at + hold, f"step {joined_at + hold}")
+        run.cluster.scale(down)
+        run.wait(lambda: seen[-1]["replicas"] == live[2], f"{live[2]} live replica(s)")
+        left_at = seen[-1]["step"]
+    summary = run.summary()
     assert left_at < steps, "the workers left only after the last step: nothing was elastic"
-    summary = out["result"].summary
     assert summary["status"] == "completed" and summary["global_step"] == steps
     assert summary["recoveries"] == 0 and summary["recovery_log"] == []  # a leave is not a loss
     assert seen[-1]["replicas"] == live[2] and max(s["step"] for s in seen) == steps
@@ -106,28 +130,15 @@ def test_an_adaptive_cluster_keeps_the_ps_and_replicas_and_closes_idle_workers(t
     logging.getLogger("distributed").addHandler(handler)  # (it does not propagate to pytest's capture)
     spec = dtrain.load(PIPELINES / "digits_async.yaml",
                        overrides=["cluster.jobs={ps: 1, worker: {min: 1, max: 2}}", "training.steps=6000"])
-    seen: list[dict] = []
-    out: dict = {}
-    with LocalCluster(n_workers=4, threads_per_worker=1, host="127.0.0.1", dashboard_address=None,
-                      processes=True) as cluster, Client(cluster, set_as_default=False) as client:
-        def train() -> None:
-            try:
-                out["result"] = dtrain.run(spec, client=client, run_dir=tmp_path / "run", progress=seen.append)
-            except BaseException as exc:  # reported by the assertions below
-                out["error"] = exc
-
-        run = threading.Thread(target=train)
-        run.start()
-        try:
-            _wait(lambda: seen and seen[-1]["step"] >= 200, run, "step 200")
-            cluster.adapt(minimum=1, maximum=1, interval="200ms", wait_count=2)  # as small as it may
-            _wait(lambda: len(client.scheduler_info()["workers"]) == 3, run, "the idle worker closed")
-            closed_at = seen[-1]["step"]
-        finally:
-            run.join(300)
-            logging.getLogger("distributed").removeHandler(handler)
-    assert "error" not in out, out.get("error")
-    summary = out["result"].summary
+    try:
+        with _Run(spec, tmp_path, workers=4) as run:
+            run.wait(lambda: run.seen and run.seen[-1]["step"] >= 200, "step 200")
+            run.cluster.adapt(minimum=1, maximum=1, interval="200ms", wait_count=2)  # as small as it may
+            run.wait(lambda: len(run.client.scheduler_info()["workers"]) == 3, "the idle worker closed")
+            closed_at = run.seen[-1]["step"]
+    finally:
+        logging.getLogger("distributed").removeHandler(handler)
+    summary = run.summary()
     assert closed_at < 6000, "the idle worker closed only after the last step"
     assert summary["status"] == "completed" and summary["global_step"] == 6000
     assert summary["recoveries"] == 0 and summary["replicas_left"] == 0 and summary["replicas_max"] == 2
