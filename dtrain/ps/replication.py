@@ -18,7 +18,6 @@ microseconds without a cluster (tests/test_replication.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -93,8 +92,9 @@ class SyncAggregator:
     def _quorum(self) -> int:
         absent = (self.excused | self.retired) - self.contributors
         live = self.total_num_replicas - len(absent)
-        if self.fraction is not None:
-            return max(1, math.ceil(self.fraction * live - 1e-9))
+        if self.fraction is not None:  # rounded up (the float's error aside)
+            share = self.fraction * live - 1e-9
+            return max(1, int(share) + (share > int(share)))
         return max(1, min(self.replicas_to_aggregate, live))
 
     def _advance(self, count: int) -> Apply:
