@@ -12,8 +12,8 @@ Unlike slurm_cluster.py, no worker is named or tagged for a task: `cluster.assig
 ps task the first worker and a replica to each of the others. The pipeline's replicas are elastic
 (`worker: {min: 1, max: 4}`): the run starts as soon as the ps and one replica have a node, takes
 more replicas as the queue grants nodes, and goes on when nodes leave (preemption, walltime).
-`cluster.scale(jobs=n)` grows or shrinks it by hand; scaling down removes the newest jobs first,
-never the ps's.
+`cluster.scale(jobs=n)` grows or shrinks it by hand. Scaling down removes the newest jobs first,
+which are replicas here: the single ps task took the first job.
 """
 
 from __future__ import annotations
