@@ -41,12 +41,10 @@ def positions(session: Any, step: int) -> dict[str, Any]:
     if plan.data is None:
         return {}
     out = {}
-    lockstep = spec.training.mode == "sync" and plan.replicas_to_aggregate == plan.num_replicas \
-        and plan.replicas_min is None
     for r in plan.replicas:
         # In sync without backups replica r's k-th batch is in step k: the snapshot's step says where
         # it is (the session's polled step may lag it); otherwise the local step it last reported.
-        batch = step if lockstep else _local(session, r.index)
+        batch = step if plan.lockstep else _local(session, r.index)
         total = total_batches(spec, plan, r.index)
         batch = batch if total is None else min(batch, total)
         place = stream_layout(spec, plan, r.index).locate(batch)

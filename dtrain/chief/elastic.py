@@ -12,8 +12,8 @@ slots, each with its own part of the data. The session polls the scheduler's wor
   the slot's data goes on where it left off and no sample already consumed is read again;
 - fewer than M live replicas for ``cluster.wait_s`` fails the run;
 - in sync mode the shards retire a slot that is free or left (no step waits for it: the quorum
-  is every live replica, and a gradient of the step before is dropped as stale as ever) and count
-  it again when a worker joins.
+  is ``replicas_to_aggregate``'s share of the live replicas, and a gradient of the step before is
+  dropped as stale as ever) and count it again when a worker joins.
 
 A lost ps task is still a recovery from the latest checkpoint (``dtrain.chief.recovery``).
 """
@@ -24,7 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from dtrain.plan.assign import assign_workers
+from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.elastic import ElasticJob, elastic_of
 from dtrain.spec.errors import RunError
 
@@ -159,7 +159,7 @@ def required_missing(spec: Any, plan: Any) -> list[str]:
     are not among them (``dtrain.deploy.cluster.wait_for_tasks`` waits for ``min`` of them)."""
     if elastic_of(spec) is None:
         return list(plan.missing_tasks)
-    return [t for t in plan.missing_tasks if not t.startswith(f"/job:{spec.placement.worker_job}/")]
+    return [t for t in plan.missing_tasks if not is_replica_task(spec, t)]
 
 
 def live_count(session: Session) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import secrets
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.spec.errors import RunDirError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,8 +176,6 @@ def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: st
     auto), and each task's worker address and process id (for operators, and for fault tests
     that kill a task's process by pid). Without ``refresh`` only new workers are asked their
     pid (elastic joins and leaves: a worker busy closing is not waited on)."""
-    import logging
-
     pids = conn.pids
     if refresh:  # a restarted worker may come back at the same address
         pids.clear()
@@ -184,7 +185,7 @@ def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: st
             # (callback_timeout is client.sync's: a frozen worker must not hang the chief)
             pids.update(conn.client.run(os.getpid, workers=new, callback_timeout=10))
         except Exception as exc:  # informational only
-            logging.getLogger(__name__).debug("could not read worker pids: %s", exc)
+            logger.debug("could not read worker pids: %s", exc)
     workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(conn.tasks.items())}
     write_json(run_dir / "cluster.json", {
         "scheduler": conn.client.scheduler.address, "dashboard": conn.dashboard_link,

@@ -146,8 +146,7 @@ class Session:
         """Where replica ``index`` resumes in its data order: in sync mode without backups every
         replica contributes once per step, so its local step is the global step; otherwise the last
         local step it reported to ps task 0."""
-        if self.spec.training.mode == "sync" and self.plan.replicas_to_aggregate == self.plan.num_replicas \
-                and self.elastic is None:
+        if self.plan.lockstep:
             step = self._ps_step()
         else:
             step = int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))

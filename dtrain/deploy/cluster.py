@@ -25,7 +25,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
 from dtrain.deploy import plugin
-from dtrain.plan.assign import assign_workers
+from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import elastic_of
 from dtrain.spec.errors import ConnectError, RunError
@@ -155,7 +155,7 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
         missing = [m for m in assignment.missing if m in used]
         bounds = elastic_of(spec)
         if bounds is not None:  # elastic replicas: at least min of the slots served, the rest join later
-            slots = [k for k in used if k.startswith(f"/job:{spec.placement.worker_job}/")]
+            slots = [k for k in used if is_replica_task(spec, k)]
             if sum(1 for k in slots if assignment.addresses.get(k)) >= bounds.min:
                 missing = [m for m in missing if m not in slots]
         if not missing:
@@ -169,7 +169,7 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
         if time.monotonic() >= deadline:
             have = sorted(str(w.get("name")) for w in conn.workers().values())
             if assignment.mode == "auto":
-                replicas = sum(1 for m in used if m.startswith(f"/job:{spec.placement.worker_job}/"))
+                replicas = sum(1 for m in used if is_replica_task(spec, m))
                 raise RunError(
                     f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s): the "
                     f"cluster has {len(have)} worker(s) and none is named or tagged for the tasks, so they are assigned "

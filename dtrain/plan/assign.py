@@ -46,6 +46,11 @@ def task_host(address: str) -> str:
     return address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
 
 
+def is_replica_task(spec: PipelineSpec, key: str) -> bool:
+    """Whether task ``key`` ("/job:worker/task:3") belongs to the job whose tasks run replicas."""
+    return not spec.is_graph and key.startswith(f"/job:{spec.placement.worker_job}/")
+
+
 def _strip_scheme(address: str) -> str:
     return address.split("://", 1)[-1]
 
@@ -118,12 +123,11 @@ def _named(tasks: list[tuple[str, int, str]], infos: list[dict[str, Any]], out: 
 
 def _auto(spec: PipelineSpec, infos: list[dict[str, Any]], out: dict[str, str | None],
           keep: Mapping[str, str]) -> Assignment:
-    replica_job = spec.placement.worker_job if not spec.is_graph else None
     live = {w["address"] for w in infos}
     for key, addr in keep.items():
         if key in out and addr in live:
             out[key] = addr
-    replica_keys = [k for k in out if replica_job is not None and k.startswith(f"/job:{replica_job}/")]
+    replica_keys = [k for k in out if is_replica_task(spec, k)]
     other_keys = [k for k in out if k not in replica_keys]
     replica_held = {out[k] for k in replica_keys if out[k]}
     used = {a for a in out.values() if a}
@@ -159,7 +163,7 @@ def _auto(spec: PipelineSpec, infos: list[dict[str, Any]], out: dict[str, str | 
             replica_held.add(out[key])
     # Too few workers: the ps tasks left share the replicas' workers (round robin), never a replica
     # another replica's.
-    hosts = sorted(replica_held or {w["address"] for w in infos}, key=_natural)
+    hosts = sorted(replica_held or live, key=_natural)  # (worker addresses)
     for n, key in enumerate(shared):
         if hosts:
             out[key] = hosts[n % len(hosts)]

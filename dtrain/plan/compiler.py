@@ -20,7 +20,7 @@ from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
-from .assign import Assignment, assign_workers, resolve_workers  # noqa: F401 (re-exported)
+from .assign import assign_workers, resolve_workers  # noqa: F401 (resolve_workers: re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data
 from .placement import VariableRequest, partition, place_variables
 from .stages import StagePlan, format_stages, plan_stages
@@ -126,6 +126,12 @@ class Plan:
     def num_replicas(self) -> int:
         return len(self.replicas)
 
+    @property
+    def lockstep(self) -> bool:
+        """Sync with every one of a fixed set of replicas in each step (no backups, not elastic):
+        replica r's k-th batch is in step k."""
+        return self.mode == "sync" and self.replicas_to_aggregate == self.num_replicas and self.replicas_min is None
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ps_bytes"] = dict(self.ps_bytes)
@@ -202,11 +208,10 @@ def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | Non
         plan = _compile_graph(spec, addresses, missing)
     else:
         plan = _compile_training(spec, addresses, missing)
-    bounds = elastic_of(spec)
+    bounds = elastic_of(spec)  # (validation allows it on the replicas' job of a training pipeline only)
     plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared,
-                   replicas_min=bounds.min if bounds is not None and not spec.is_graph else None,
-                   aggregate_fraction=spec.aggregate_fraction() if bounds is not None and not spec.is_graph
-                   and spec.training.mode == "sync" else None)
+                   replicas_min=bounds.min if bounds is not None else None,
+                   aggregate_fraction=spec.aggregate_fraction() if bounds is not None and plan.mode == "sync" else None)
     if data is not None:
         plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
     return plan

@@ -5,8 +5,9 @@ The replicas' job then has N task slots, each with its own part of the data; a s
 replica while a worker serves it. Workers that join the cluster take free slots at once, and
 workers that leave take their replica with them, with no recovery; the run goes on while at least
 M replicas live (the chief's side: ``dtrain.chief.elastic``). In sync mode the quorum follows the
-live replicas: ``replicas_to_aggregate`` is a fraction of them (``all``, the default, or 0.75). In-graph replication, backups (``total_num_replicas``), the
-staleness gate and pipeline stages need a fixed set, so those combinations are refused with the fix.
+live replicas: ``replicas_to_aggregate`` is a fraction of them (``all``, the default, or 0.75).
+In-graph replication, backups (``total_num_replicas``), the staleness gate, pipeline stages and
+sharded sources need a fixed set, so those combinations are refused with the fix.
 """
 
 from __future__ import annotations
