@@ -312,10 +312,10 @@ class ParameterShard(SparseRows):
         return self.step
 
     async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
-        """Sync: lost ``replica`` will not push for step ``at_step`` (``SyncAggregator.excuse``): if
-        the gradients in make the quorum, apply their mean (no-op unless still at ``at_step``).
-        ``how``: ``retire`` (it read all its data, or left an elastic job: never pushes again, nor
-        holds a staleness bound back) or ``rejoin`` (an elastic replica is back). Returns the step."""
+        """Sync: lost ``replica`` will not push for step ``at_step`` (``SyncAggregator.excuse``): if the
+        gradients in make the quorum, apply their mean (no-op unless still at ``at_step``). ``how``:
+        ``retire`` (all its data read, or it left an elastic job; never waits on a checkpoint hold: its
+        caller releases it, and under it no gradient is in) or ``rejoin`` (back). Returns the step."""
         if how == "retire" and self.gate is not None:
             self.gate.replica_lost(replica)
         if self.mode != "sync":
@@ -323,7 +323,8 @@ class ParameterShard(SparseRows):
         if how == "rejoin":
             self.sync.rejoin(replica)
             return self.step
-        await self._wait_unheld(at_step)
+        if how != "retire":
+            await self._wait_unheld(at_step)
         cond = self._condition()
         async with cond:
             if (self.sync.step != at_step and how != "retire") or self.stop or self.error is not None:
@@ -335,8 +336,7 @@ class ParameterShard(SparseRows):
         return self.step
 
     async def barrier_grace(self, seconds: float) -> None:
-        """Let waits go on for ``seconds`` from now beyond their barrier timeout: the session calls
-        this when it restarts a lost replica, whose gradients the others' barrier needs."""
+        """Let waits outlast their barrier timeout by ``seconds`` from now (a lost replica restarts)."""
         self._grace_until = max(self._grace_until, time.monotonic() + seconds)
 
     async def stats(self) -> dict[str, Any]:
