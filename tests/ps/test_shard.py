@@ -156,3 +156,25 @@ def test_stop_at_ends_training_exactly_at_that_step():
         return [(step, stop) for _, step, stop, _ in replies]
 
     assert asyncio.run(main()) == [(4, False), (5, True), (5, True), (5, True)]
+
+
+def test_retiring_a_replica_does_not_wait_on_a_checkpoint_hold():
+    """The chief retires a replica (an elastic leave, the end of its data) from the loop that also
+    releases the checkpoint hold: waiting on the hold there deadlocked until the barrier timeout.
+    Under the hold no gradient of the held step is in, so the retirement applies nothing; after
+    the release the other replica alone makes each step."""
+    async def main():
+        config = {"index": 0, "mode": "sync", "steps": 100, "num_replicas": 2, "replicas_to_aggregate": 2,
+                  "checkpoint_every": 1, "optimizer": {"name": "sgd", "lr": 1.0}, "barrier_timeout_s": 5}
+        shard = ParameterShard(config, torch.zeros(4))
+        g = torch.ones(4)
+        await asyncio.gather(shard.push_sync(g, 0, 0), shard.push_sync(g, 1, 0))
+        assert shard.step == 1 and shard.hold_at == 1
+        step = await asyncio.wait_for(shard.excuse(1, None, "retire"), 1)  # held: it must not wait
+        params = shard.param.clone()
+        await shard.release()
+        await asyncio.wait_for(shard.push_sync(g, 0, 1), 1)  # replica 0 alone completes step 2
+        return step, params, shard.step
+
+    step, params, after = asyncio.run(main())
+    assert step == 1 and torch.equal(params, -torch.ones(4)) and after == 2
