@@ -1,7 +1,7 @@
 """dtrain: Distributed TensorFlow's parameter-server architecture for PyTorch, on Dask.
 
 Public API (see the README): ``load``, ``PipelineSpec``, ``compile``, ``run``, ``build_model``,
-``DeviceSpec``, ``Hook``. Heavy modules (torch, dask) are imported on first use.
+``DeviceSpec``, ``Hook``, ``adapt``. Heavy modules (torch, dask) are imported on first use.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .spec.pipeline import PipelineSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeviceSpec", "Hook", "PipelineSpec", "RunError", "SpecError", "__version__", "build_model", "compile",
+    "DeviceSpec", "Hook", "PipelineSpec", "RunError", "SpecError", "__version__", "adapt", "build_model", "compile",
     "load", "loads", "run",
 ]
 
@@ -24,12 +24,14 @@ _LAZY = {
     "compile": ("dtrain.plan.compiler", "compile"),
     "build_model": ("dtrain.model.build", "build_model"),
     "run": ("dtrain.chief.runner", "run"),
+    "adapt": ("dtrain.deploy.adaptive", "adapt"),
     "Hook": ("dtrain.chief.hooks", "Hook"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chief.hooks import Hook
     from .chief.runner import run
+    from .deploy.adaptive import adapt
     from .model.build import build_model
     from .plan.compiler import compile
 

@@ -48,6 +48,14 @@ class Elastic:
         self.most = 0  # the most replicas live at once
         self.events: list[dict[str, Any]] = []
         self._below_since: float | None = None
+        if getattr(session.conn, "adaptive", None) is not None:  # cluster.adaptive: Dask sizes the cluster by it
+            session.conn.adaptive.demand = self.demand
+
+    def demand(self) -> int:
+        """Replica slots that still have work: all but those whose replica finished (read by
+        ``dtrain.deploy.adaptive`` on the cluster's event loop)."""
+        futures = list(getattr(self.session, "replica_futures", ()))
+        return self.max - sum(1 for f in futures if f is not None and f.status == "finished")
 
     def live(self) -> list[int]:
         """The replica slots a worker serves now."""
@@ -102,6 +110,10 @@ class Elastic:
     def _leave(self, index: int, task: str, address: str) -> None:
         s = self.session
         fut = s.replica_futures[index]
+        if fut is not None and fut.status == "finished":  # its work done (an idle worker retired): keep its stats
+            del s.conn.tasks[task]
+            self._event("release", index, task, address)
+            return
         s.replica_futures[index] = None  # type: ignore[call-overload]
         if fut is not None:
             try:

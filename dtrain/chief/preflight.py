@@ -46,6 +46,10 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool =
         hooks = build_hooks(spec.hooks)
     except SpecError as exc:
         problems += exc.problems
+    if spec.cluster.adaptive is not None and not embedded:
+        problems.append(Problem("scales the embedded cluster, and this run is on a cluster of yours (--scheduler, "
+                                "client=): remove cluster.adaptive and call that cluster's adapt(); the elastic "
+                                "replicas follow it (docs/elastic.md)", path="cluster.adaptive"))
     if spec.is_graph:
         if problems:
             raise SpecError(problems)

@@ -24,10 +24,10 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
-from dtrain.deploy import plugin
+from dtrain.deploy import adaptive, plugin
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.device import DeviceSpec
-from dtrain.spec.elastic import elastic_of
+from dtrain.spec.elastic import adaptive_bounds, elastic_of
 from dtrain.spec.errors import ConnectError, RunError
 from dtrain.spec.pipeline import PipelineSpec
 
@@ -62,32 +62,62 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def worker_specs(spec: PipelineSpec, processes: bool = True, security: Any = None) -> dict[str, dict[str, Any]]:
-    """The SpecCluster worker entries: one per task of every job (TLS with ``security`` when given)."""
+    """The SpecCluster worker entries: one per task of every job (TLS with ``security`` when given);
+    with ``cluster.adaptive``, the replicas' job starts with its ``min`` workers (Dask adds more)."""
+    adaptive = adaptive_bounds(spec)
     out: dict[str, dict[str, Any]] = {}
     for job in spec.cluster.jobs:
-        for i in range(spec.cluster.num_tasks(job)):
+        count = spec.cluster.num_tasks(job)
+        if adaptive is not None and job == spec.placement.worker_job:
+            count = adaptive[0]
+        for i in range(count):
             name = f"{job}-{i}"
-            options: dict[str, Any] = {
-                "name": name, "nthreads": spec.cluster.nthreads, "resources": {job: 1},
-                "host": "127.0.0.1", "memory_limit": spec.cluster.memory_limit, "death_timeout": DEATH_TIMEOUT_S,
-            }
-            if security is not None:
-                options.update(security=security, protocol="tls://")
-            if processes:
-                options["dashboard_address"] = None
-                # Signals meant for the chief (Ctrl-C, systemd's stop) must not end these processes
-                # before it has checkpointed: see dtrain.deploy.preload.
-                options["preload"] = ["dtrain.deploy.preload"]
-                options["env"] = {
-                    "OMP_NUM_THREADS": str(spec.training.torch_threads),
-                    "MKL_NUM_THREADS": str(spec.training.torch_threads),
-                    "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
-                }
-                out[name] = {"cls": Nanny, "options": options}
-            else:
-                options["dashboard"] = False
-                out[name] = {"cls": Worker, "options": options}
+            entry = worker_entry(spec, job, processes, security)
+            entry["options"]["name"] = name
+            out[name] = entry
     return out
+
+
+def worker_entry(spec: PipelineSpec, job: str, processes: bool = True, security: Any = None) -> dict[str, Any]:
+    """One SpecCluster worker entry for a task of ``job``, without its name."""
+    options: dict[str, Any] = {
+        "nthreads": spec.cluster.nthreads, "resources": {job: 1},
+        "host": "127.0.0.1", "memory_limit": spec.cluster.memory_limit, "death_timeout": DEATH_TIMEOUT_S,
+    }
+    if security is not None:
+        options.update(security=security, protocol="tls://")
+    if not processes:
+        options["dashboard"] = False
+        return {"cls": Worker, "options": options}
+    options["dashboard_address"] = None
+    # Signals meant for the chief (Ctrl-C, systemd's stop) must not end these processes
+    # before it has checkpointed: see dtrain.deploy.preload.
+    options["preload"] = ["dtrain.deploy.preload"]
+    options["env"] = {
+        "OMP_NUM_THREADS": str(spec.training.torch_threads),
+        "MKL_NUM_THREADS": str(spec.training.torch_threads),
+        "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+    }
+    return {"cls": Nanny, "options": options}
+
+
+class EmbeddedCluster(SpecCluster):
+    """The embedded SpecCluster; a worker it adds (adaptive scaling) is a replica task's, named
+    ``<job>-<i>`` with the lowest free ``i``, so it serves the task slot of that name."""
+
+    def __init__(self, *args: Any, grow_job: str = "worker", **kwargs: Any):
+        self.grow_job = grow_job
+        super().__init__(*args, **kwargs)
+
+    def _new_worker_name(self, worker_number: int) -> str:
+        return f"{self.grow_job}-{worker_number}"
+
+    def new_worker_spec(self) -> dict[str, Any]:
+        """The lowest free name (SpecCluster's counter only grows): a slot's name again."""
+        i = 0
+        while self._new_worker_name(i) in self.worker_spec:
+            i += 1
+        return {self._new_worker_name(i): self.new_spec}
 
 
 def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
@@ -99,9 +129,11 @@ def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
         "dashboard_address": "127.0.0.1:0",
         "dashboard": spec.cluster.dashboard,
     }}
+    job = spec.placement.worker_job
+    grow = worker_entry(spec, job, processes, security) if adaptive_bounds(spec) is not None else None
     with dask.config.set(dask_config(spec)):
-        return SpecCluster(workers=worker_specs(spec, processes, security), scheduler=scheduler, name=spec.name,
-                           security=security, shutdown_on_close=True)
+        return EmbeddedCluster(workers=worker_specs(spec, processes, security), worker=grow, grow_job=job,
+                               scheduler=scheduler, name=spec.name, security=security, shutdown_on_close=True)
 
 
 @dataclass
@@ -114,6 +146,7 @@ class Connection:
     tasks: dict[str, str] = field(default_factory=dict)
     shared: tuple[str, ...] = ()  # automatic assignment: ps tasks sharing a replica's worker
     pids: dict[str, int] = field(default_factory=dict)  # worker address -> process id (cluster.json)
+    adaptive: Any = None  # cluster.adaptive: the embedded cluster's ReplicaAdaptive (deploy/adaptive.py)
 
     @property
     def dashboard_link(self) -> str | None:
@@ -196,7 +229,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
     conn: Connection
     with dask.config.set(dask_config(spec)):
         if client is not None:
-            conn = Connection(client)
+            conn = Connection(client, adaptive=adaptive.find(client))  # dtrain.adapt(cluster, spec) on it
         elif address:
             import json
             from pathlib import Path
@@ -246,7 +279,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
             except BaseException:
                 cluster.close()
                 raise
-            conn = Connection(c, cluster=cluster, owns_client=True)
+            conn = Connection(c, cluster=cluster, owns_client=True, adaptive=adaptive.start(cluster, spec))
         try:
             if wait:
                 plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)

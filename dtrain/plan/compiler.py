@@ -15,7 +15,7 @@ from typing import Any
 
 from dtrain.data.shards import Manifest
 from dtrain.spec.device import DeviceSpec
-from dtrain.spec.elastic import elastic_of
+from dtrain.spec.elastic import adaptive_bounds, elastic_of
 from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import MAX_STEPS, worker_device_spec
@@ -121,6 +121,7 @@ class Plan:
     shared_tasks: tuple[str, ...] = ()  # auto assignment: ps tasks sharing a replica's worker
     replicas_min: int | None = None  # elastic replicas: the fewest live (the replicas are its max slots)
     aggregate_fraction: float | None = None  # elastic sync: the quorum's share of the live replicas
+    adaptive: tuple[int, int] | None = None  # cluster.adaptive: the embedded cluster's replica workers (min, max)
 
     @property
     def num_replicas(self) -> int:
@@ -147,6 +148,8 @@ class Plan:
         else:
             lines = [f"plan {self.name}: {self.mode} {self.replication}, {self.num_replicas} replica(s)"
                      + (f" (elastic: {self.replicas_min} to {self.num_replicas} live)" if self.replicas_min else "")
+                     + (" (embedded cluster: Dask adapts its replica workers, {} to {})".format(*self.adaptive)
+                        if self.adaptive else "")
                      + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" and not self.aggregate_fraction
                         else f", aggregate {self.aggregate_fraction:g} of the live replicas" if self.mode == "sync"
                         else "")
@@ -210,7 +213,7 @@ def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | Non
         plan = _compile_training(spec, addresses, missing)
     bounds = elastic_of(spec)  # (validation allows it on the replicas' job of a training pipeline only)
     plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared,
-                   replicas_min=bounds.min if bounds is not None else None,
+                   replicas_min=bounds.min if bounds is not None else None, adaptive=adaptive_bounds(spec),
                    aggregate_fraction=spec.aggregate_fraction() if bounds is not None and plan.mode == "sync" else None)
     if data is not None:
         plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))

@@ -8,6 +8,10 @@ M replicas live (the chief's side: ``dtrain.chief.elastic``). In sync mode the q
 live replicas: ``replicas_to_aggregate`` is a fraction of them (``all``, the default, or 0.75).
 In-graph replication, backups (``total_num_replicas``), the staleness gate, pipeline stages and
 sharded sources need a fixed set, so those combinations are refused with the fix.
+
+``cluster.adaptive: {min, max}`` lets Dask's adaptive scaling size the embedded cluster's replica
+workers between its bounds (``dtrain.deploy.adaptive``); on a cluster of the user's own, its own
+``cluster.adapt()`` does that, and the replicas follow it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ class ElasticJob(BaseModel):
         return self
 
 
+class AdaptiveSpec(BaseModel):
+    """Dask's adaptive scaling of the embedded cluster's replica workers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    min: int | None = Field(None, ge=1, le=MAX_ELASTIC, description="The fewest replica workers kept (the ps "
+                            "workers come on top); the embedded cluster starts with these. Default: the replicas' "
+                            "job's min.")
+    max: int | None = Field(None, ge=1, le=MAX_ELASTIC, description="The most replica workers started: Dask adds "
+                            "workers up to it while replica slots have work, and retires idle ones. Default: the "
+                            "replicas' job's max.")
+    interval_s: float = Field(1.0, gt=0, le=60, description="How often Dask's Adaptive asks for a new target "
+                              "(its interval).")
+
+
 def parse_elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[str | int, ...], str]]) -> Any:
     """``{min, max}`` as an ElasticJob, or its problems (one per key, in the spec's own words)."""
     from .messages import error_message
@@ -57,12 +76,38 @@ def elastic_of(spec: Any) -> ElasticJob | None:
     return tasks if isinstance(tasks, ElasticJob) else None
 
 
+def adaptive_bounds(spec: Any) -> tuple[int, int] | None:
+    """(min, max) replica workers of an adaptive embedded cluster, or None without ``cluster.adaptive``."""
+    adaptive, elastic = spec.cluster.adaptive, elastic_of(spec)
+    if adaptive is None or elastic is None:
+        return None
+    return (adaptive.min or elastic.min, adaptive.max or elastic.max)
+
+
+def _check_adaptive(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+    loc = ("cluster", "adaptive")
+    elastic = elastic_of(spec)
+    if elastic is None or spec.is_graph:
+        problems.append((loc, "adaptive scaling sizes the replicas' workers, so the replicas' job must be elastic: "
+                         f"write cluster.jobs.{spec.placement.worker_job}: {{min: M, max: N}}"))
+        return
+    if spec.cluster.scheduler is not None:
+        problems.append((loc, "scales the embedded cluster, and cluster.scheduler names a cluster of your own: "
+                         "remove cluster.adaptive and call that cluster's adapt() (the replicas follow it)"))
+    lo, hi = adaptive_bounds(spec)  # type: ignore[misc]
+    if not elastic.min <= lo <= hi <= elastic.max:
+        problems.append((loc, f"min {lo} and max {hi} must lie within cluster.jobs.{spec.placement.worker_job} "
+                         f"({{min: {elastic.min}, max: {elastic.max}}}) with min <= max"))
+
+
 def check_elastic(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
     """The combinations elastic replicas do not support, one problem each (the fix named)."""
     for job, tasks in spec.cluster.jobs.items():
         if isinstance(tasks, ElasticJob) and (spec.is_graph or job != spec.placement.worker_job):
             problems.append((("cluster", "jobs", job), f"only the replicas' job ({spec.placement.worker_job!r}) can "
                              "be elastic ({min, max}): ps tasks hold the variables and stay fixed; give a number"))
+    if spec.cluster.adaptive is not None:
+        _check_adaptive(spec, problems)
     elastic = elastic_of(spec)
     if elastic is None or spec.is_graph:
         return

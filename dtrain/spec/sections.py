@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .device import DeviceSpec
-from .elastic import ElasticJob, parse_elastic
+from .elastic import AdaptiveSpec, ElasticJob, parse_elastic
 from .errors import CrossFieldErrors
 from .sizes import memory_limit_bytes
 
@@ -150,6 +150,8 @@ class ClusterSpec(Strict):
         "task, or tagged with the resource J), as `dtrain worker` and the embedded cluster start them. auto: the "
         "same when such workers exist; otherwise the tasks go to the cluster's workers as they are (a LocalCluster, "
         "dask-jobqueue, dask-kubernetes): ps tasks first, spread over hosts, then one replica per remaining worker.")
+    adaptive: AdaptiveSpec | None = Field(None, description="Embedded cluster: Dask's adaptive scaling of the elastic "
+                                          "replicas' workers, {min, max} (docs/elastic.md).")
 
     @field_validator("jobs", mode="before")
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import dtrain
-from dtrain.spec.elastic import ElasticJob, elastic_of
+from dtrain.spec.elastic import ElasticJob, adaptive_bounds, elastic_of
 from dtrain.spec.errors import SpecError
 from dtrain.spec.loading import validate
 
@@ -98,3 +98,26 @@ def test_sharded_sources_need_fixed_replicas(tmp_path):
                   "data": {"source": str(tmp_path / "*.npz")}, "training": {"mode": "async"}})
     assert any(p.path == "cluster.jobs.worker" and "give the job a number of tasks" in p.message
                for p in info.value.problems), info.value.problems
+
+
+def _adaptive(jobs: dict[str, Any], adaptive: dict[str, Any], **cluster: Any):
+    return validate({"model": MODEL, "cluster": {"jobs": jobs, "adaptive": adaptive, **cluster},
+                     "training": {"mode": "async"}})
+
+
+def test_adaptive_bounds_default_to_the_elastic_job():
+    assert adaptive_bounds(_adaptive({"ps": 1, "worker": {"min": 2, "max": 5}}, {})) == (2, 5)
+    assert adaptive_bounds(_adaptive({"ps": 1, "worker": {"min": 1, "max": 5}}, {"min": 2, "max": 3})) == (2, 3)
+    assert adaptive_bounds(spec({"ps": 1, "worker": {"min": 1, "max": 5}})) is None
+
+
+@pytest.mark.parametrize(("jobs", "adaptive", "cluster", "message"), [
+    ({"ps": 1, "worker": 3}, {}, {}, "the replicas' job must be elastic"),
+    ({"ps": 1, "worker": {"min": 2, "max": 4}}, {"min": 1}, {}, "min 1 and max 4 must lie within"),
+    ({"ps": 1, "worker": {"min": 2, "max": 4}}, {"max": 5}, {}, "min 2 and max 5 must lie within"),
+    ({"ps": 1, "worker": {"min": 1, "max": 4}}, {}, {"scheduler": "tcp://10.0.0.5:8786"}, "call that cluster's adapt()"),
+])
+def test_adaptive_problems_name_the_fix(jobs, adaptive, cluster, message):
+    with pytest.raises(SpecError) as info:
+        _adaptive(jobs, adaptive, **cluster)
+    assert [(p.path, message in p.message) for p in info.value.problems] == [("cluster.adaptive", True)]
