@@ -1,5 +1,5 @@
-"""dtrain on SLURM with dask-jobqueue as it comes: default worker names, automatic assignment and
-elastic replicas.
+"""dtrain on SLURM with dask-jobqueue as it comes: default worker names, automatic assignment,
+elastic replicas and adaptive scaling.
 
 An EXAMPLE to adapt, not run by dtrain's test suite (there is no SLURM here; see docs/elastic.md).
 Run it on a login node, in the same Python environment as the compute nodes, with dask-jobqueue
@@ -10,18 +10,17 @@ installed:
 
 Unlike slurm_cluster.py, no worker is named or tagged for a task: `cluster.assign: auto` gives the
 ps task the first worker and a replica to each of the others. The pipeline's replicas are elastic
-(`worker: {min: 1, max: 4}`): the run starts as soon as the ps and one replica have a node, takes
-more replicas as the queue grants nodes, and goes on when nodes leave (preemption, walltime).
-`cluster.scale(jobs=n)` grows or shrinks it by hand. Scaling down removes the newest jobs first,
-which are replicas here: the single ps task took the first job.
+(`worker: {min: 1, max: 4}`), and `dtrain.adapt(cluster, spec)` turns on Dask's adaptive scaling
+for them (docs/elastic.md): it submits jobs for the ps and one replica, then for the other replica
+slots; the run starts as soon as the ps and one replica have a node, takes more replicas as the
+queue grants nodes, and goes on when nodes leave (preemption, walltime), with a new job submitted
+for each lost one. Idle workers are retired (replicas that finished); the ps's never is.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 
 from dask_jobqueue import SLURMCluster
 from distributed import Client
@@ -42,16 +41,9 @@ cluster = SLURMCluster(
     interface="ib0",
     scheduler_options={"dashboard_address": ":8787"},
 )
-cluster.scale(jobs=2)                             # the ps task and the first replica
-
-
-def grow_later() -> None:
-    time.sleep(120)
-    cluster.scale(jobs=5)                         # the ps task and 4 replicas, as nodes are granted
-
+dtrain.adapt(cluster, spec, interval=10.0)        # the ps job + 1 to 4 replica jobs, one per slot with work
 
 with Client(cluster, direct_to_workers=True, security=cluster.security) as client:
-    threading.Thread(target=grow_later, daemon=True).start()
     result = dtrain.run(spec, client=client, run_dir=f"runs/{spec.name}")
     s = result.summary
     print(s["status"], s.get("eval"), f"joined {s['replicas_joined']}, left {s['replicas_left']}, "
