@@ -420,7 +420,7 @@ def test_to_json_snapshot(digits, digits_plan):
         "ops": [], "fetch": [], "ps_bytes": {"/job:ps/task:0": 37888, "/job:ps/task:1": 552},
         "missing_tasks": [], "tables": [], "data": None, "epochs": None,
         "stages": [], "stage_positions": 1, "microbatches": 1, "assignment": "", "shared_tasks": [],
-        "replicas_min": None, "aggregate_fraction": None,
+        "replicas_min": None, "aggregate_fraction": None, "adaptive": None,
     }
 
 
