@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a pipeline value, e.g. --set training.steps=50 (repeatable)")
     r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run directory")
     r.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    r.add_argument("--profile-startup", action="store_true",
+                   help="print where the run's fixed costs go: each phase's seconds, start to exit")
 
     v = sub.add_parser("validate", help="check a pipeline file; one FILE:LINE: path: message line per problem")
     v.add_argument("pipeline", nargs="+")
@@ -183,16 +185,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     # SIGINT, SIGTERM and SIGHUP become exceptions from the start: the run checkpoints and writes
     # its summary before exiting 130/143, and a signal while loading is a quiet exit, too.
     with signals.handled():
-        return _run(args)
+        try:
+            return _run(args)
+        finally:
+            if args.profile_startup:
+                from .deploy import phases
+
+                print(phases.format_table(), file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
     from .chief.rundir import check_run_dir, default_run_dir
     from .chief.runner import run
+    from .deploy import phases
     from .spec.loading import load, locate
 
+    if args.profile_startup:
+        phases.start()
+        phases.mark("python start, imports (torch, Dask)")
     spec = load(args.pipeline, overrides=args.overrides, scheduler=args.scheduler)
     _setup_logging(quiet=args.quiet)
+    if args.profile_startup:
+        phases.mark("validation")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(spec)
     check_run_dir(run_dir, args.resume)
     bar = _Progress(enabled=not args.quiet)

@@ -62,10 +62,12 @@ def _tls_dirs() -> set[str]:
 
 
 def _is_resource_tracker(p) -> bool:
-    """multiprocessing's resource tracker, which a LocalCluster's spawned workers start: it lives as
-    long as this interpreter (it ends when its pipe from here closes) and is no worker."""
+    """multiprocessing's resource tracker, which a LocalCluster's spawned workers start, or its
+    forkserver, the embedded cluster's warm parent (dtrain/deploy/forkserver.py): each lives as long
+    as this interpreter (it ends when its pipe from here closes) and is no worker."""
     try:
-        return any("multiprocessing.resource_tracker" in part for part in p.cmdline())
+        return any(m in part for part in p.cmdline()
+                   for m in ("multiprocessing.resource_tracker", "multiprocessing.forkserver"))
     except Exception:
         return False
 

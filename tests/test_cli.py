@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -59,10 +61,12 @@ def _children_of(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.processes
 def test_run_digits_async_end_to_end(tmp_path):
-    """`dtrain run pipelines/digits_async.yaml`: 2 ps + 2 worker processes, accuracy >= 0.95."""
+    """`dtrain run pipelines/digits_async.yaml`: 2 ps + 2 worker processes, accuracy >= 0.95;
+    `--profile-startup` prints every phase, in order, timed from the process's start."""
     run_dir = tmp_path / "run"
+    t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml",
-                             "--run-dir", str(run_dir), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--run-dir", str(run_dir), "--quiet", "--profile-startup"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     seen: set[int] = set()
     try:
@@ -76,11 +80,20 @@ def test_run_digits_async_end_to_end(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    wall = time.time() - t0
     assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert summary["eval"]["accuracy"] >= 0.95
     assert "completed at step" in stdout
+    table = stderr[stderr.index("phase "):].splitlines()[1:]
+    rows = [re.fullmatch(r"(.+?)\s+(\d+\.\d\d)\s+(\d+\.\d\d)", line).groups() for line in table]
+    assert [r[0].split(" (")[0].split(",")[0] for r in rows] == [
+        "python start", "validation", "pre-flight: the user's code", "embedded cluster: scheduler", "connected: a worker for "
+        "every task", "ps actors created", "first step", "training", "final evaluation", "summary", "cluster shutdown"]
+    ends = [float(r[2]) for r in rows]
+    assert ends == sorted(ends) and 0 < ends[-1] <= wall + 0.5  # from the process's own start, not before
+    assert abs(sum(float(r[1]) for r in rows) - ends[-1]) < 0.05
     # 2 replicas x 2 shards, each replica in its own worker process: shared memory between processes
     dp = summary["data_plane"]
     assert dp["connections"] == 4

@@ -18,7 +18,8 @@ from typing import Any
 
 from distributed import Client
 
-from dtrain.deploy.cluster import connect
+from dtrain.deploy import forkserver, phases
+from dtrain.deploy.cluster import connect, dask_config
 from dtrain.spec.errors import ConnectError, RunDirError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
@@ -71,7 +72,10 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
     # The user's code imported, the data loaded and checked against the model, the plan compiled:
     # a pipeline that cannot run is a SpecError here, before any cluster starts (preflight.py).
     embedded = client is None and scheduler is None and spec.cluster.scheduler is None
+    if embedded and processes:  # the worker processes' parent imports torch while the checks below run
+        forkserver.warm(spec, dask_config(spec))
     hooks = check_before_start(spec, embedded=embedded, collection=data is not None)
+    phases.mark("pre-flight: the user's code, the data, the plan")
     data_input = file_input(spec) if data is None and sharded(spec) else None  # cached by the preflight
     t0 = time.time()
     with RunDirLock(run_dir), contextlib.ExitStack() as stack:
@@ -80,11 +84,14 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
             conn = stack.enter_context(connect(spec, client=client, scheduler=scheduler, processes=processes))
             if data is not None:  # a Dask collection: one pass on the cluster for its rows and statistics
                 data_input = collection_data(spec, conn.client, data)
-            session = Session(spec, conn, run_dir, resume=resume, progress=progress, hooks=hooks, data=data_input)
+            session = Session(spec, conn, run_dir, resume=resume, progress=_first_step(progress), hooks=hooks,
+                              data=data_input)
             # Actor handles find their client through the "current client" (this is not made the
             # process-wide default client, which belongs to the user).
             with conn.client.as_current():
-                return session.run()
+                result = session.run()
+            phases.mark("summary, hooks' end")
+            return result
         except (SpecError, RunDirError, ConnectError):
             raise  # an invalid pipeline (exit 2) or a cluster never reached (exit 1): no summary
         except BaseException as exc:
@@ -98,3 +105,14 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
         finally:
             with signals.deferred():  # a second Ctrl-C must not cut the cluster's shutdown short
                 stack.close()
+            phases.mark("cluster shutdown")
+
+
+def _first_step(progress: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    """``progress``, marking the first step the chief sees (``phases``: the replicas' start-up)."""
+    def update(info: dict[str, Any]) -> None:
+        if info.get("step"):
+            phases.mark_once("first step (the replicas' imports, data, first pull)")
+        if progress is not None:
+            progress(info)
+    return update

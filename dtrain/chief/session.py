@@ -24,6 +24,7 @@ import torch
 from distributed import Future
 from distributed import wait as wait_futures
 
+from dtrain.deploy import phases
 from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import compile
@@ -194,6 +195,7 @@ class Session:
                 logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
             self.start_generation(latest)
             self.start_step = self.global_step
+            phases.mark("ps actors created, replicas submitted")
             for h in self.hooks:
                 h.begin(self)
             stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook) and h.last_step is not None]
@@ -201,10 +203,12 @@ class Session:
                 self.shards.stop_at(min(stops))
             self.t_train = time.time()
             self._monitor()
+            phases.mark("training, to the last step")
             self.train_s = time.time() - self.t_train
             if self.spec.checkpoint is not None and self._last_ckpt_step != self.global_step:
                 self.save_checkpoint()
             model, final_eval = self._finish(init_model)
+            phases.mark("final evaluation, model.pt")
             status = "completed"
         except KeyboardInterrupt as exc:
             status, error = "interrupted", str(exc) if isinstance(exc, Terminated) and str(exc) else (

@@ -24,7 +24,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
-from dtrain.deploy import adaptive, plugin
+from dtrain.deploy import adaptive, forkserver, phases, plugin
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
@@ -45,6 +45,8 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
         "distributed.scheduler.worker-ttl": f"{spec.cluster.worker_ttl_s}s",
         # DataLoader workers and other children need non-daemonic worker processes.
         "distributed.worker.daemon": False,
+        # Embedded worker processes fork from a server with torch and dtrain imported (forkserver.py).
+        forkserver.METHOD_KEY: "forkserver",
         # Replicas are long tasks on purpose; do not warn every few seconds about them.
         "distributed.admin.tick.limit": "60s",
         "distributed.worker.profile.enabled": False,
@@ -131,6 +133,8 @@ def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
     }}
     job = spec.placement.worker_job
     grow = worker_entry(spec, job, processes, security) if adaptive_bounds(spec) is not None else None
+    if processes:
+        forkserver.warm(spec, dask_config(spec))
     with dask.config.set(dask_config(spec)):
         return EmbeddedCluster(workers=worker_specs(spec, processes, security), worker=grow, grow_job=job,
                                scheduler=scheduler, name=spec.name, security=security, shutdown_on_close=True)
@@ -274,6 +278,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
             conn = Connection(c, owns_client=True)
         else:
             cluster = embedded_cluster(spec, processes=processes)
+            phases.mark("embedded cluster: scheduler, worker processes")
             try:
                 c = Client(cluster, direct_to_workers=True, security=cluster.security, set_as_default=False)
             except BaseException:
@@ -284,6 +289,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
             if wait:
                 plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)
                 wait_for_tasks(conn, spec, spec.cluster.wait_s)
+                phases.mark("connected: a worker for every task")
             yield conn
         finally:
             conn.close()

@@ -250,6 +250,23 @@ def _build_one(index: int, in_shape: Shape, layers: Sequence[Mapping[str, Any]])
         raise LayerError(index, f"{_describe(index, layers)}: {exc}") from None
 
 
+_SAME_SHAPE = (nn.ReLU, nn.Tanh, nn.GELU, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Dropout,
+               nn.BatchNorm1d, nn.LayerNorm)
+
+
+def _known_shape(module: nn.Module, shape: Shape) -> Shape | None:
+    """The output shape of the layers whose shape rule is plain, without running them: on the meta
+    device their kernels come from torch's Python references, whose first call imports
+    torch._dynamo and sympy (about 2 s of every validation)."""
+    if isinstance(module, nn.Linear):
+        return (*shape[:-1], module.out_features)
+    if isinstance(module, _SAME_SHAPE):
+        return shape
+    if isinstance(module, nn.Flatten):
+        return (math.prod(shape),)
+    return None
+
+
 def _walk(input_shape: Sequence[int], layers: Sequence[Mapping[str, Any]]) -> tuple[list[Shape], list[Shape]]:
     """Build every layer on the meta device; return (input shapes, output shapes)."""
     shape = _check_input_shape(input_shape)
@@ -258,6 +275,11 @@ def _walk(input_shape: Sequence[int], layers: Sequence[Mapping[str, Any]]) -> tu
     with torch.device("meta"):
         for i in range(len(layers)):
             module = _build_one(i, shape, layers).eval()
+            quick = _known_shape(module, shape)
+            if quick is not None:
+                ins.append(shape)
+                outs.append(shape := quick)
+                continue
             try:
                 out = module(torch.empty((2, *shape), device="meta"))
             except RuntimeError as exc:

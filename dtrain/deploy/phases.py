@@ -1,0 +1,72 @@
+"""Where a run's fixed costs go: wall-clock marks of its phases (``dtrain run --profile-startup``).
+
+``start`` (the CLI, from the process's own start time) turns the marks on; ``mark(name)`` then
+records that the phase ``name`` ended now, and ``table`` gives each phase's duration and its end
+since the start. Without ``start`` a mark costs one comparison, so the run's modules mark their
+phases unconditionally: the CLI's import, validation, the pre-flight checks (the user's code, the
+data, the plan), the embedded cluster's start, the workers' readiness, the ps actors and the
+replicas' submission, the first step (the replicas' imports and data loading), the training, the
+final evaluation and ``model.pt``, the summary, the cluster's shutdown, and the exit.
+"""
+
+from __future__ import annotations
+
+import time
+
+_t0: float | None = None
+_marks: list[tuple[str, float]] = []
+
+
+def process_start() -> float:
+    """When this process started (time.time()'s clock), or now if that cannot be read."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # no psutil, or no /proc
+        return time.time()
+
+
+def start(t0: float | None = None) -> None:
+    """Record marks from now on, measured from ``t0`` (default: the process's start)."""
+    global _t0
+    _t0 = process_start() if t0 is None else t0
+    _marks.clear()
+
+
+def stop() -> None:
+    global _t0
+    _t0 = None
+    _marks.clear()
+
+
+def mark(name: str) -> None:
+    """The phase ``name`` ended now (a no-op unless ``start`` was called)."""
+    if _t0 is not None:
+        _marks.append((name, time.time()))
+
+
+def mark_once(name: str) -> None:
+    if _t0 is not None and all(n != name for n, _ in _marks):
+        _marks.append((name, time.time()))
+
+
+def table() -> list[tuple[str, float, float]]:
+    """(phase, seconds it took, seconds since the start at its end), in order."""
+    if _t0 is None:
+        return []
+    out, last = [], _t0
+    for name, t in _marks:
+        out.append((name, t - last, t - _t0))
+        last = t
+    return out
+
+
+def format_table() -> str:
+    rows = table()
+    if not rows:
+        return ""
+    w = max(len(n) for n, _, _ in rows)
+    lines = [f"{'phase':<{w}}  {'took s':>7}  {'at s':>7}"]
+    lines += [f"{n:<{w}}  {d:>7.2f}  {a:>7.2f}" for n, d, a in rows]
+    return "\n".join(lines)

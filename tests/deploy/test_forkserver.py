@@ -1,0 +1,50 @@
+"""The embedded cluster's worker processes fork from a warm server (dtrain/deploy/forkserver.py):
+torch and dtrain's worker modules are imported before any task arrives, and each process still
+gets the nannies' environment (dtrain's malloc thresholds) and its own thread settings. Real
+worker processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import dtrain
+from dtrain.deploy.cluster import MALLOC_TRIM_THRESHOLD, connect
+
+pytestmark = pytest.mark.processes
+
+SPEC = """
+name: forked
+cluster: {jobs: {ps: 1, worker: 1}, dashboard: false}
+model:
+  input_shape: [64]
+  layers: [{type: linear, out: 10}]
+data: {source: sklearn:digits, batch_size: 32}
+training: {mode: async, steps: 5, torch_threads: 2}
+"""
+
+
+def _inside() -> dict:
+    import psutil
+
+    parent = psutil.Process().parent()
+    return {"preloaded": sorted(m for m in ("torch", "dtrain.worker.tasks", "dtrain.ps.shard", "sklearn.datasets")
+                                if m in sys.modules),
+            "parent": " ".join(parent.cmdline()) if parent else "",
+            "malloc": os.environ.get("MALLOC_TRIM_THRESHOLD_"), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
+def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
+    spec = dtrain.loads(SPEC, base_dir=".")
+    with connect(spec) as conn:
+        seen = conn.client.run(_inside)
+        assert len(seen) == 2
+        for info in seen.values():  # before any task: a spawned worker has imported none of these
+            assert info["preloaded"] == ["dtrain.ps.shard", "dtrain.worker.tasks", "sklearn.datasets", "torch"]
+            assert "forkserver" in info["parent"]
+            assert info["malloc"] == str(MALLOC_TRIM_THRESHOLD)  # the nannies' pre-spawn environment
+            assert info["omp"] == "2"  # the worker's own (training.torch_threads)
+    result = dtrain.run(spec, run_dir=tmp_path / "run")  # and a run on it trains
+    assert result.summary["status"] == "completed" and result.summary["global_step"] == 5
