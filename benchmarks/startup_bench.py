@@ -14,7 +14,9 @@ Each repetition runs, one after the other in fresh processes:
 - ``dtrain``: ``dtrain run pipelines/digits_async.yaml --set training.steps=N --quiet
   --profile-startup`` (2 ps and 2 worker processes on the embedded cluster), timed the same way;
   its phase table (``dtrain.deploy.phases``) gives when the first step came and when the last one
-  ended, both from the process's start.
+  ended, both from the process's start;
+- ``dtrain_spawn``: the same with ``--set cluster.start_method=spawn`` (worker processes spawned
+  fresh, as before the forkserver), to show what the warm parent saves.
 
 Reported (medians; ratios within each repetition): the whole time of each and their ratio (the
 issue's goal: at most 1.5x), the first step's time against the plain script's whole run (goal: at
@@ -77,10 +79,10 @@ def plain(steps: int, tmp: Path) -> float:
     return wall
 
 
-def dtrain(steps: int, tmp: Path, rep: int) -> tuple[float, dict[str, float]]:
+def dtrain(steps: int, tmp: Path, rep: int, *extra: str) -> tuple[float, dict[str, float]]:
     wall, out = timed([sys.executable, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml",
-                       "--set", f"training.steps={steps}", "--run-dir", str(tmp / f"run{rep}"), "--quiet",
-                       "--profile-startup"])
+                       "--set", f"training.steps={steps}", "--run-dir", str(tmp / f"run{rep}{len(extra)}"), "--quiet",
+                       "--profile-startup", *extra])
     if out.returncode != 0:
         raise SystemExit(f"dtrain run failed:\n{out.stderr[-2000:]}")
     table = out.stderr[out.stderr.index("phase "):].splitlines()[1:]
@@ -104,27 +106,33 @@ def main() -> int:
         for rep in range(args.reps):
             p = plain(args.steps, tmp)
             w, phases = dtrain(args.steps, tmp, rep)
+            ws, spawn_phases = dtrain(args.steps, tmp, rep, "--set", "cluster.start_method=spawn")
             first = next(v for k, v in phases.items() if k.startswith("first step"))
             last = next(v for k, v in phases.items() if k.startswith("training"))
             reps.append({"plain_s": p, "dtrain_s": w, "ratio": w / p, "first_step_s": first,
-                         "first_step_ratio": first / p, "after_last_step_s": w - last, "phases": phases})
+                         "first_step_ratio": first / p, "after_last_step_s": w - last,
+                         "spawn_s": ws, "spawn_ratio": ws / p, "phases": phases, "spawn_phases": spawn_phases})
             print(f"rep {rep + 1}: plain {p:.2f} s, dtrain {w:.2f} s ({w / p:.2f}x), first step at {first:.2f} s, "
                   f"{w - last:.2f} s from the last step to the exit", file=sys.stderr)
-    med = {k: statistics.median(r[k] for r in reps) for k in reps[0] if k != "phases"}
+    med = {k: statistics.median(r[k] for r in reps) for k in reps[0] if not k.endswith("phases")}
     print(f"{'':<34} {'median':>8}  (range)")
     for key, label, unit in [("plain_s", "plain PyTorch script", "s"), ("dtrain_s", "dtrain run", "s"),
                              ("ratio", "dtrain / plain", "x"), ("first_step_s", "dtrain's first step at", "s"),
                              ("first_step_ratio", "first step / plain's whole run", "x"),
-                             ("after_last_step_s", "last step to exit", "s")]:
+                             ("after_last_step_s", "last step to exit", "s"),
+                             ("spawn_s", "dtrain run, start_method spawn", "s"),
+                             ("spawn_ratio", "spawn / plain", "x")]:
         vals = [r[key] for r in reps]
         print(f"{label:<34} {med[key]:>7.2f}{unit}  ({min(vals):.2f}-{max(vals):.2f})")
-    print("\ndtrain's phases (median seconds each took):")
+    print(f"\ndtrain's phases (median seconds each took): {'forkserver':>10} {'spawn':>7}")
     names = list(reps[0]["phases"])
-    ends = {n: statistics.median(r["phases"].get(n, 0.0) for r in reps) for n in names}
-    last = 0.0
+    ends = {key: {n: statistics.median(r[key].get(n, 0.0) for r in reps) for n in names}
+            for key in ("phases", "spawn_phases")}
+    last = {"phases": 0.0, "spawn_phases": 0.0}
     for n in names:
-        print(f"  {n:<54} {ends[n] - last:>6.2f}")
-        last = ends[n]
+        took = {k: ends[k][n] - last[k] for k in last}
+        print(f"  {n:<54} {took['phases']:>6.2f} {took['spawn_phases']:>7.2f}")
+        last = {k: ends[k][n] for k in last}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"steps": args.steps, "reps": reps, "median": med}, indent=2))
     return 0

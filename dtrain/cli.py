@@ -7,6 +7,7 @@ written); 1 a run that failed; 130 on SIGINT and 143 on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -195,6 +196,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.scheduler is None:  # the embedded cluster's worker parent imports torch beside this process
+        from .deploy.forkserver import warm_for_file
+
+        warm_for_file(args.pipeline, args.overrides)
     from .chief.rundir import check_run_dir, default_run_dir
     from .chief.runner import run
     from .deploy import phases
@@ -310,5 +315,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args)
 
 
+def entry() -> None:
+    """The ``dtrain`` command's process: ``main``, its exit handlers, then an exit that skips the
+    interpreter's teardown of its modules (0.6 s with torch imported, 1.6 s after a run: nothing
+    of the run's is left to do by then; the streams and logs are flushed)."""
+    code = main()
+    atexit._run_exitfuncs()
+    if "dtrain.deploy.forkserver" in sys.modules:  # the embedded cluster's warm parent: no lingering
+        sys.modules["dtrain.deploy.forkserver"].stop()
+    _exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -46,21 +46,26 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
         # DataLoader workers and other children need non-daemonic worker processes.
         "distributed.worker.daemon": False,
         # Embedded worker processes fork from a server with torch and dtrain imported (forkserver.py).
-        forkserver.METHOD_KEY: "forkserver",
+        forkserver.METHOD_KEY: spec.cluster.start_method,
         # Replicas are long tasks on purpose; do not warn every few seconds about them.
         "distributed.admin.tick.limit": "60s",
         "distributed.worker.profile.enabled": False,
         "distributed.scheduler.work-stealing": False,
         "distributed.admin.system-monitor.gil.enabled": False,
-        # Dask sets MALLOC_TRIM_THRESHOLD_=65536 for nanny-spawned workers, which also turns off
-        # glibc's dynamic mmap threshold: every activation and buffer over 128 KB is then mmapped and
-        # unmapped each step (page faults: torch compute measured ~45% slower in such a worker).
-        # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
-        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
-        "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
-        # Embedded workers share the terminal: only their warnings and errors (read at import).
-        "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning",
+        **DASK_ENV,
     }
+
+
+DASK_ENV = {  # the worker processes' environment at their start (the nannies' pre-spawn-environ)
+    # Dask sets MALLOC_TRIM_THRESHOLD_=65536 for nanny-spawned workers, which also turns off
+    # glibc's dynamic mmap threshold: every activation and buffer over 128 KB is then mmapped and
+    # unmapped each step (page faults: torch compute measured ~45% slower in such a worker).
+    # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
+    "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
+    # Embedded workers share the terminal: only their warnings and errors (read at import).
+    "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "warning",
+}
 
 
 def worker_specs(spec: PipelineSpec, processes: bool = True, security: Any = None) -> dict[str, dict[str, Any]]:

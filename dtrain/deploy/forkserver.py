@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,16 +29,20 @@ import dask
 logger = logging.getLogger(__name__)
 
 METHOD_KEY = "distributed.worker.multiprocessing-method"
-# What every worker process imports (the replica's task and the ps actor bring in torch, the model
-# builder, the data plane); the data sources' heavy imports only where the pipeline uses them.
+# What every worker process imports: the replica's task and the ps actor bring in torch, the model
+# builder and the data plane.
 PRELOAD = ("torch", "dtrain.worker.tasks", "dtrain.ps.shard")
 
 
 def preload_for(spec: Any) -> list[str]:
-    mods = list(PRELOAD)
-    if str(getattr(spec.data, "source", "") or "").startswith("sklearn:"):
-        mods.append("sklearn.datasets")
-    return mods
+    return _preload(str(getattr(spec.data, "source", "") or ""))
+
+
+def _preload(source: str) -> list[str]:
+    """The worker modules, and scikit-learn's datasets for its bundled ones (digits is read
+    without it, dtrain.data.sources)."""
+    sklearn = source.startswith("sklearn:") and source != "sklearn:digits"
+    return [*PRELOAD, "sklearn.datasets"] if sklearn else list(PRELOAD)
 
 
 @contextlib.contextmanager
@@ -60,6 +65,35 @@ def warm(spec: Any, config: dict[str, Any]) -> bool:
     forked from it. Idempotent: a server already running (an earlier run in this process) is kept."""
     if config.get(METHOD_KEY) != "forkserver":
         return False
+    return _start(preload_for(spec), config)
+
+
+def warm_for_file(path: str, overrides: list[str]) -> None:
+    """The ``dtrain run`` command's head start: the server begins importing torch while the
+    command itself imports it and validates the pipeline. From the file's text alone (no
+    validation yet): not for a pipeline that names a scheduler or ``start_method: spawn``; the
+    command stops the server as it exits, whatever the run did."""
+    from dtrain.deploy.cluster import DASK_ENV
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError:
+        return  # the run reports it
+    import yaml
+
+    try:
+        doc = yaml.safe_load(text)
+        cluster = (doc.get("cluster") or {}) if isinstance(doc, dict) else {}
+    except yaml.YAMLError:
+        return
+    if not isinstance(cluster, dict) or cluster.get("scheduler") or cluster.get("start_method") == "spawn" or any(
+            o.startswith(("cluster.scheduler=", "cluster.start_method=spawn")) for o in overrides):
+        return
+    data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+    _start(_preload(str(data.get("source", ""))), {**DASK_ENV, METHOD_KEY: "forkserver"})
+
+
+def _start(preload: list[str], config: dict[str, Any]) -> bool:
     try:
         import multiprocessing
         from multiprocessing import forkserver
@@ -73,10 +107,22 @@ def warm(spec: Any, config: dict[str, Any]) -> bool:
         if server._forkserver_pid is None:
             known = list(server._preload_modules or [])
             multiprocessing.get_context("forkserver").set_forkserver_preload(
-                known + [m for m in preload_for(spec) if m not in known])
+                known + [m for m in preload if m not in known])
         with _environ(env):
             forkserver.ensure_running()
         return True
     except Exception as exc:  # no forkserver on this platform: the nannies spawn as Dask's default
         logger.debug("no forkserver for the worker processes: %s", exc)
         return False
+
+
+def stop() -> None:
+    """End the forkserver this process started, now (the ``dtrain`` command, as it exits). It would
+    end by itself once this process has, after its own teardown with torch loaded (about 1 s) while
+    holding the command's output streams."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)  # its default action: no Python teardown

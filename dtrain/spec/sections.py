@@ -144,6 +144,8 @@ class ClusterSpec(Strict):
         "(no limit).")
     nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
     dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
+    start_method: Literal["forkserver", "spawn"] = Field("forkserver", description="Embedded cluster: how worker "
+        "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default).")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
     assign: Literal["auto", "named"] = Field(
         "auto", description="Which Dask worker serves each task. named: the worker named J-i (or listed for the "
