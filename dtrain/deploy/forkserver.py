@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 METHOD_KEY = "distributed.worker.multiprocessing-method"
 # What every worker process imports: the replica's task and the ps actor bring in torch, the model
 # builder and the data plane.
-PRELOAD = ("torch", "dtrain.worker.tasks", "dtrain.ps.shard")
+PRELOAD = ("dtrain.deploy.quiet_signals", "torch", "dtrain.worker.tasks", "dtrain.ps.shard")
 
 
 def preload_for(spec: Any) -> list[str]:
@@ -105,9 +105,9 @@ def _start(preload: list[str], config: dict[str, Any]) -> bool:
             env = {str(k): str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
         server = forkserver._forkserver
         if server._forkserver_pid is None:
-            known = list(server._preload_modules or [])
+            known = list(server._preload_modules or [])  # the signals first: quiet_signals.py
             multiprocessing.get_context("forkserver").set_forkserver_preload(
-                known + [m for m in preload if m not in known])
+                preload[:1] + known + [m for m in preload[1:] if m not in known])
         with _environ(env):
             forkserver.ensure_running()
         return True
@@ -119,10 +119,10 @@ def _start(preload: list[str], config: dict[str, Any]) -> bool:
 def stop() -> None:
     """End the forkserver this process started, now (the ``dtrain`` command, as it exits). It would
     end by itself once this process has, after its own teardown with torch loaded (about 1 s) while
-    holding the command's output streams."""
+    holding the command's output streams. SIGKILL: it ignores SIGTERM (quiet_signals.py)."""
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if pid:
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)  # its default action: no Python teardown
+            os.kill(pid, signal.SIGKILL)

@@ -151,7 +151,11 @@ def wait_step(proc: subprocess.Popen, run_dir: Path, step: int) -> int:
 
 def test_a_run_directory_in_use_is_refused_and_a_second_sigterm_waits_for_the_cleanup(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_async(run_dir)
+    # The cleanup (checkpoint, summary, the cluster's shutdown) takes well under 0.3 s now: a slow
+    # shutdown keeps it going when the second SIGTERM comes.
+    prelude = ("import time\nimport dtrain.deploy.cluster as c\nclose = c.Connection.close\n"
+               "c.Connection.close = lambda self: (time.sleep(1.5), close(self))[1]\n")
+    proc = start_async(run_dir, prelude=prelude)
     seen = wait_step(proc, run_dir, 60)
     # A second run on the same directory: refused at once (exit 2), the first one untouched.
     other = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--run-dir",

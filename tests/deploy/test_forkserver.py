@@ -5,9 +5,13 @@ worker processes."""
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
+import signal
 import sys
+import time
 
+import psutil
 import pytest
 
 import dtrain
@@ -47,5 +51,12 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
             assert "forkserver" in info["parent"]
             assert info["malloc"] == str(MALLOC_TRIM_THRESHOLD)  # the nannies' pre-spawn environment
             assert info["omp"] == "2"  # the worker's own (training.torch_threads)
+        # A SIGTERM to the run's process group reaches the server too: it must outlive it, or the
+        # processes forked from it would read as exited (their status comes through the server).
+        pid = multiprocessing.forkserver._forkserver._forkserver_pid
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert conn.client.run(os.getpid) and len(conn.workers()) == 2
     result = dtrain.run(spec, run_dir=tmp_path / "run")  # and a run on it trains
     assert result.summary["status"] == "completed" and result.summary["global_step"] == 5
