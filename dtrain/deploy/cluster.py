@@ -39,14 +39,13 @@ MALLOC_TRIM_THRESHOLD = 256 << 20
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit
 
 
-def dask_config(spec: PipelineSpec) -> dict[str, Any]:
-    """Dask settings dtrain runs with (see ../shared/dask-notes.md §6)."""
-    return {
+def dask_config(spec: PipelineSpec, embedded: bool = True) -> dict[str, Any]:
+    """Dask settings dtrain runs with (see ../shared/dask-notes.md §6); ``embedded``: for the
+    cluster dtrain starts (a cluster of the user's keeps its own way of starting processes)."""
+    config = {
         "distributed.scheduler.worker-ttl": f"{spec.cluster.worker_ttl_s}s",
         # DataLoader workers and other children need non-daemonic worker processes.
         "distributed.worker.daemon": False,
-        # Embedded worker processes fork from a server with torch and dtrain imported (forkserver.py).
-        forkserver.METHOD_KEY: spec.cluster.start_method,
         # Replicas are long tasks on purpose; do not warn every few seconds about them.
         "distributed.admin.tick.limit": "60s",
         "distributed.worker.profile.enabled": False,
@@ -54,6 +53,9 @@ def dask_config(spec: PipelineSpec) -> dict[str, Any]:
         "distributed.admin.system-monitor.gil.enabled": False,
         **DASK_ENV,
     }
+    if embedded:  # its worker processes fork from a server with torch and dtrain imported (forkserver.py)
+        config[forkserver.METHOD_KEY] = spec.cluster.start_method
+    return config
 
 
 DASK_ENV = {  # the worker processes' environment at their start (the nannies' pre-spawn-environ)
@@ -236,7 +238,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
     """
     address = scheduler or spec.cluster.scheduler
     conn: Connection
-    with dask.config.set(dask_config(spec)):
+    with dask.config.set(dask_config(spec, embedded=client is None and not address)):
         if client is not None:
             conn = Connection(client, adaptive=adaptive.find(client))  # dtrain.adapt(cluster, spec) on it
         elif address:
