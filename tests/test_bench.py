@@ -107,3 +107,19 @@ def test_pipeline_bench_quick_runs_and_writes_json(tmp_path):
         assert r["status"] == "ok" and r["samples_per_sec"] > 0 and r["ratio"] > 0, (name, r)
         assert r["activation_bytes"] == 4 * 256 * 64 // (1 if name == "pipeline_m1" else 4)
         assert r["link_bytes_per_step"] > 0 and r["send_ms_per_message"] > 0
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(330)
+def test_startup_bench_runs_and_writes_json(tmp_path):
+    """benchmarks/startup_bench.py: one repetition of each (plain, dtrain, dtrain with spawn) runs
+    and its phases come from `dtrain run --profile-startup`."""
+    out = tmp_path / "startup.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup_bench.py"), "--reps", "1", "--steps",
+                           "20", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    (rep,) = json.loads(out.read_text())["reps"]
+    assert all(rep[k] > 0 for k in ("plain_s", "dtrain_s", "spawn_s", "first_step_s", "after_last_step_s"))
+    assert rep["first_step_s"] < rep["dtrain_s"]  # from the same process's start
+    for phases in (rep["phases"], rep["spawn_phases"]):
+        assert next(iter(phases)).startswith("python start") and list(phases)[-1] == "cluster shutdown"
