@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -73,23 +74,21 @@ def warm_for_file(path: str, overrides: list[str]) -> None:
     command itself imports it and validates the pipeline. From the file's text alone (no
     validation yet): not for a pipeline that names a scheduler or ``start_method: spawn``; the
     command stops the server as it exits, whatever the run did."""
+    import yaml
+
     from dtrain.deploy.cluster import DASK_ENV
 
     try:
-        text = open(path, encoding="utf-8").read()
-    except OSError:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeError, yaml.YAMLError):
         return  # the run reports it
-    import yaml
-
-    try:
-        doc = yaml.safe_load(text)
-        cluster = (doc.get("cluster") or {}) if isinstance(doc, dict) else {}
-    except yaml.YAMLError:
+    if not isinstance(doc, dict):
         return
-    if not isinstance(cluster, dict) or cluster.get("scheduler") or cluster.get("start_method") == "spawn" or any(
+    cluster = doc.get("cluster") if isinstance(doc.get("cluster"), dict) else {}
+    data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+    if cluster.get("scheduler") or cluster.get("start_method") == "spawn" or any(
             o.startswith(("cluster.scheduler=", "cluster.start_method=spawn")) for o in overrides):
         return
-    data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
     _start(_preload(str(data.get("source", ""))), {**DASK_ENV, METHOD_KEY: "forkserver"})
 
 
