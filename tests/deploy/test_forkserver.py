@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import dtrain
-from dtrain.deploy.cluster import MALLOC_TRIM_THRESHOLD, connect
+from dtrain.deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, connect
 
 pytestmark = pytest.mark.processes
 
@@ -37,7 +37,7 @@ def _inside() -> dict:
     return {"preloaded": sorted(m for m in ("torch", "dtrain.worker.tasks", "dtrain.ps.shard", "sklearn.datasets",
                                             "sklearn.model_selection") if m in sys.modules),
             "parent": " ".join(parent.cmdline()) if parent else "",
-            "malloc": os.environ.get("MALLOC_TRIM_THRESHOLD_"), "omp": os.environ.get("OMP_NUM_THREADS")}
+            "omp": os.environ.get("OMP_NUM_THREADS")}
 
 
 def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
@@ -49,11 +49,15 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
             # (the digits and the split need no scikit-learn: it is not preloaded for them)
             assert info["preloaded"] == ["dtrain.ps.shard", "dtrain.worker.tasks", "torch"]
             assert "forkserver" in info["parent"]
-            assert info["malloc"] == str(MALLOC_TRIM_THRESHOLD)  # the nannies' pre-spawn environment
             assert info["omp"] == "2"  # the worker's own (training.torch_threads)
+        # glibc reads its malloc settings at exec, and the workers are forked from the server: the
+        # server's own environment at its start must hold the nannies' pre-spawn settings.
+        pid = multiprocessing.forkserver._forkserver._forkserver_pid
+        environ = psutil.Process(pid).environ()
+        assert environ.get("MALLOC_TRIM_THRESHOLD_") == str(MALLOC_TRIM_THRESHOLD)
+        assert environ.get("MALLOC_MMAP_THRESHOLD_") == str(MALLOC_MMAP_THRESHOLD)
         # A SIGTERM to the run's process group reaches the server too: it must outlive it, or the
         # processes forked from it would read as exited (their status comes through the server).
-        pid = multiprocessing.forkserver._forkserver._forkserver_pid
         os.kill(pid, signal.SIGTERM)
         time.sleep(0.5)
         assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
