@@ -48,13 +48,13 @@ class Elastic:
         self.most = 0  # the most replicas live at once
         self.events: list[dict[str, Any]] = []
         self._below_since: float | None = None
-        if getattr(session.conn, "adaptive", None) is not None:  # cluster.adaptive: Dask sizes the cluster by it
+        if session.conn.adaptive is not None:  # cluster.adaptive or dtrain.adapt: Dask sizes the cluster by it
             session.conn.adaptive.demand = self.demand
 
     def demand(self) -> int:
         """Replica slots that still have work: all but those whose replica finished (read by
         ``dtrain.deploy.adaptive`` on the cluster's event loop)."""
-        futures = list(getattr(self.session, "replica_futures", ()))
+        futures = list(self.session.replica_futures)
         return self.max - sum(1 for f in futures if f is not None and f.status == "finished")
 
     def live(self) -> list[int]:

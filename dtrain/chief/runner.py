@@ -108,8 +108,12 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
             phases.mark("cluster shutdown")
 
 
-def _first_step(progress: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
-    """``progress``, marking the first step the chief sees (``phases``: the replicas' start-up)."""
+def _first_step(progress: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None] | None:
+    """``progress``, marking the first step the chief sees when ``phases`` are timed (the
+    replicas' start-up); as it was otherwise."""
+    if not phases.timing():
+        return progress
+
     def update(info: dict[str, Any]) -> None:
         if info.get("step"):
             phases.mark_once("first step (the replicas' imports, data, first pull)")

@@ -34,10 +34,9 @@ def start(t0: float | None = None) -> None:
     _marks.clear()
 
 
-def stop() -> None:
-    global _t0
-    _t0 = None
-    _marks.clear()
+def timing() -> bool:
+    """Whether ``start`` turned the marks on."""
+    return _t0 is not None
 
 
 def mark(name: str) -> None:
