@@ -29,7 +29,7 @@ from typing import Any
 
 from distributed.deploy.adaptive import Adaptive
 
-from dtrain.spec.elastic import adaptive_bounds
+from dtrain.spec.elastic import adaptive_bounds, bounds_problem, elastic_of
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)
@@ -58,16 +58,14 @@ def adapt(cluster: Any, spec: PipelineSpec, minimum: int | None = None, maximum:
     dask-jobqueue's) for ``spec``'s elastic replicas: the ps workers plus between ``minimum`` and
     ``maximum`` replica workers (default: the replicas' job's ``{min, max}``), one per replica slot
     with work. Call it before ``dtrain.run(spec, client=...)`` on a client of ``cluster``."""
-    from dtrain.spec.elastic import elastic_of
-
     bounds = elastic_of(spec)
     if bounds is None:
         raise ValueError(f"dtrain.adapt: the replicas' job must be elastic: give cluster.jobs."
                          f"{spec.placement.worker_job} as {{min: M, max: N}}")
     lo, hi = minimum or bounds.min, maximum or bounds.max
-    if not bounds.min <= lo <= hi <= bounds.max:
-        raise ValueError(f"dtrain.adapt: minimum {lo} and maximum {hi} must lie within cluster.jobs."
-                         f"{spec.placement.worker_job} ({{min: {bounds.min}, max: {bounds.max}}})")
+    problem = bounds_problem(spec, lo, hi)
+    if problem:
+        raise ValueError(f"dtrain.adapt: {problem}")
     fixed = sum(spec.cluster.num_tasks(j) for j in spec.cluster.jobs if j != spec.placement.worker_job)
     logger.info("adaptive scaling: %d to %d replica workers beside %d other(s), every %g s", lo, hi, fixed, interval)
     return cluster.adapt(Adaptive=ReplicaAdaptive, minimum=fixed + lo, maximum=fixed + hi,

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 METHOD_KEY = "distributed.worker.multiprocessing-method"
 # What every worker process imports: the replica's task and the ps actor bring in torch, the model
 # builder and the data plane.
-PRELOAD = ("dtrain.deploy.quiet_signals", "torch", "dtrain.worker.tasks", "dtrain.ps.shard")
+PRELOAD = ("torch", "dtrain.worker.tasks", "dtrain.ps.shard")
+SIGNALS = "dtrain.deploy.quiet_signals"  # imported first of all, before distributed's list
 
 
 def preload_for(spec: Any) -> list[str]:
@@ -104,9 +105,9 @@ def _start(preload: list[str], config: dict[str, Any]) -> bool:
             env = {str(k): str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
         server = forkserver._forkserver
         if server._forkserver_pid is None:
-            known = list(server._preload_modules or [])  # the signals first: quiet_signals.py
+            known = [m for m in server._preload_modules or [] if m != SIGNALS]
             multiprocessing.get_context("forkserver").set_forkserver_preload(
-                preload[:1] + known + [m for m in preload[1:] if m not in known])
+                [SIGNALS, *known, *(m for m in preload if m not in known)])
         with _environ(env):
             forkserver.ensure_running()
         return True

@@ -94,10 +94,19 @@ def _check_adaptive(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]
     if spec.cluster.scheduler is not None:
         problems.append((loc, "scales the embedded cluster, and cluster.scheduler names a cluster of your own: "
                          "remove cluster.adaptive and call that cluster's adapt() (the replicas follow it)"))
-    lo, hi = adaptive_bounds(spec)  # type: ignore[misc]
-    if not elastic.min <= lo <= hi <= elastic.max:
-        problems.append((loc, f"min {lo} and max {hi} must lie within cluster.jobs.{spec.placement.worker_job} "
-                         f"({{min: {elastic.min}, max: {elastic.max}}}) with min <= max"))
+    problem = bounds_problem(spec, *adaptive_bounds(spec))  # type: ignore[misc]
+    if problem:
+        problems.append((loc, problem))
+
+
+def bounds_problem(spec: Any, lo: int, hi: int) -> str | None:
+    """Why ``lo`` to ``hi`` replica workers do not fit the elastic replicas' job, or None."""
+    elastic = elastic_of(spec)
+    assert elastic is not None
+    if elastic.min <= lo <= hi <= elastic.max:
+        return None
+    return (f"min {lo} and max {hi} must lie within cluster.jobs.{spec.placement.worker_job} "
+            f"({{min: {elastic.min}, max: {elastic.max}}}) with min <= max")
 
 
 def check_elastic(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
