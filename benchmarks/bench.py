@@ -8,6 +8,7 @@ Usage (from the repository root; ``make bench`` runs the first line)::
     python benchmarks/bench.py --tiny            # 64-128-10 MLP, 1 rep, a few configs: per-step fixed cost
     python benchmarks/bench.py --scaling         # + scaling curves (model size x ps shards) -> scaling.png
     python benchmarks/bench.py --set training.transport=dask   # extra overrides for every dtrain spec
+    python benchmarks/bench.py --observe         # telemetry's overhead: each config with it on and off
 
 What is measured (see benchmarks/README.md for how to read the output)
 ---------------------------------------------------------------------
@@ -108,6 +109,7 @@ from dtrain_bench.configs import (
     RESULTS,
     SCALING_HIDDEN,
     main_configs,
+    observe_configs,
     optimizer_for,
     param_count,
     progress,
@@ -141,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", default=None, help="comma-separated config names to run (plain is always run)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override for every dtrain spec (as `dtrain run --set`), repeatable")
+    ap.add_argument("--observe", action="store_true",
+                    help="telemetry's overhead: async 1+1, async 1+2, sync 1+2 with observe.telemetry on and off")
     ap.add_argument("--scaling", action="store_true", help="also run the scaling sweep and plot it")
     ap.add_argument("--scaling-only", action="store_true", help="run only the scaling sweep")
     ap.add_argument("--scaling-reps", type=int, default=1)
@@ -178,6 +182,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def print_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Telemetry's cost: per repetition, samples/s with it on over samples/s with it off (the two
+    run back to back); the median and range of (on / off - 1)."""
+    out: dict[str, Any] = {}
+    ok = {(r["config"], r["rep"]): r["samples_per_sec"] for r in runs if r.get("status") == "ok"}
+    print("\ntelemetry overhead (samples/s with observe.telemetry on vs off, same repetition):")
+    for name in sorted({c for c, _ in ok if c.endswith("_notelemetry")}):
+        on_name = name.removesuffix("_notelemetry")
+        costs = sorted(1 - ok[(on_name, rep)] / ok[(name, rep)] for c, rep in ok if c == name and (on_name, rep) in ok)
+        if costs:
+            median = costs[len(costs) // 2]
+            out[on_name] = {"median": median, "min": costs[0], "max": costs[-1], "reps": len(costs)}
+            print(f"  {on_name:<16} {median:+7.1%}  (range {costs[0]:+.1%} .. {costs[-1]:+.1%}, {len(costs)} reps)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -185,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sparse:
         return main_sparse(args, argv)
     model = MODELS["tiny" if args.tiny else "w1"]
-    configs = main_configs(args.tiny)
+    configs = observe_configs() if args.observe else main_configs(args.tiny)
     if args.only:
         wanted = {"plain", *args.only.split(",")}
         unknown = wanted - {c.name for c in configs}
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["results"] = results
             doc["runs"] = runs
             print_main(results, doc, args.tiny)
+            if args.observe:
+                doc["telemetry_overhead"] = print_overhead(runs)
             if any(r["status"] == "failed" for r in results.values()):
                 rc = 1
         if args.scaling or args.scaling_only:

@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "pipelines"
 
 # Every task name any in-process test may ask for.
-SHARED_JOBS = {"ps": 2, "worker": 4, "local": 1}
+SHARED_JOBS = {"ps": 3, "worker": 4, "local": 1}
 
 
 @pytest.fixture(scope="session")
 def inproc_client():
-    """A real Dask scheduler and real workers named ps-0, ps-1, worker-0..2, local-0, in this process."""
+    """A real Dask scheduler and real workers named ps-0..2, worker-0..3, local-0, in this process."""
     workers = {}
     for job, n in SHARED_JOBS.items():
         for i in range(n):

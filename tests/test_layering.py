@@ -59,12 +59,14 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "model": {"model"},
     "data": {"data"},
     "plan": {"plan", "spec", "model", "data"},  # the input plan assigns a sharded dataset's shards
-    "ps": {"ps", "dataplane", "model"},  # the ps initialises its table rows as the model does
+    "ps": {"ps", "dataplane", "model", "observe"},  # observe.meters: the shard's load counters  # the ps initialises its table rows as the model does
     "dataplane": {"dataplane"},
-    "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data"},
+    "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data", "observe"},
+    "observe": {"observe"},  # telemetry: pure meters and diagnosis, the scheduler's plugin and pages
     "graph": {"graph", "spec", "plan", "chief", "deploy"},
     "deploy": {"deploy", "plan", "spec"},
-    "chief": {"chief", "worker", "ps", "dataplane", "plan", "spec", "model", "data", "deploy", "graph"},
+    "chief": {"chief", "worker", "ps", "dataplane", "plan", "spec", "model", "data", "deploy", "graph",
+              "observe"},
 }
 ALL = [(plane, path) for plane in ALLOWED for path in modules(plane)]
 
@@ -97,6 +99,12 @@ def test_torch_math_modules_never_import_dask():
     """The replica's step and the ps's apply are torch only (orchestration lives in tasks/chief)."""
     for rel in ("worker/replica.py", "worker/buckets.py", "graph/ops.py"):
         assert not tops(imported(PKG / rel)) & DASK, rel
+
+
+def test_meters_and_diagnosis_are_pure():
+    """The counters the ps and the replicas update, and the rules that read them: no Dask, no torch."""
+    for rel in ("observe/meters.py", "observe/diagnosis.py"):
+        assert tops(imported(PKG / rel)) <= {"__future__", "dataclasses", "math", "statistics", "time", "typing"}, rel
 
 
 def test_replication_rules_are_pure():

@@ -48,6 +48,19 @@ class Config:
     sets: tuple[str, ...] = ()  # spec overrides of this configuration (before --set's)
 
 
+def telemetry_off(cfg: Config) -> Config:
+    """``cfg`` with ``observe.telemetry: false``: the baseline of the telemetry's overhead."""
+    return Config(f"{cfg.name}_notelemetry", f"{cfg.label}, telemetry off", cfg.kind, workers=cfg.workers,
+                  ps=cfg.ps, mode=cfg.mode, replication=cfg.replication, overlap=cfg.overlap,
+                  placement=cfg.placement, sets=(*cfg.sets, "observe.telemetry=false"))
+
+
+def observe_configs() -> list[Config]:
+    """``--observe``: the plain loop, and each main dtrain configuration with telemetry on and off."""
+    pairs = [c for c in main_configs(False) if c.name in ("async_1ps_1w", "async_1ps_2w", "sync_1ps_2w")]
+    return [main_configs(False)[0], *[x for c in pairs for x in (c, telemetry_off(c))]]
+
+
 def main_configs(tiny: bool) -> list[Config]:
     plain = Config("plain", "plain PyTorch, 1 process", "plain")
     a1 = Config("async_1ps_1w", "dtrain async 1 ps + 1 worker", "dtrain", workers=1, overlap=True)

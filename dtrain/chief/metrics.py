@@ -29,8 +29,13 @@ class JsonlSink:
         self._f.close()
 
 
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 class TensorBoardSink:
-    """Scalars under ``tb/``: loss, learning rate, samples/s, dropped_stale, eval/*."""
+    """Scalars under ``tb/``: loss, learning rate, samples/s, dropped_stale, eval/*, and telemetry
+    grouped per replica (``replica_0/steps_per_s``) and per shard (``shard_1/busy_frac``)."""
 
     def __init__(self, path: Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -41,7 +46,11 @@ class TensorBoardSink:
         for key, value in metrics.items():
             if isinstance(value, dict):
                 for k, v in value.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    if isinstance(v, dict):  # replica_stats/shard_stats: one group per replica and shard
+                        for name, x in v.items():
+                            if _scalar(x):
+                                self._w.add_scalar(f"{key.removesuffix('_stats')}_{k}/{name}", x, step)
+                    elif _scalar(v):
                         self._w.add_scalar(f"{key}/{k}", v, step)
             elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
                     and key not in ("time", "step"):

@@ -5,6 +5,10 @@ records: ``step``, ``eval``) and, when present, ``summary.json``. A resumed run 
 ``metrics.jsonl`` and may log some steps twice (those after the checkpoint it resumed from):
 the later record of a step wins. An unreadable line (a run killed mid-write) is skipped.
 
+When ``summary.json`` has the run's telemetry (``replicas_stats``, ``shards_stats``, ``diagnosis``:
+docs/observability.md), the PNG adds a row of panels and the text the per-replica and per-shard
+tables and the findings (``report_panels``).
+
 Matplotlib is used through its Agg canvas directly (no pyplot, no global backend switch), so
 rendering works headless and does not disturb a caller's own plotting.
 """
@@ -16,6 +20,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from . import report_panels
 
 MAX_ROWS = 20
 
@@ -142,15 +148,10 @@ def _final_line(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any
     return text
 
 
-def plot(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]], summary: dict[str, Any] | None,
-         out: Path) -> Path:
-    """Training loss (and eval loss) vs step, and eval accuracy vs step, to a PNG (written atomically)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    acc = [(s, _number(e.get("accuracy"))) for s, e in evals.items() if _number(e.get("accuracy")) is not None]
-    fig = Figure(figsize=(11, 4.2) if acc else (6.5, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+def _draw_curves(fig: Any, train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]],
+                 acc: list[tuple[int, float | None]]) -> None:
+    """Training loss (and eval loss) vs step, and eval accuracy vs step when there is one, on ``fig``
+    (a Figure or SubFigure)."""
     axes = fig.subplots(1, 2 if acc else 1, squeeze=False)[0]
     ax = axes[0]
     loss = [(s, _number(r.get("loss"))) for s, r in train.items() if _number(r.get("loss")) is not None]
@@ -175,6 +176,34 @@ def plot(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]], sum
         ax2.set_title("eval accuracy")
         ax2.set_ylim(0, 1.02)
         ax2.grid(True, alpha=0.3)
+
+
+def plot(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]], summary: dict[str, Any] | None,
+         out: Path) -> Path:
+    """Training loss (and eval loss) vs step, and eval accuracy vs step, to a PNG (written atomically).
+
+    When ``summary`` has the run's telemetry (``report_panels.panels``), a second row below adds the
+    time per replica, the per-shard load and the staleness histogram; without it the figure is the
+    curves alone, as it always was.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    acc = [(s, _number(e.get("accuracy"))) for s, e in evals.items() if _number(e.get("accuracy")) is not None]
+    width, height = (11, 4.2) if acc else (6.5, 4.2)
+    extra = report_panels.panels(summary)
+    if not extra:
+        fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        _draw_curves(fig, train, evals, acc)
+    else:
+        below = report_panels.row_height(summary)
+        fig = Figure(figsize=(max(width, report_panels.PANEL_WIDTH * len(extra)), height + below), dpi=100,
+                     layout="constrained")
+        FigureCanvasAgg(fig)
+        top, bottom = fig.subfigures(2, 1, height_ratios=[height, below])
+        _draw_curves(top, train, evals, acc)
+        report_panels.draw(bottom, summary)
     if summary is not None:
         fig.suptitle(f"{summary.get('name', '')} ({summary.get('status', '?')}, step {summary.get('global_step', '?')})")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +218,8 @@ def plot(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]], sum
 
 
 def render(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
-    """Plot ``run_dir``'s curves to ``out`` (default ``run_dir/report.png``); return it and the table.
+    """Plot ``run_dir``'s curves to ``out`` (default ``run_dir/report.png``); return it and the text:
+    the table, then the per-replica and per-shard tables and the diagnosis when summary.json has them.
 
     Raises ValueError naming the file when ``metrics.jsonl`` is missing or empty.
     """
@@ -198,6 +228,9 @@ def render(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     summary = _read_summary(run_dir)
     png = plot(train, evals, summary, Path(out) if out is not None else run_dir / "report.png")
     text = table(train, evals, summary)
+    telemetry = report_panels.text(summary)
+    if telemetry:
+        text += "\n\n" + telemetry
     if bad:
         text += f"\n({bad} unreadable line(s) in metrics.jsonl skipped)"
     return png, text

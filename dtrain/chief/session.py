@@ -34,7 +34,7 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from . import data_report, elastic, evaluation, signals, stages
+from . import data_report, elastic, evaluation, signals, stages, telemetry
 from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
 from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
@@ -183,8 +183,7 @@ class Session:
         final_eval: dict[str, Any] = {}
         try:
             self._open_sinks()
-            if self.conn.dashboard_link:
-                logger.info("Dask dashboard: %s", self.conn.dashboard_link)
+            telemetry.start(self)  # (and prints the dashboard's address)
             torch.manual_seed(self.spec.training.seed)
             init_model = build_model(self.spec, gathered_tables=True)  # tables: initialised on the ps
             self.init_buffers = self.layout.pack(dict(init_model.named_parameters()))
@@ -241,6 +240,7 @@ class Session:
                     except Exception as exc:  # a hook's failure must not hide the run's own outcome
                         logger.warning("hook %s failed at end: %s", type(h).__name__, exc)
                 summary = self._write_summary(status, error, final_eval, time.time() - t_start)
+                telemetry.close(self)
                 for sink in self.sinks:
                     sink.close()
         return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan,
@@ -368,6 +368,7 @@ class Session:
             for rec in stats["records"]:
                 metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
                 metrics["learning_rate"], metrics["replicas"] = lr, elastic.live_count(self)
+                telemetry.attach(self, metrics, rec["step"])
                 self._log(metrics, rec["step"])
                 self.records.append(rec)
                 latest = metrics
@@ -491,6 +492,7 @@ class Session:
                                      **self.shards.data_plane_counts}
         summary.update(data_report.summary(self))
         summary.update(elastic.summary(self))
+        summary.update(telemetry.summary(self))
         if error:
             summary["error"] = error
         return summary

@@ -81,7 +81,7 @@ class ShardGroup:
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
-            "lease_s": self.lease_s, "tls": self.tls,
+            "lease_s": self.lease_s, "tls": self.tls, "telemetry": self.spec.observe.telemetry,
             # Sparse tables: this ps task's part of each (the ps tasks are the first shards).
             "tables": [table_config(t, index, self.spec.training.seed) for t in self.plan.tables
                        if index < len(t.parts)],
@@ -213,6 +213,20 @@ class ShardGroup:
     def stats(self, timeout: float = 10) -> dict[str, Any]:
         """Shard 0's progress: step, records, errors, local steps (drains its records)."""
         return call(self.handles[0].stats(), timeout=timeout)
+
+    def loads(self, timeout: float = 5) -> dict[int, dict[str, Any]]:
+        """Every shard's telemetry (``ParameterShard.load``), asked of all at once; a shard that
+        does not answer in ``timeout`` is left out (recovery notices a lost ps, not telemetry)."""
+        futures = [h.load() for h in self.handles]
+        out = {}
+        for j, f in enumerate(futures):
+            try:
+                value = call(f, timeout=timeout)
+            except Exception:
+                continue
+            if value is not None:
+                out[j] = value
+        return out
 
     def pull_params(self) -> list[torch.Tensor]:
         return [call(s.get_params(), timeout=transfer_timeout(shard.numel, state_factor=1))[0]

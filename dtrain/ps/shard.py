@@ -19,10 +19,8 @@ Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
 Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
 
-A lease keeps a shard only as long as its chief lives (``renew``): a chief that is killed (or
-whose machine is lost) stops renewing, and after ``lease_s`` the shard stops its replicas (the
-stop flag and an error in every reply) and closes its data plane, so a long-lived worker pool
-does not train on, and hold listeners and memory, for a run nobody watches.
+Its lease, stop and checkpoint-hold calls are the mixin ``dtrain.ps.control.ShardControl``. Its
+load (pushes, busy time, bytes, staleness) is counted in a ``ShardMeter`` (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -35,6 +33,9 @@ from typing import Any
 
 import torch
 
+from dtrain.observe.meters import ShardMeter
+
+from .control import ShardControl
 from .optim import make_optimizer
 from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
 from .rows import TablePart
@@ -47,7 +48,7 @@ class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
 
 
-class ParameterShard(SparseRows):
+class ParameterShard(SparseRows, ShardControl):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -102,6 +103,8 @@ class ParameterShard(SparseRows):
         self.lease_s: float | None = config.get("lease_s")
         self._lease: asyncio.TimerHandle | None = None
         self._expiry: asyncio.Task | None = None
+        # Telemetry (observe.telemetry): pushes, applies, busy seconds, bytes, staleness.
+        self.meter: ShardMeter | None = ShardMeter() if config.get("telemetry", True) else None
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -123,7 +126,11 @@ class ParameterShard(SparseRows):
                 self._ring.append(torch.empty_like(self.param))
             out = self._ring[self._ring_next]
             self._ring_next = (self._ring_next + 1) % self._ring_size
+        t0 = time.perf_counter()
         out.copy_(self.param)
+        if self.meter is not None:
+            self.meter.busy_s += time.perf_counter() - t0
+            self.meter.bytes_out += out.numel() * out.element_size()
         return out
 
     def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
@@ -131,11 +138,15 @@ class ParameterShard(SparseRows):
 
     def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One update: the optimizer step, then the step's bookkeeping (records, stop at the end)."""
+        t0 = time.perf_counter()
         if scale != 1.0:
             grad.mul_(scale)
         self.optimizer.step(self.param, grad)
         for part in self.tables.values():  # every part counts the step, touched or not (as torch's table)
             part.apply(scale)
+        if self.meter is not None:
+            self.meter.applies += 1
+            self.meter.busy_s += time.perf_counter() - t0
         self.last_apply_time = time.time()
         self._after_apply()
 
@@ -212,6 +223,8 @@ class ParameterShard(SparseRows):
         if self.stop or self.error is not None or self._bad_ids(sparse, replica):
             return self._sparse_reply(out, sparse)
         self._observe(replica, loss, samples, local_step)
+        if self.meter is not None:
+            self.meter.push(_nbytes(grad, sparse), self.step - version, loss)
         if self.error is None and not self._bad_grad(grad, replica):
             decision = self.policy.push(version)
             if isinstance(decision, Apply):
@@ -240,6 +253,8 @@ class ParameterShard(SparseRows):
                 cond.notify_all()
                 return self._sparse_reply(out, sparse)
             self._observe(replica, loss, samples, local_step)
+            if self.meter is not None:
+                self.meter.push(_nbytes(grad, sparse))
             if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
                 cond.notify_all()
                 return self._sparse_reply(out, sparse)
@@ -347,69 +362,9 @@ class ParameterShard(SparseRows):
                 "local_steps": dict(self.local_steps), "generation": self.generation,
                 "last_apply_time": self.last_apply_time}
 
-    async def renew(self) -> int:
-        """The chief is alive: the lease runs ``lease_s`` seconds from now (see the module docstring)."""
-        if self._expiry is not None:
-            raise RuntimeError(self.error)
-        if self.lease_s:
-            if self._lease is not None:
-                self._lease.cancel()
-            self._lease = asyncio.get_running_loop().call_later(self.lease_s, self._expire)
-        return self.step
-
-    def _expire(self) -> None:
-        """No renewal for ``lease_s``: the chief is gone. Stop the replicas (they read the stop flag
-        and the error at their next reply; waiting ones are woken) and free the data plane."""
-        self.error = self.error or (f"ps shard {self.index}: no word from the chief for {self.lease_s:g} s "
-                                    f"(its lease): stopped, data plane closed")
-        self.stop = True
-        logger.warning("%s", self.error)
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.close()  # kept in _server: close_data_plane still reports what it served
-        self._expiry = asyncio.get_running_loop().create_task(self._wake())
-
-    async def _wake(self) -> None:
-        """Let every waiter re-check its condition (after stop, hold or release changed)."""
-        if self._cond is not None:
-            async with self._cond:
-                self._cond.notify_all()
-
-    async def stop_at(self, step: int) -> int:
-        """End training at global step ``step`` (a stop_at_step hook), as at ``training.steps``:
-        the update of that step is the last one applied."""
-        self.steps = min(self.steps, int(step))
-        if self.holds_global_step and self.step >= self.steps:
-            self.stop = True
-            await self._wake()
-        return self.step
-
-    async def request_stop(self) -> int:
-        """Ask every replica to stop at its next reply; releases waiting replicas."""
-        self.stop = True
-        await self._wake()
-        return self.step
-
-    async def hold(self, at_step: int | None = None) -> int:
-        """Pause applies from ``at_step`` on (default: now); returns the current step."""
-        self.hold_at = self.step if at_step is None else at_step
-        await self._wake()  # a raised hold step may free pushes that were held
-        return self.step
-
-    async def wait_held(self) -> int:
-        """Return once the shard has reached its hold step (sync: the step the snapshot needs)."""
-        if self.hold_at is not None and self.step < self.hold_at:
-            cond = self._condition()
-            async with cond:
-                await self._wait(cond, lambda: self.hold_at is None or self.step >= self.hold_at or self.stop
-                                 or self.error is not None, f"shard {self.index} waited for step {self.hold_at}")
-        return self.step
-
-    async def release(self) -> int:
-        """End a hold: waiting pushes go on."""
-        self.hold_at = None
-        await self._wake()
-        return self.step
+    async def load(self) -> dict[str, Any] | None:
+        """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
+        return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
 
     async def get_params(self) -> tuple[torch.Tensor, int]:
         return self.param.clone(), self.step
@@ -498,3 +453,9 @@ class ParameterShard(SparseRows):
         server = getattr(self, "_server", None)
         if server is not None:
             server.close()
+
+
+def _nbytes(grad: torch.Tensor, sparse: Sparse | None) -> int:
+    """A push's payload: the dense gradient and any table rows (ids, row gradients, next ids)."""
+    return grad.numel() * grad.element_size() + sum(
+        int(getattr(t, "nbytes", 0)) for block in (sparse or {}).values() for t in block if t is not None)

@@ -21,6 +21,7 @@ from .elastic import check_elastic, elastic_of
 from .errors import CrossFieldErrors
 from .imports import missing_module
 from .layers import TABLE_LAYERS, ModelSpec
+from .observe import ObserveSpec
 from .sections import (
     _ARITY,
     BUILTIN_HOOKS,
@@ -64,6 +65,8 @@ class PipelineSpec(Strict):
     summary: SummarySpec = Field(default_factory=SummarySpec, description="Summaries (metrics.jsonl, tb/).")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation on the test split (always at the end).")
     hooks: list[HookSpec] = Field(default_factory=list, description="Extra hooks.")
+    observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Telemetry and diagnosis: where time, "
+                                 "bytes and staleness go per replica and per ps shard (docs/observability.md).")
     variables: list[VariableSpec] = Field(default_factory=list, description="Graph section: variables.")
     graph: list[OpSpec] = Field(default_factory=list, description="Graph section: operations.")
     fetch: list[str] = Field(default_factory=list, description="Graph section: names whose values are printed.")

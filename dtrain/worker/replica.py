@@ -26,6 +26,7 @@ from dtrain.data.stream import OutOfRange
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.tables import TABLE_TYPES
+from dtrain.observe.meters import Every
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
 from dtrain.worker.buckets import GradBuckets
@@ -121,8 +122,11 @@ class ReplicaStats:
     local_steps: int = 0
     samples: int = 0
     compute_s: float = 0.0
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # on the ps: round trips, barriers, the staleness gate, checkpoint holds
+    data_s: float = 0.0  # for the next batch
     wall_s: float = 0.0
+    bytes_sent: int = 0  # gradient payload pushed
+    bytes_recv: int = 0  # parameter payload pulled
     device: str = "cpu"
     final_step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -231,21 +235,22 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
 
 def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]], *,
                 start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None,
-                read: Reader | None = None) -> ReplicaStats:
+                read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
     or a function that opens them, called once the model is built and the data loaded (socket
     connections then do not sit idle through a slow start). ``owns_replies``: the
     handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
     this replica's rank among the replicas on its machine; with ``training.pin_cpus`` its compute
     thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends). ``read``:
-    how a shard of a sharded dataset is read (default: its file). The replica also ends, before the
+    how a shard of a sharded dataset is read (default: its file). ``report``: given the replica's
+    counters every ``observe.interval_s / 2`` seconds and at its end (telemetry). The replica also ends, before the
     ps says stop, at the end of its data (``data.epochs``: TensorFlow's OutOfRange)."""
     if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
-        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read)
+        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report)
     before = os.sched_getaffinity(0)
     cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
     try:
-        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read)
+        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report)
         stats.extra["cpus"] = cpus
         return stats
     finally:
@@ -253,16 +258,17 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[
 
 
 def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
-                 start_local_step: int, owns_replies: bool, read: Reader | None = None) -> ReplicaStats:
+                 start_local_step: int, owns_replies: bool, read: Reader | None = None,
+                 report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
     try:
-        return _train(rep, spec, plan, index, shards, start_local_step)
+        return _train(rep, spec, plan, index, shards, start_local_step, report)
     finally:
         rep.batches.close()
 
 
 def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
-           start_local_step: int) -> ReplicaStats:
+           start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     stats = ReplicaStats(index, device=str(rep.device))
     if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
         stats.extra["data"] = rep.batches.info()
@@ -282,6 +288,14 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     t = spec.training
     timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
     t_start = time.perf_counter()
+    every = Every(report, spec.observe.interval_s / 2) if report is not None else None
+    step_bytes = sum(g.numel() * g.element_size() for g in rep.grad_bufs[0])  # each way, every step
+
+    def live() -> dict[str, Any]:
+        """The counters so far (the replica's report to the chief: docs/observability.md)."""
+        return {"replica": index, "steps": stats.local_steps, "samples": stats.samples, "compute_s": stats.compute_s,
+                "data_s": stats.data_s, "ps_s": stats.wait_s, "wall_s": time.perf_counter() - t_start,
+                "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv}
 
     def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
         t0 = time.perf_counter()
@@ -327,9 +341,13 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     pending: list[Any] | None = None
     k = start_local_step
     while not stop:
+        t_data = time.perf_counter()
         if rep.peek_inputs() is None:  # OutOfRange: the replica has read its data data.epochs times
             break
         t0 = time.perf_counter()
+        stats.data_s += t0 - t_data
+        if every is not None:
+            every.tick(t0, live)
         grads = rep.grad_bufs[k % 2]
         if buckets is not None:
             buckets.begin(grads)
@@ -338,6 +356,8 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         stats.compute_s += time.perf_counter() - t0
         stats.local_steps += 1
         stats.samples += n
+        stats.bytes_sent += step_bytes
+        stats.bytes_recv += step_bytes
         k = rep.batches.position  # batches taken (a stream's skipped empty batches count)
         if router is not None and (ahead := rep.peek_inputs()) is not None:
             router.plan_next(ahead)
@@ -379,6 +399,8 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     stats.extra["data"] = rep.batches.info()
     stats.final_step = versions[0] if t.mode == "async" else version
     stats.wall_s = time.perf_counter() - t_start
+    if report is not None:
+        report(live())  # the last figures, before the chief collects the replica's result
     if index == 0:
         stats.extra["buffers"] = model_buffers(rep.model)
     return stats

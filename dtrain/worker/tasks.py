@@ -101,6 +101,19 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
             if only is None or s.index in only]
 
 
+REPLICA_TOPIC = "dtrain-replica"  # a replica's counters, for the chief (docs/observability.md)
+
+
+def reporter(spec: Any, attempt: int) -> Any:
+    """A replica's telemetry: its counters as an event on ``REPLICA_TOPIC`` (the worker's batched
+    stream to the scheduler, thread-safe; no round trip), which the chief subscribes to."""
+    if not spec.observe.telemetry:
+        return None
+    worker = get_worker()
+    tag = {"run": spec.name, "attempt": attempt, "worker": str(worker.name)}
+    return lambda counters: worker.log_event(REPLICA_TOPIC, {**tag, **counters})
+
+
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
                  start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
                  local_rank: int | None = None, attempt: int = 0) -> dict[str, Any]:
@@ -122,7 +135,8 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     shards = open_handles if data_plane else shard_handles(refs)
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
-                            owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan))
+                            owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan),
+                            report=reporter(spec, attempt))
     finally:
         for s in opened:
             close = getattr(s, "close", None)

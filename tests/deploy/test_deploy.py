@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from distributed import Client
 
+from tests.helpers.observe import fetch
 from tests.helpers.paths import ROOT
 
 PY = sys.executable
@@ -84,7 +87,9 @@ class ProcessCluster:
     def start_scheduler(self) -> str:
         sched_file = self.workdir / "scheduler.json"
         self.scheduler = self._popen([PY, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
-                                      "--scheduler-file", str(sched_file), "--no-dashboard", *self.tls_flags()],
+                                      "--scheduler-file", str(sched_file), "--no-dashboard",
+                                      # (its HTTP server still serves /metrics: on 127.0.0.1 only)
+                                      "--dashboard-address", "127.0.0.1:0", *self.tls_flags()],
                                      "scheduler.log")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -229,6 +234,14 @@ def test_digits_async_on_scheduler_and_four_dtrain_worker_processes(plain, tmp_p
     assert_trained(run_dir, plain, out)
     assert "completed at step" in out.stdout
     assert plain.worker_names() == {"ps-0", "ps-1", "worker-0", "worker-1"}  # the workers outlive the run
+    # The deployed scheduler took dtrain's plugin: its Prometheus endpoint serves the run's series
+    # (the last report, its totals), per replica and per shard.
+    with Client(plain.address, timeout=30) as c:
+        metrics = fetch(c.dashboard_link.replace("/status", "/metrics"))[1]
+    for i in range(2):
+        assert f'replica="{i}"' in metrics and 'run="digits-async"' in metrics
+        assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{i}"[^}}]*\}} [1-9]', metrics), metrics[-3000:]
+    assert re.search(r'dtrain_replica_steps_total\{[^}]*\} [1-9]', metrics)
 
 
 def _training_threads() -> tuple[list[str], int]:

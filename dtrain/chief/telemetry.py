@@ -1,0 +1,215 @@
+"""The chief's side of a run's telemetry: figures per interval, findings, totals, the scheduler.
+
+Replicas report their counters as events (``dtrain.worker.tasks.reporter``; the chief subscribes
+to the topic), the ps shards answer ``load()`` once per interval (all at once, off the replicas'
+path), and the chief turns both into per-interval figures (rates and shares of the interval's
+wall time) that go into a training record of metrics.jsonl and TensorBoard, into the findings
+of ``dtrain.observe.diagnosis`` (each new one logged once), and to the scheduler as an event
+that dtrain's scheduler plugin serves to Prometheus and the dashboard page. ``totals()`` gives
+summary.json its ``replicas_stats``, ``shards_stats`` and ``diagnosis`` (docs/observability.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from dtrain.observe.diagnosis import diagnose
+from dtrain.observe.scheduler import TOPIC, page_link, register
+from dtrain.worker.tasks import REPLICA_TOPIC
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("steps", "samples", "compute_s", "data_s", "ps_s", "wall_s", "bytes_sent", "bytes_recv")
+
+
+def _share(part: float, whole: float) -> float | None:
+    return min(1.0, max(0.0, part / whole)) if whole > 0 else None
+
+
+def replica_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, Any]:
+    """A replica's figures: its counters, and rates and shares over the span since ``prev``
+    (since its start without one)."""
+    base = prev or {}
+    wall = cur.get("wall_s", 0.0) - base.get("wall_s", 0.0)
+    out = {k: cur[k] for k in COUNTERS if k in cur and k != "wall_s"}
+    if wall > 0:
+        out["steps_per_s"] = (cur.get("steps", 0) - base.get("steps", 0)) / wall
+        for k in ("compute", "data", "ps"):
+            out[f"{k}_frac"] = _share(cur.get(f"{k}_s", 0.0) - base.get(f"{k}_s", 0.0), wall)
+    return out
+
+
+def shard_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, Any]:
+    """A shard's figures: its counters, applies per second and busy share since ``prev``."""
+    base = prev or {}
+    wall = cur.get("wall_s", 0.0) - base.get("wall_s", 0.0)
+    out = {k: cur[k] for k in ("pushes", "applies", "bytes_in", "bytes_out", "dropped", "staleness") if k in cur}
+    if wall > 0 and cur.get("pushes"):
+        out["applies_per_s"] = (cur.get("applies", 0) - base.get("applies", 0)) / wall
+        out["busy_frac"] = _share(cur.get("busy_s", 0.0) - base.get("busy_s", 0.0), wall)
+    return out
+
+
+class Telemetry:
+    """Collects, reports and diagnoses one run's figures (see the module docstring)."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        self.spec = session.spec
+        self.observe = self.spec.observe
+        self.client = session.conn.client
+        self.lock = threading.Lock()
+        self.latest: dict[int, dict[str, Any]] = {}  # replica -> counters (earlier attempts added in)
+        self._attempt: dict[int, tuple[int, str]] = {}
+        self._carried: dict[int, dict[str, float]] = {}
+        self._prev_r: dict[int, dict[str, Any]] = {}
+        self._prev_s: dict[int, dict[str, Any]] = {}
+        self.shards: dict[int, dict[str, Any]] = {}
+        self.findings: list[str] = []
+        self._seen: set[str] = set()
+        self._last = time.monotonic()
+        self.subscribed = False
+        try:
+            self.client.subscribe_topic(REPLICA_TOPIC, self._on_event)
+            self.subscribed = True
+        except Exception as exc:  # an old scheduler: the run goes on without live replica figures
+            logger.warning("telemetry: could not subscribe to the replicas' reports (%s)", exc)
+
+    # ------------------------------------------------------------------ replicas' reports
+    def _on_event(self, event: Any) -> None:
+        msg = event[1] if isinstance(event, tuple) and len(event) == 2 else event
+        if not isinstance(msg, dict) or msg.get("run") != self.spec.name or not isinstance(msg.get("replica"), int):
+            return
+        i = msg["replica"]
+        who = (int(msg.get("attempt", 0)), str(msg.get("worker", "")))
+        with self.lock:
+            if i in self._attempt and self._attempt[i] != who and i in self.latest:
+                # A new attempt (recovery, an elastic rejoin) counts from zero: carry the old one's.
+                self._carried[i] = {k: v for k, v in self.latest[i].items() if k in COUNTERS}
+            self._attempt[i] = who
+            carried = self._carried.get(i, {})
+            self.latest[i] = {k: msg.get(k, 0) + carried.get(k, 0) for k in COUNTERS}
+
+    def _task(self, kind: str, index: int) -> str | None:
+        items = self.session.plan.replicas if kind == "replica" else self.session.plan.shards
+        return items[index].task if index < len(items) else None
+
+    def _variables(self, shard: int) -> list[str]:
+        plan = self.session.plan
+        names = [v.name for v in plan.variables if v.shard == shard]
+        names += [f"{t.name}/part_{p.part}" for t in plan.tables for p in t.parts if p.shard == shard]
+        return names
+
+    # ------------------------------------------------------------------ per interval
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= self.observe.interval_s
+
+    def record(self, step: int, loss: float | None) -> dict[str, Any]:
+        """This interval's figures (``replicas``, ``shards``) for a training record; also checks
+        for new findings and hands the figures to the scheduler."""
+        self._last = time.monotonic()
+        loads = self.session.shards.loads(timeout=5)
+        with self.lock:
+            latest = {i: dict(c) for i, c in self.latest.items()}
+        replicas = {str(i): {"task": self._task("replica", i), **replica_figures(c, self._prev_r.get(i))}
+                    for i, c in sorted(latest.items())}
+        shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, self._prev_s.get(j))}
+                  for j, c in sorted(loads.items())}
+        self._prev_r.update(latest)
+        self._prev_s.update(loads)
+        self.shards.update(loads)
+        for j in shards:
+            shards[j]["variables"] = self._variables(int(j))
+        findings = self._diagnose(replicas, shards)
+        for line in findings:
+            key = line.split(":", 1)[0] + "|" + line.split("(", 1)[0]
+            if key not in self._seen:
+                self._seen.add(key)
+                logger.warning("%s", line)
+        self._publish({"run": self.spec.name, "time": time.time(), "step": step, "steps": self.spec.training.steps,
+                       "loss": loss, "replicas": replicas, "shards": shards, "diagnosis": findings})
+        return {"replicas": replicas, "shards": shards}
+
+    def _diagnose(self, replicas: dict[str, Any], shards: dict[str, Any]) -> list[str]:
+        return diagnose(replicas, shards, self.observe, self.spec.training.mode == "async",
+                        self.session.plan.num_replicas)
+
+    def _publish(self, payload: dict[str, Any]) -> None:
+        try:
+            self.client.log_event(TOPIC, payload)
+        except Exception as exc:  # the scheduler is going away: the run's own records still have it
+            logger.debug("telemetry: could not log to the scheduler: %s", exc)
+
+    # ------------------------------------------------------------------ the whole run
+    def totals(self) -> dict[str, Any]:
+        """summary.json's ``replicas_stats``, ``shards_stats`` and ``diagnosis``: over the run."""
+        try:
+            self.shards.update(self.session.shards.loads(timeout=5))
+        except Exception:  # the ps is gone (a failed run): the last interval's figures stand
+            pass
+        with self.lock:
+            latest = {i: dict(c) for i, c in self.latest.items()}
+        for i, st in enumerate(self.session.replica_stats or []):
+            if isinstance(st, dict) and "local_steps" in st and i not in self._carried:
+                # The replica's own final counters (its result), unless an earlier attempt ran too.
+                latest[i] = {"steps": st["local_steps"], "samples": st.get("samples", 0),
+                             "compute_s": st.get("compute_s", 0.0), "data_s": st.get("data_s", 0.0),
+                             "ps_s": st.get("wait_s", 0.0), "wall_s": st.get("wall_s", 0.0),
+                             "bytes_sent": st.get("bytes_sent", 0), "bytes_recv": st.get("bytes_recv", 0)}
+        replicas = {str(i): {"task": self._task("replica", i), **replica_figures(c, None)}
+                    for i, c in sorted(latest.items())}
+        shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, None),
+                           "variables": self._variables(j)} for j, c in sorted(self.shards.items())}
+        diagnosis = self._diagnose(replicas, shards)
+        self._publish({"run": self.spec.name, "time": time.time(), "step": self.session.global_step,
+                       "steps": self.spec.training.steps, "loss": None, "replicas": replicas, "shards": shards,
+                       "diagnosis": diagnosis})
+        return {"replicas_stats": replicas, "shards_stats": shards, "diagnosis": diagnosis}
+
+    def close(self) -> None:
+        if self.subscribed:
+            try:
+                self.client.unsubscribe_topic(REPLICA_TOPIC)
+            except Exception as exc:
+                logger.debug("telemetry: unsubscribe: %s", exc)
+            self.subscribed = False
+
+
+# ---------------------------------------------------------------------- the session's calls
+def start(session: Any) -> None:
+    """At the run's start: print the dashboard's address and the dtrain page's, and start
+    collecting (between-graph training with ``observe.telemetry``)."""
+    link = session.conn.dashboard_link
+    if link:
+        logger.info("Dask dashboard: %s   dtrain page: %s", link, page_link(link))
+    spec = session.spec
+    if spec.observe.telemetry and not spec.is_graph and spec.training.replication == "between_graph":
+        register(session.conn.client)
+        session.telemetry = Telemetry(session)
+
+
+def attach(session: Any, metrics: dict[str, Any], step: int) -> None:
+    """Add this interval's figures to a training record when one is due."""
+    t = getattr(session, "telemetry", None)
+    if t is not None and t.due():
+        figures = t.record(step, metrics.get("loss"))
+        metrics["replica_stats"], metrics["shard_stats"] = figures["replicas"], figures["shards"]
+
+
+def summary(session: Any) -> dict[str, Any]:
+    """summary.json's telemetry keys (computed once, when the run's replicas are done or it failed)."""
+    t = getattr(session, "telemetry", None)
+    if t is None:
+        return {}
+    if getattr(t, "final", None) is None:
+        t.final = t.totals()
+    return t.final
+
+
+def close(session: Any) -> None:
+    t = getattr(session, "telemetry", None)
+    if t is not None:
+        t.close()

@@ -1,0 +1,104 @@
+"""Telemetry end to end on a real (in-process) cluster: the figures per replica and per shard,
+and the diagnosis naming a slowed replica, a shard holding almost every byte, and a replica
+starved by slow input, while a healthy run yields no finding."""
+
+from __future__ import annotations
+
+import json
+
+import dtrain
+from tests.helpers.paths import PIPELINES
+from tests.helpers.observe import slow_frame
+
+DIGITS = """
+name: {name}
+cluster: {{jobs: {jobs}}}
+model:
+  input_shape: [64]
+  layers: [{{type: linear, out: {hidden}}}, {{type: relu}}, {{type: linear, out: 10}}]
+data: {{source: sklearn:digits, batch_size: 32}}
+optimizer: {{name: sgd, lr: 0.05}}
+training: {{mode: async, steps: {steps}}}
+summary: {{every_steps: 20, tensorboard: false}}
+observe: {{interval_s: 0.2}}
+"""
+
+
+def digits(name: str = "obs", jobs: str = "{ps: 2, worker: 2}", hidden: int = 32, steps: int = 400,
+           extra: str = "") -> dtrain.PipelineSpec:
+    return dtrain.loads(DIGITS.format(name=name, jobs=jobs, hidden=hidden, steps=steps) + extra)
+
+
+def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_client, tmp_path):
+    spec = digits()
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    s = result.summary
+    assert s["status"] == "completed" and s["diagnosis"] == []
+    reps, shards = s["replicas_stats"], s["shards_stats"]
+    assert set(reps) == {"0", "1"} and set(shards) == {"0", "1"}
+    for i, r in reps.items():
+        assert r["task"] == f"/job:worker/task:{i}" and r["steps"] > 0 and r["steps_per_s"] > 0
+        assert 0 < r["compute_frac"] <= 1 and 0 <= r["data_frac"] < 0.2 and 0 < r["ps_frac"] <= 1
+        assert r["compute_frac"] + r["data_frac"] + r["ps_frac"] <= 1.0001
+    # Every push carries its shard's whole gradient: the bytes in are pushes x the shard's bytes.
+    for j, sh in shards.items():
+        shard_bytes = result.plan.shards[int(j)].bytes
+        assert sh["pushes"] > 0 and sh["bytes_in"] == sh["pushes"] * shard_bytes
+        assert sh["applies"] + sh["dropped"] == sh["pushes"] and 0 < sh["busy_frac"] < 1
+        names = {v.name for v in result.plan.variables if v.shard == int(j)}
+        assert set(sh["variables"]) == names
+    # The replicas' steps are the pushes shard 0 saw (async: one push per local step), but for
+    # at most one step per replica that met the stop (its push is answered, not counted).
+    assert 0 <= sum(r["steps"] for r in reps.values()) - shards["0"]["pushes"] <= len(reps)
+    st = shards["0"]["staleness"]
+    assert sum(st["counts"]) == shards["0"]["pushes"] and len(st["counts"]) == len(st["le"]) + 1
+    # Per-interval figures in metrics.jsonl training records.
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    live = [x for x in lines if "replica_stats" in x]
+    assert live and all("loss" in x and set(x["shard_stats"]) == {"0", "1"} for x in live)
+
+
+def test_a_slowed_replica_is_named_the_straggler(inproc_client, tmp_path):
+    spec = dtrain.loads("""
+name: straggler
+cluster: {jobs: {ps: 1, worker: 3}}
+model: {module: "tests.helpers.slowmodels:SlowMLP", kwargs: {delay_s: 0.03, fast_delay_s: 0.002}}
+data: {source: sklearn:digits, batch_size: 32}
+optimizer: {name: sgd, lr: 0.05}
+training: {mode: async, steps: 500}
+summary: {every_steps: 50, tensorboard: false}
+observe: {interval_s: 0.2}
+""")
+    s = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run").summary
+    found = [f for f in s["diagnosis"] if f.startswith("straggler")]
+    assert len(found) == 1 and "replica 2 (/job:worker/task:2)" in found[0], s["diagnosis"]
+    assert s["replicas_stats"]["2"]["steps_per_s"] < 0.5 * s["replicas_stats"]["0"]["steps_per_s"]
+
+
+def test_a_shard_holding_almost_every_byte_is_named_hot(inproc_client, tmp_path):
+    # pipelines/digits_observe.yaml: 3 ps tasks, round robin; 0.weight (64 x 256) lands on the
+    # first with 2.bias, and the other two get 0.bias and 2.weight.
+    spec = dtrain.load(PIPELINES / "digits_observe.yaml", overrides=["training.steps=200", "summary.tensorboard=false"])
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    found = [f for f in result.summary["diagnosis"] if f.startswith("hot shard")]
+    assert len(found) == 1 and "shard 0 (/job:ps/task:0)" in found[0], result.summary["diagnosis"]
+    assert "0.weight" in found[0] and "mean bytes" in found[0]
+
+
+def test_slow_input_is_named_input_bound(inproc_client, tmp_path):
+    spec = dtrain.loads("""
+name: slow-input
+cluster: {jobs: {ps: 1, worker: 1}}
+model: {input_shape: [4], layers: [{type: linear, out: 8}, {type: relu}, {type: linear, out: 2}],
+        loss: cross_entropy}
+data: {batch_size: 16, test_fraction: 0.2}
+optimizer: {name: sgd, lr: 0.1}
+training: {mode: async, steps: 60}
+summary: {every_steps: 10, tensorboard: false}
+observe: {interval_s: 0.2}
+""")
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run", data=slow_frame(parts=8))
+    s = result.summary
+    found = [f for f in s["diagnosis"] if f.startswith("input-bound")]
+    assert len(found) == 1 and "replica 0" in found[0], s["diagnosis"]
+    assert s["replicas_stats"]["0"]["data_frac"] > 0.5

@@ -1,0 +1,50 @@
+"""The scheduler's endpoints during a real run on the embedded cluster: its Prometheus
+``/metrics`` carries dtrain's series for every replica and shard, and the dashboard's ``/dtrain``
+page answers with its plots. A hook in the run (tests.helpers.observe.ScrapeHook) scrapes them
+over HTTP while the replicas train."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import dtrain
+
+
+def test_metrics_and_dashboard_page_during_a_run(tmp_path):
+    scrapes = tmp_path / "scrapes.json"
+    spec = dtrain.loads(f"""
+name: live
+cluster: {{jobs: {{ps: 2, worker: 2}}}}
+model: {{module: "tests.helpers.slowmodels:SlowMLP", kwargs: {{delay_s: 0.004, slow_worker: none,
+        fast_delay_s: 0.004}}}}
+data: {{source: sklearn:digits, batch_size: 32}}
+optimizer: {{name: sgd, lr: 0.05}}
+training: {{mode: async, steps: 1200}}
+summary: {{every_steps: 20, tensorboard: false}}
+observe: {{interval_s: 0.2}}
+hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!r}}}}}]
+""")
+    result = dtrain.run(spec, run_dir=tmp_path / "run", processes=False)
+    assert result.summary["status"] == "completed"
+    taken = json.loads(scrapes.read_text())
+    assert taken, "no scrape of /metrics during the run carried dtrain series"
+    # The last scrape during the run: a series per replica and per shard, labelled by job and task.
+    text = taken[-1]["metrics"]
+    for i in range(2):
+        assert re.search(rf'dtrain_replica_steps_total\{{[^}}]*job="worker"[^}}]*replica="{i}"[^}}]*\}} [1-9]', text) \
+            or re.search(rf'dtrain_replica_steps_total\{{[^}}]*replica="{i}"[^}}]*job="worker"[^}}]*\}} [1-9]', text), text
+        assert re.search(rf'dtrain_replica_seconds_total\{{[^}}]*phase="compute"[^}}]*replica="{i}"', text) or \
+            re.search(rf'dtrain_replica_seconds_total\{{[^}}]*replica="{i}"[^}}]*phase="compute"', text)
+    for j in range(2):
+        assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{j}"[^}}]*\}} [1-9]', text), text
+        assert re.search(rf'dtrain_shard_busy_ratio\{{[^}}]*shard="{j}"', text)
+    assert re.search(r'dtrain_global_step\{run="live"\} [1-9]', text)
+    # Distributed's own series are still there: dtrain's are added to the same endpoint.
+    assert "dask_scheduler_workers" in text
+    # The dashboard page answered during the run, with its plots.
+    page = taken[-1]["page"]
+    assert taken[-1]["page_status"] == 200
+    for title in ("Per-shard load", "Replica time breakdown", "Replica step rate"):
+        assert title in page
+    assert taken[-1]["js_status"] == 200  # the page's Bokeh script, served by the scheduler too
