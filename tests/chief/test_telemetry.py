@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import dtrain
-from tests.helpers.paths import PIPELINES
 from tests.helpers.observe import slow_frame
+from tests.helpers.paths import PIPELINES
 
 DIGITS = """
 name: {name}
