@@ -111,9 +111,9 @@ def test_run_dir_with_checkpoints_needs_resume(inproc_client, run_dir):
 
 def test_missing_task_is_named(inproc_client, run_dir):
     spec = tiny().model_copy(deep=True)
-    spec.cluster.jobs = {"ps": 3, "worker": 2}  # the shared cluster has ps-0 and ps-1 only
+    spec.cluster.jobs = {"ps": 4, "worker": 2}  # the shared cluster has ps-0..2 only
     spec.cluster.wait_s = 1.0
-    with pytest.raises(RunError, match=r"/job:ps/task:2"):
+    with pytest.raises(RunError, match=r"/job:ps/task:3"):
         dtrain.run(spec, client=inproc_client, run_dir=run_dir)
 
 
