@@ -64,7 +64,7 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data", "observe"},
     "observe": {"observe"},  # telemetry: pure meters and diagnosis, the scheduler's plugin and pages
     "graph": {"graph", "spec", "plan", "chief", "deploy"},
-    "deploy": {"deploy", "plan", "spec"},
+    "deploy": {"deploy", "plan", "spec", "observe"},  # registers the telemetry plugin on connecting
     "chief": {"chief", "worker", "ps", "dataplane", "plan", "spec", "model", "data", "deploy", "graph",
               "observe"},
 }

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from dtrain.observe.diagnosis import diagnose
-from dtrain.observe.scheduler import TOPIC, page_link, register
+from dtrain.observe.scheduler import TOPIC, page_link
 from dtrain.worker.tasks import REPLICA_TOPIC
 
 logger = logging.getLogger(__name__)
@@ -181,13 +181,13 @@ class Telemetry:
 # ---------------------------------------------------------------------- the session's calls
 def start(session: Any) -> None:
     """At the run's start: print the dashboard's address and the dtrain page's, and start
-    collecting (between-graph training with ``observe.telemetry``)."""
+    collecting (between-graph training with ``observe.telemetry``; the scheduler's plugin was
+    registered on connecting: ``dtrain.deploy.plugin.register``)."""
     link = session.conn.dashboard_link
     if link:
         logger.info("Dask dashboard: %s   dtrain page: %s", link, page_link(link))
     spec = session.spec
     if spec.observe.telemetry and not spec.is_graph and spec.training.replication == "between_graph":
-        register(session.conn.client)
         session.telemetry = Telemetry(session)
 
 

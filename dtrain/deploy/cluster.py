@@ -25,6 +25,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.security import Security
 
 from dtrain.deploy import adaptive, forkserver, phases, plugin
+from dtrain.observe.scheduler import TelemetryPlugin
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
@@ -295,6 +296,8 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
         try:
             if wait:
                 plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)
+                if spec.observe.telemetry:  # dtrain_* series on /metrics, the dashboard's /dtrain page
+                    plugin.register(conn.client, TelemetryPlugin(), "no dtrain_* series on its /metrics, no /dtrain page")
                 wait_for_tasks(conn, spec, spec.cluster.wait_s)
                 phases.mark("connected: a worker for every task")
             yield conn

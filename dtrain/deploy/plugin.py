@@ -8,7 +8,8 @@ running one of dtrain's tasks (a replica, a pipeline stage), is never a candidat
 still go, and a replica's worker that leaves anyway (preemption, a manual scale-down) is an
 elastic leave (docs/elastic.md).
 
-The chief registers it on connecting; the scheduler unpickles it, so dtrain must be importable
+The chief registers it on connecting (``register``, which also registers dtrain's telemetry plugin,
+``dtrain.observe.scheduler.TelemetryPlugin``, with ``observe.telemetry``); the scheduler unpickles it, so dtrain must be importable
 there (the same environment as the workers). Where it is not, the run goes on and says so.
 """
 
@@ -34,13 +35,15 @@ class KeepRunTasks(SchedulerPlugin):
                 if not ws.actors and not any(str(ts.key).startswith(TASK_PREFIX) for ts in ws.processing)]
 
 
-def register(client: Any) -> bool:
-    """Register ``KeepRunTasks`` on the client's scheduler; say whether it took."""
+def register(client: Any, plugin: SchedulerPlugin | None = None,
+             without: str = "an adaptive cluster may retire a ps worker (a recovery from checkpoint)") -> bool:
+    """Register ``plugin`` (default ``KeepRunTasks``) on the client's scheduler; say whether it
+    took. ``without``: what the run lacks where it did not (logged with the fix)."""
+    plugin = plugin if plugin is not None else KeepRunTasks()
     try:
-        client.register_plugin(KeepRunTasks())
+        client.register_plugin(plugin)
         return True
     except Exception as exc:  # dtrain not importable on a remote scheduler, or an old one
-        logger.warning("the scheduler did not take dtrain's scaling guard (%s: %s): an adaptive cluster may "
-                       "retire a ps worker (a recovery from checkpoint); install dtrain where the scheduler runs",
-                       type(exc).__name__, exc)
+        logger.warning("the scheduler did not take dtrain's %s (%s: %s): %s; install dtrain where the scheduler runs",
+                       plugin.name, type(exc).__name__, exc, without)
         return False

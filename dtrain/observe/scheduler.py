@@ -11,8 +11,9 @@ serves them where an operator already looks (docs/observability.md):
   bokeh's own static files under ``/dtrain/static/`` so the page needs no CDN;
 - as JSON on ``/dtrain/data.json``.
 
-The chief registers the plugin on connecting (``register``); the scheduler unpickles it, so dtrain
-must be importable there. Where it is not, the run goes on without the series and the page.
+The chief registers the plugin on connecting (``dtrain.deploy.plugin.register``); the scheduler
+unpickles it, so dtrain must be importable there. Where it is not, the run goes on without the
+series and the page.
 
 ``prometheus_client``'s registry is one per process, so where one process runs several schedulers
 (the tests) every scheduler's ``/metrics`` shows the runs of all of them, as with distributed's
@@ -175,18 +176,6 @@ def _add_routes(scheduler: Any) -> None:
         (r"/dtrain/data\.json", DataHandler, {"scheduler": ref}),
         (STATIC_ROOT + r"(.*)", web.StaticFileHandler, {"path": str(settings.bokehjs_path())}),
     ])
-
-
-def register(client: Any) -> bool:
-    """Register ``TelemetryPlugin`` on the client's scheduler; say whether it took."""
-    try:
-        client.register_plugin(TelemetryPlugin())
-        return True
-    except Exception as exc:  # dtrain not importable on a remote scheduler, or an old one
-        logger.warning("the scheduler did not take dtrain's telemetry plugin (%s: %s): no dtrain_* series on "
-                       "its /metrics and no /dtrain page; install dtrain where the scheduler runs",
-                       type(exc).__name__, exc)
-        return False
 
 
 def page_link(dashboard_link: str | None) -> str | None:

@@ -18,13 +18,18 @@ import pytest
 from distributed import Client, LocalCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from dtrain.deploy.plugin import register as register_plugin
 from dtrain.observe.dashboard import EMPTY, render_page, staleness_bars
 from dtrain.observe.prometheus import families, parse_task
-from dtrain.observe.scheduler import TOPIC, _register_collector, page_link, register
+from dtrain.observe.scheduler import TOPIC, TelemetryPlugin, _register_collector, page_link
 
 TITLES = ("Per-shard load", "Per-shard bytes", "Replica time breakdown", "Replica step rate", "Staleness")
 LE = [0, 1, 2, 4, 8, 16, 32]
 COUNTS = [5, 100, 50, 20, 5, 0, 0, 3]  # the last bucket: above 32
+
+
+def register(client) -> bool:
+    return register_plugin(client, TelemetryPlugin(), "no dtrain_* series")
 
 
 def payload(run: str, step: int = 1200) -> dict:
@@ -266,6 +271,6 @@ def test_malformed_payloads_leave_the_endpoints_answering(dask_client):
 def test_register_says_when_the_scheduler_refuses(dask_client, caplog):
     client = Client(dask_client.scheduler.address, set_as_default=False)
     client.close()
-    with caplog.at_level(logging.WARNING, logger="dtrain.observe.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dtrain.deploy.plugin"):
         assert register(client) is False
     assert "install dtrain where the scheduler runs" in caplog.text
