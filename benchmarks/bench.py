@@ -115,6 +115,7 @@ from dtrain_bench.configs import (
     progress,
 )
 from dtrain_bench.machine import loadavg, machine_info
+from dtrain_bench.overhead import pair_order, print_overhead, print_ps_cost
 from dtrain_bench.report import print_main, summarize
 from dtrain_bench.runner import Runner
 from dtrain_bench.scaling import plot_scaling, print_scaling, run_scaling
@@ -182,22 +183,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Telemetry's cost: per repetition, samples/s with it on over samples/s with it off (the two
-    run back to back); the median and range of (on / off - 1)."""
-    out: dict[str, Any] = {}
-    ok = {(r["config"], r["rep"]): r["samples_per_sec"] for r in runs if r.get("status") == "ok"}
-    print("\ntelemetry overhead (samples/s with observe.telemetry on vs off, same repetition):")
-    for name in sorted({c for c, _ in ok if c.endswith("_notelemetry")}):
-        on_name = name.removesuffix("_notelemetry")
-        costs = sorted(1 - ok[(on_name, rep)] / ok[(name, rep)] for c, rep in ok if c == name and (on_name, rep) in ok)
-        if costs:
-            median = costs[len(costs) // 2]
-            out[on_name] = {"median": median, "min": costs[0], "max": costs[-1], "reps": len(costs)}
-            print(f"  {on_name:<16} {median:+7.1%}  (range {costs[0]:+.1%} .. {costs[-1]:+.1%}, {len(costs)} reps)")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -234,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.scaling_only:
             runs: list[dict[str, Any]] = []
             for rep in range(args.reps):
-                for cfg in configs:
+                for cfg in pair_order(configs, rep, args.observe):
                     t0 = time.time()
                     res = runner.measure(cfg, model, rep, args.warmup, args.steps, args.every)
                     res.update(config=cfg.name, rep=rep, elapsed_s=round(time.time() - t0, 1))
@@ -255,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             print_main(results, doc, args.tiny)
             if args.observe:
                 doc["telemetry_overhead"] = print_overhead(runs)
+                doc["telemetry_ps_cost"] = print_ps_cost(model)
             if any(r["status"] == "failed" for r in results.values()):
                 rc = 1
         if args.scaling or args.scaling_only:

@@ -123,3 +123,35 @@ def test_startup_bench_runs_and_writes_json(tmp_path):
     assert rep["first_step_s"] < rep["dtrain_s"]  # from the same process's start
     for phases in (rep["phases"], rep["spawn_phases"]):
         assert next(iter(phases)).startswith("python start") and list(phases)[-1] == "cluster shutdown"
+
+
+def test_observe_pairs_swap_order_every_other_rep_and_the_overhead_is_paired_by_rep(capsys):
+    """``--observe``: telemetry on and off run back to back, in alternating order; its overhead
+    compares the two of the same repetition (no figure asserted: the arithmetic on given ones)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from dtrain_bench import overhead as bench
+        from dtrain_bench.configs import observe_configs
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+    configs = observe_configs()
+    names = [c.name for c in configs]
+    assert names == ["plain", "async_1ps_1w", "async_1ps_1w_notelemetry", "async_1ps_2w",
+                     "async_1ps_2w_notelemetry", "sync_1ps_2w", "sync_1ps_2w_notelemetry"]
+    assert all("observe.telemetry=false" in c.sets for c in configs if c.name.endswith("_notelemetry"))
+    assert [c.name for c in bench.pair_order(configs, 0, True)] == names
+    assert [c.name for c in bench.pair_order(configs, 1, True)] == [
+        "plain", "async_1ps_1w_notelemetry", "async_1ps_1w", "async_1ps_2w_notelemetry", "async_1ps_2w",
+        "sync_1ps_2w_notelemetry", "sync_1ps_2w"]
+    assert [c.name for c in bench.pair_order(configs, 1, False)] == names
+    runs = [{"config": "async_1ps_1w", "rep": 0, "status": "ok", "samples_per_sec": 90.0},
+            {"config": "async_1ps_1w_notelemetry", "rep": 0, "status": "ok", "samples_per_sec": 100.0},
+            {"config": "async_1ps_1w", "rep": 1, "status": "ok", "samples_per_sec": 100.0},
+            {"config": "async_1ps_1w_notelemetry", "rep": 1, "status": "ok", "samples_per_sec": 50.0},
+            {"config": "async_1ps_1w", "rep": 2, "status": "failed"},
+            {"config": "async_1ps_1w_notelemetry", "rep": 2, "status": "ok", "samples_per_sec": 10.0}]
+    out = bench.print_overhead(runs)
+    assert out["async_1ps_1w"]["reps"] == 2 and abs(out["async_1ps_1w"]["median"] - (-0.45)) < 1e-9
+    assert abs(out["async_1ps_1w"]["min"] - (-1.0)) < 1e-9 and abs(out["async_1ps_1w"]["max"] - 0.1) < 1e-9
+    assert "async_1ps_1w" in capsys.readouterr().out

@@ -8,6 +8,7 @@ interval (``dtrain.chief.telemetry``); the keys are documented in docs/observabi
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -21,6 +22,9 @@ def staleness_bucket(staleness: int) -> int:
         if staleness <= le:
             return i
     return len(STALENESS_LE)
+
+
+_BUCKET = [staleness_bucket(s) for s in range(STALENESS_LE[-1] + 1)]  # a lookup per push, not a loop
 
 
 class Every:
@@ -48,7 +52,8 @@ class ShardMeter:
     snapshot copy), not the time a push waits at a barrier or gate. The staleness histogram
     also sums the losses the replicas reported per bucket: what staleness costs the loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, dense_bytes: int = 0) -> None:
+        self.dense_bytes = dense_bytes  # the shard's gradient and parameters (float32), per push and reply
         self.pushes = self.applies = 0
         self.busy_s = 0.0
         self.bytes_in = self.bytes_out = 0
@@ -59,18 +64,22 @@ class ShardMeter:
         self.stale_sum = self.stale_max = 0
         self.t0 = time.perf_counter()
 
-    def push(self, nbytes: int, staleness: int | None = None, loss: float | None = None) -> None:
+    def push(self, extra_bytes: int = 0, staleness: int | None = None, loss: float | None = None) -> None:
+        """A push of the dense gradient and ``extra_bytes`` of table rows; async: its staleness and
+        the loss its replica reported (shard 0)."""
         if not self.pushes:
             self.t0 = time.perf_counter()  # the shard's wall time counts from its first push
         self.pushes += 1
-        self.bytes_in += nbytes
+        self.bytes_in += self.dense_bytes + extra_bytes
         if staleness is not None:
-            staleness = max(0, staleness)
-            b = staleness_bucket(staleness)
+            if staleness < 0:
+                staleness = 0
+            b = _BUCKET[staleness] if staleness < len(_BUCKET) else len(STALENESS_LE)
             self.counts[b] += 1
             self.stale_sum += staleness
-            self.stale_max = max(self.stale_max, staleness)
-            if loss is not None and loss == loss and abs(loss) != float("inf"):
+            if staleness > self.stale_max:
+                self.stale_max = staleness
+            if loss is not None and math.isfinite(loss):
                 self.loss_sum[b] += loss
                 self.loss_n[b] += 1
 

@@ -104,7 +104,7 @@ class ParameterShard(SparseRows, ShardControl):
         self._lease: asyncio.TimerHandle | None = None
         self._expiry: asyncio.Task | None = None
         # Telemetry (observe.telemetry): pushes, applies, busy seconds, bytes, staleness.
-        self.meter: ShardMeter | None = ShardMeter() if config.get("telemetry", True) else None
+        self.meter: ShardMeter | None = ShardMeter(self.param.numel() * 4) if config.get("telemetry", True) else None
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -130,7 +130,7 @@ class ParameterShard(SparseRows, ShardControl):
         out.copy_(self.param)
         if self.meter is not None:
             self.meter.busy_s += time.perf_counter() - t0
-            self.meter.bytes_out += out.numel() * out.element_size()
+            self.meter.bytes_out += self.meter.dense_bytes
         return out
 
     def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
@@ -224,7 +224,7 @@ class ParameterShard(SparseRows, ShardControl):
             return self._sparse_reply(out, sparse)
         self._observe(replica, loss, samples, local_step)
         if self.meter is not None:
-            self.meter.push(_nbytes(grad, sparse), self.step - version, loss)
+            self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
         if self.error is None and not self._bad_grad(grad, replica):
             decision = self.policy.push(version)
             if isinstance(decision, Apply):
@@ -254,7 +254,7 @@ class ParameterShard(SparseRows, ShardControl):
                 return self._sparse_reply(out, sparse)
             self._observe(replica, loss, samples, local_step)
             if self.meter is not None:
-                self.meter.push(_nbytes(grad, sparse))
+                self.meter.push(_rows_bytes(sparse) if sparse else 0)
             if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
                 cond.notify_all()
                 return self._sparse_reply(out, sparse)
@@ -455,7 +455,6 @@ class ParameterShard(SparseRows, ShardControl):
             server.close()
 
 
-def _nbytes(grad: torch.Tensor, sparse: Sparse | None) -> int:
-    """A push's payload: the dense gradient and any table rows (ids, row gradients, next ids)."""
-    return grad.numel() * grad.element_size() + sum(
-        int(getattr(t, "nbytes", 0)) for block in (sparse or {}).values() for t in block if t is not None)
+def _rows_bytes(sparse: Sparse) -> int:
+    """A push's table rows: ids, row gradients, next ids (the dense gradient is the shard's size)."""
+    return sum(int(getattr(t, "nbytes", 0)) for block in sparse.values() for t in block if t is not None)

@@ -13,14 +13,16 @@ def test_staleness_buckets_match_their_upper_bounds():
 
 
 def test_shard_meter_counts_pushes_bytes_staleness_and_loss_per_bucket():
-    m = ShardMeter()
+    m = ShardMeter(dense_bytes=400)
+    m.push()
     assert "staleness" not in m.snapshot()  # sync pushes carry none
-    m.push(400, 0, 1.0)
-    m.push(400, 0, 3.0)
-    m.push(400, 40, 5.0)
-    m.push(400, 5, float("nan"))  # a non-finite loss is counted, not averaged
+    m = ShardMeter(dense_bytes=400)
+    m.push(0, 0, 1.0)
+    m.push(0, 0, 3.0)
+    m.push(0, 40, 5.0)
+    m.push(24, 5, float("nan"))  # a non-finite loss is counted, not averaged; 24 bytes of table rows
     snap = m.snapshot()
-    assert snap["pushes"] == 4 and snap["bytes_in"] == 1600
+    assert snap["pushes"] == 4 and snap["bytes_in"] == 1624
     st = snap["staleness"]
     assert st["counts"] == [2, 0, 0, 0, 1, 0, 0, 1] and st["max"] == 40 and st["mean"] == 45 / 4
     assert st["loss"][0] == 2.0 and st["loss"][7] == 5.0 and st["loss"][4] is None
