@@ -52,8 +52,7 @@ class TensorBoardSink:
                                 self._w.add_scalar(f"{key.removesuffix('_stats')}_{k}/{name}", x, step)
                     elif _scalar(v):
                         self._w.add_scalar(f"{key}/{k}", v, step)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                    and key not in ("time", "step"):
+            elif _scalar(value) and key not in ("time", "step"):
                 self._w.add_scalar(key, value, step)
         self._w.flush()
 

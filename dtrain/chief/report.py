@@ -16,20 +16,14 @@ rendering works headless and does not disturb a caller's own plotting.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from . import report_panels
+from .report_panels import _number
 
 MAX_ROWS = 20
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 def read_metrics(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]], int]:

@@ -18,11 +18,12 @@ from typing import Any
 
 from dtrain.observe.diagnosis import diagnose
 from dtrain.observe.scheduler import TOPIC, page_link
+from dtrain.worker import replica as replica_counters
 from dtrain.worker.tasks import REPLICA_TOPIC
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("steps", "samples", "compute_s", "data_s", "ps_s", "wall_s", "bytes_sent", "bytes_recv")
+COUNTERS = tuple(replica_counters.COUNTERS)
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -65,9 +66,8 @@ class Telemetry:
         self.latest: dict[int, dict[str, Any]] = {}  # replica -> counters (earlier attempts added in)
         self._attempt: dict[int, tuple[int, str]] = {}
         self._carried: dict[int, dict[str, float]] = {}
-        self._prev_r: dict[int, dict[str, Any]] = {}
-        self._prev_s: dict[int, dict[str, Any]] = {}
-        self.shards: dict[int, dict[str, Any]] = {}
+        self._prev_r: dict[int, dict[str, Any]] = {}  # each replica's counters at the last record
+        self.shards: dict[int, dict[str, Any]] = {}  # each shard's latest load (the last record's)
         self.findings: list[str] = []
         self._seen: set[str] = set()
         self._last = time.monotonic()
@@ -116,10 +116,9 @@ class Telemetry:
             latest = {i: dict(c) for i, c in self.latest.items()}
         replicas = {str(i): {"task": self._task("replica", i), **replica_figures(c, self._prev_r.get(i))}
                     for i, c in sorted(latest.items())}
-        shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, self._prev_s.get(j))}
+        shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, self.shards.get(j))}
                   for j, c in sorted(loads.items())}
         self._prev_r.update(latest)
-        self._prev_s.update(loads)
         self.shards.update(loads)
         for j in shards:
             shards[j]["variables"] = self._variables(int(j))
@@ -155,10 +154,7 @@ class Telemetry:
         for i, st in enumerate(self.session.replica_stats or []):
             if isinstance(st, dict) and "local_steps" in st and i not in self._carried:
                 # The replica's own final counters (its result), unless an earlier attempt ran too.
-                latest[i] = {"steps": st["local_steps"], "samples": st.get("samples", 0),
-                             "compute_s": st.get("compute_s", 0.0), "data_s": st.get("data_s", 0.0),
-                             "ps_s": st.get("wait_s", 0.0), "wall_s": st.get("wall_s", 0.0),
-                             "bytes_sent": st.get("bytes_sent", 0), "bytes_recv": st.get("bytes_recv", 0)}
+                latest[i] = replica_counters.counters(st)
         replicas = {str(i): {"task": self._task("replica", i), **replica_figures(c, None)}
                     for i, c in sorted(latest.items())}
         shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, None),

@@ -28,6 +28,8 @@ from typing import Any
 from tornado import web
 from tornado.ioloop import IOLoop
 
+from .meters import figure
+
 logger = logging.getLogger(__name__)
 
 STATIC_ROOT = "/dtrain/static/"
@@ -49,9 +51,8 @@ _last: tuple[dict[str, dict], str] | None = None  # the payloads last drawn (hel
 
 
 def _num(value: Any, default: float = math.nan) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return default
-    return float(value)
+    v = figure(value)
+    return default if v is None else v
 
 
 def _seq(value: Any) -> list | None:

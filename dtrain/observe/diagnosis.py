@@ -10,12 +10,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .meters import figure as _num
+
 MIN_STEPS = 5  # fewer local steps than this: too early to judge a replica
 MIN_PUSHES = 5
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _who(kind: str, index: str, item: dict[str, Any]) -> str:

@@ -27,6 +27,14 @@ def staleness_bucket(staleness: int) -> int:
 _BUCKET = [staleness_bucket(s) for s in range(STALENESS_LE[-1] + 1)]  # a lookup per push, not a loop
 
 
+def figure(value: Any) -> float | None:
+    """A figure of a report or payload as a float; None where it is missing or not a number (a
+    bool is not a figure). The diagnosis, the Prometheus series and the page read figures so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 class Every:
     """Hands ``snapshot()`` to ``publish`` at most every ``every_s`` seconds: a replica's report
     (a fire-and-forget event, no round trip), called from its loop once a step."""

@@ -22,6 +22,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from .meters import figure as _num
+
 logger = logging.getLogger(__name__)
 
 RUN = ("run",)
@@ -71,13 +73,6 @@ def parse_task(task: Any) -> tuple[str, str]:
         return "", ""
     job, index = _JOB.search(task), _TASK.search(task)
     return (job[1] if job else ""), (index[1] if index else "")
-
-
-def _num(value: Any) -> float | None:
-    """A figure as a float, or None where it is missing or not a number (a bool is not a figure)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
 
 
 def _histogram(stale: Any) -> tuple[list[tuple[str, float]], float | None] | None:

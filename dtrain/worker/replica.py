@@ -132,6 +132,16 @@ class ReplicaStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# A replica's telemetry counters (docs/observability.md) and the ReplicaStats field of each.
+COUNTERS = {"steps": "local_steps", "samples": "samples", "compute_s": "compute_s", "data_s": "data_s",
+            "ps_s": "wait_s", "wall_s": "wall_s", "bytes_sent": "bytes_sent", "bytes_recv": "bytes_recv"}
+
+
+def counters(stats: dict[str, Any]) -> dict[str, Any]:
+    """The telemetry counters of a replica's stats (``vars(ReplicaStats)`` or the task's result)."""
+    return {k: stats.get(f, 0) for k, f in COUNTERS.items()}
+
+
 class ReplicaModel:
     """The replica's model, data slice, loss and persistent buffers."""
 
@@ -293,9 +303,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
 
     def live() -> dict[str, Any]:
         """The counters so far (the replica's report to the chief: docs/observability.md)."""
-        return {"replica": index, "steps": stats.local_steps, "samples": stats.samples, "compute_s": stats.compute_s,
-                "data_s": stats.data_s, "ps_s": stats.wait_s, "wall_s": time.perf_counter() - t_start,
-                "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv}
+        return {"replica": index, **counters({**vars(stats), "wall_s": time.perf_counter() - t_start})}
 
     def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
         t0 = time.perf_counter()
