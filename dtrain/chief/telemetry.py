@@ -12,6 +12,7 @@ summary.json its ``replicas_stats``, ``shards_stats`` and ``diagnosis`` (docs/ob
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -28,6 +29,12 @@ COUNTERS = tuple(replica_counters.COUNTERS)
 
 def _share(part: float, whole: float) -> float | None:
     return min(1.0, max(0.0, part / whole)) if whole > 0 else None
+
+
+def finding_key(line: str) -> str:
+    """What a finding is about, its figures left out: its kind and the replica or shard it names
+    (logged once each, however its figures move)."""
+    return re.match(r"[^:]*:(?: (?:replica|shard) \S+)?", line).group(0)
 
 
 def replica_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, Any]:
@@ -124,7 +131,7 @@ class Telemetry:
             shards[j]["variables"] = self._variables(int(j))
         findings = self._diagnose(replicas, shards)
         for line in findings:
-            key = line.split(":", 1)[0] + "|" + line.split("(", 1)[0]
+            key = finding_key(line)
             if key not in self._seen:
                 self._seen.add(key)
                 logger.warning("%s", line)

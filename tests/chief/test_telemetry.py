@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import dtrain
+from dtrain.chief.telemetry import finding_key
 from tests.helpers.observe import slow_frame
 from tests.helpers.paths import PIPELINES
 
@@ -102,3 +103,11 @@ observe: {interval_s: 0.2}
     found = [f for f in s["diagnosis"] if f.startswith("input-bound")]
     assert len(found) == 1 and "replica 0" in found[0], s["diagnosis"]
     assert s["replicas_stats"]["0"]["data_frac"] > 0.5
+
+
+def test_a_finding_is_logged_once_however_its_figures_move():
+    assert finding_key("staleness: pushes were 3.1 global steps stale") == finding_key(
+        "staleness: pushes were 9.0 global steps stale")
+    assert finding_key("input-bound: replica 0 waited for data 45%") == "input-bound: replica 0"
+    assert finding_key("input-bound: replica 0 waited for data 45%") != finding_key("input-bound: replica 1 waited")
+    assert finding_key("hot shard: shard 0 (/job:ps/task:0) busy 93%") == "hot shard: shard 0"
