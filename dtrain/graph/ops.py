@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dtrain.spec.sections import GRAPH_OPS
+from dtrain.spec.graph import GRAPH_OPS
 
 
 class OpError(ValueError):

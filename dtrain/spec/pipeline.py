@@ -19,31 +19,25 @@ from pydantic import Field, ValidationInfo, model_validator
 from .device import DeviceSpec
 from .elastic import check_elastic, elastic_of
 from .errors import CrossFieldErrors
+from .graph import _ARITY, OpSpec, VariableSpec
 from .imports import missing_module
 from .layers import TABLE_LAYERS, ModelSpec
 from .observe import ObserveSpec
 from .sections import (
-    _ARITY,
-    BUILTIN_HOOKS,
     MAX_EMBEDDED_TASKS,
     MAX_STEPS,
     NAME,
     STREAM_KEYS,
-    CheckpointSpec,
     ClusterSpec,
     DataSpec,
-    EvalSpec,
-    HookSpec,
-    OpSpec,
     OptimizerSpec,
     PlacementSpec,
     SgdOptimizer,
     Strict,
-    SummarySpec,
     TrainingSpec,
-    VariableSpec,
     did_you_mean,
 )
+from .session import BUILTIN_HOOKS, CheckpointSpec, EvalSpec, HookSpec, SummarySpec
 from .stages import stage_problems, stage_tasks
 
 # ---------------------------------------------------------------------------------------- pipeline

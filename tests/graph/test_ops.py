@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtrain.graph.ops import OPS, apply_op, to_python
-from dtrain.spec.sections import GRAPH_OPS
+from dtrain.spec.graph import GRAPH_OPS
 
 CASES = [
     ("add", [1.0, 2.0], 3.0),

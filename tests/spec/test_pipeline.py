@@ -16,14 +16,8 @@ from dtrain.spec.errors import CrossFieldErrors, Problem, SpecError, dotted
 from dtrain.spec.layers import LAYER_NAMES, Layer, LinearLayer, ModelSpec
 from dtrain.spec.loading import validate
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.spec.sections import (
-    AdamOptimizer,
-    CheckpointSpec,
-    ClusterSpec,
-    HookSpec,
-    SgdOptimizer,
-    worker_device_spec,
-)
+from dtrain.spec.sections import AdamOptimizer, ClusterSpec, SgdOptimizer, worker_device_spec
+from dtrain.spec.session import CheckpointSpec, HookSpec
 
 MLP: dict[str, Any] = {"input_shape": [4], "layers": [{"type": "linear", "out": 8}, {"type": "relu"},
                                                       {"type": "linear", "out": 3}]}

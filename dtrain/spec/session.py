@@ -1,0 +1,74 @@
+"""The session's sections: checkpoint (CheckpointSaverHook), summary, eval and hooks."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from .errors import CrossFieldErrors
+from .sections import MAX_STEPS, WEEK_S, Strict, did_you_mean, quoted
+
+# ------------------------------------------------------------------------ checkpoint/summary/eval
+
+
+class CheckpointSpec(Strict):
+    """CheckpointSaverHook: atomic checkpoints of every shard at one consistent step."""
+
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Save every N global steps.")
+    every_secs: float | None = Field(None, gt=0, le=WEEK_S, description="Save every N seconds (at most a week).")
+    keep: int = Field(3, ge=1, description="Keep the newest N checkpoints.")
+
+    @model_validator(mode="after")
+    def _when(self) -> CheckpointSpec:
+        if self.every_steps is None and self.every_secs is None:
+            self.every_steps = 500
+        return self
+
+
+class SummarySpec(Strict):
+    """SummarySaverHook: metrics.jsonl and TensorBoard events."""
+
+    every_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Write a summary every N global steps.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files under tb/.")
+
+
+class EvalSpec(Strict):
+    """Evaluation on the test split."""
+
+    every_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="Evaluate every N global steps (always at the end).")
+
+
+class HookSpec(Strict):
+    """A hook: logging | nan_guard | step_counter | stop_at_step, or a custom one by import path."""
+
+    type: str = Field(description="logging | nan_guard | step_counter | stop_at_step | 'package.module:HookClass'.")
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="logging/step_counter: every N global steps.")
+    every_secs: float | None = Field(
+        None, gt=0, le=WEEK_S, description="logging/step_counter: every N seconds (at most a week).")
+    num_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="stop_at_step: stop after N more steps.")
+    last_step: int | None = Field(None, ge=1, le=MAX_STEPS, description="stop_at_step: stop at this global step.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Custom hooks: keyword arguments of the class.")
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v not in BUILTIN_HOOKS and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", v):
+            raise ValueError(f"unknown hook {v!r}{did_you_mean(v, BUILTIN_HOOKS)} "
+                             f"(built-in: {quoted(BUILTIN_HOOKS)}; or a custom one as 'package.module:HookClass')")
+        return v
+
+    @model_validator(mode="after")
+    def _known(self) -> HookSpec:
+        if self.type == "stop_at_step" and (self.num_steps is None) == (self.last_step is None):
+            raise CrossFieldErrors([((), "stop_at_step needs exactly one of num_steps or last_step, "
+                                         "e.g. {type: stop_at_step, num_steps: 100}")])
+        if self.type in BUILTIN_HOOKS and self.args:
+            raise CrossFieldErrors([(("args",), f"'args' is for custom hooks; {self.type} takes "
+                                                "every_steps/every_secs/num_steps/last_step")])
+        return self
+
+
+BUILTIN_HOOKS = ("logging", "nan_guard", "step_counter", "stop_at_step")
