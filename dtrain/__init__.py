@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .spec.device import DeviceSpec
-from .spec.errors import RunError, SpecError
+from .spec.errors import Aborted, OutOfRange, RunError, SpecError, TransientError, Unavailable
 from .spec.loading import load, loads
 from .spec.pipeline import PipelineSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeviceSpec", "Hook", "PipelineSpec", "RunError", "SpecError", "__version__", "adapt", "build_model", "compile",
-    "load", "loads", "run",
+    "Aborted", "DeviceSpec", "Hook", "OutOfRange", "PipelineSpec", "RunError", "SpecError", "TransientError",
+    "Unavailable", "__version__", "adapt", "build_model", "compile", "load", "loads", "run",
 ]
 
 _LAZY = {

@@ -60,24 +60,26 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: dict[str, Any],
          pipeline_hash: str, replicas: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-         keep: int = 3) -> Path:
-    """Write ``ckpt-<step>.pt`` and its manifest atomically; keep the newest ``keep``."""
+         keep: int = 3, keep_every_n_hours: float | None = None) -> Path:
+    """Write ``ckpt-<step>.pt`` and its manifest atomically; keep the newest ``keep`` (and, with
+    ``keep_every_n_hours``, one older checkpoint per that many hours: :func:`to_delete`)."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         directory.mkdir(parents=True, exist_ok=True)
         fsync_dir(directory.parent)
+    now = time.time()
     payload = {"format": FORMAT, "step": int(step), "shards": shards, "replicas": replicas or {},
-               "spec": spec_data, "pipeline_hash": pipeline_hash, "time": time.time(), "layout": layout or {}}
+               "spec": spec_data, "pipeline_hash": pipeline_hash, "time": now, "layout": layout or {}}
     buf = io.BytesIO()
     torch.save(payload, buf)
     data = buf.getvalue()
     path = directory / f"ckpt-{step:08d}.pt"
     atomic_write(path, data, sync_dir=False)
     manifest = {"step": int(step), "file": path.name, "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash}
+                "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash, "time": now}
     atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode(), sync_dir=False)
     fsync_dir(directory)
-    _retain(directory, path, keep)
+    _retain(directory, path, keep, keep_every_n_hours)
     return path
 
 
@@ -88,12 +90,43 @@ def _step_of(path: Path) -> int:
     return int(m.group(1))
 
 
-def _retain(directory: Path, current: Path, keep: int) -> None:
-    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints. Newer ones
-    are left alone and not counted (a resume moved the invalid newer ones aside already)."""
+def to_delete(times: list[float], keep: int, keep_every_n_hours: float | None = None) -> list[int]:
+    """Which checkpoints retention deletes (indices into ``times``, the checkpoints' write times,
+    oldest first): all but the newest ``keep``, except, with ``keep_every_n_hours`` (TF's Saver
+    ``keep_checkpoint_every_n_hours``), one per that many hours among the older ones: the oldest,
+    then each written at least that long after the previous one kept.
+
+    Pure and stateless: the same files give the same answer at every save and after a restart
+    (TF's Saver anchors the first period at its own creation time instead, and holds it in memory).
+    """
+    older = range(max(len(times) - max(keep, 1), 0))
+    if not keep_every_n_hours:
+        return list(older)
+    period, kept_at, doomed = keep_every_n_hours * 3600.0, None, []
+    for i in older:
+        if kept_at is None or times[i] >= kept_at + period:
+            kept_at = times[i]
+        else:
+            doomed.append(i)
+    return doomed
+
+
+def _written_at(path: Path) -> float:
+    """A checkpoint's write time: its manifest's ``time`` (the file's mtime for older manifests)."""
+    try:
+        return float(json.loads(path.with_suffix(".json").read_text())["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return path.stat().st_mtime
+
+
+def _retain(directory: Path, current: Path, keep: int, keep_every_n_hours: float | None = None) -> None:
+    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints (plus one per
+    ``keep_every_n_hours``: :func:`to_delete`). Newer ones are left alone and not counted (a resume
+    moved the invalid newer ones aside already)."""
     step = _step_of(current)
     older = [p for p in list_checkpoints(directory.parent) if _step_of(p) <= step]
-    for old in older[:max(len(older) - max(keep, 1), 0)]:
+    times = [_written_at(p) for p in older] if keep_every_n_hours else [0.0] * len(older)
+    for old in (older[i] for i in to_delete(times, keep, keep_every_n_hours)):
         for p in (old, old.with_suffix(".json")):
             p.unlink(missing_ok=True)
     # Temp files of a writer killed mid-save (the run directory's lock makes this run the only

@@ -21,8 +21,8 @@ from . import data_report
 def evaluate_now(session: Any, step: int) -> dict[str, Any]:
     """Periodic evaluation (eval.every_steps): logged to the sinks and kept in the history."""
     tables = bool(session.plan.tables)  # gathered: each evaluation batch pulls only its rows
-    model = assemble(session, build_model(session.spec, gathered_tables=tables), session.shards.pull_params(),
-                           with_tables=False)
+    model = assemble(session, build_model(session.spec, gathered_tables=tables),
+                     session.shards.pull_params(for_eval=True), with_tables=False)
     result = evaluate(session, model)
     if result:
         session._log({"eval": result}, step)

@@ -3,7 +3,10 @@
 The coordinator (the chief) calls them; replicas never do. ``after_step`` is called each time
 the coordinator observes the global step advance (it polls the ps a few times a second, so a
 hook sees every summary record but not necessarily every single step), with a
-:class:`StepContext`. A hook asks for a stop with ``ctx.request_stop(reason)``.
+:class:`StepContext`. A hook asks for a stop with ``ctx.request_stop(reason)``, or, as in
+TensorFlow's MonitoredSession, by raising StopIteration or ``dtrain.OutOfRange`` (a clean stop);
+``dtrain.Aborted`` or ``dtrain.Unavailable`` makes the session recover (``chief/recovery.py``);
+any other exception fails the run.
 
 Custom hooks subclass :class:`Hook` and are named in YAML by import path::
 
@@ -15,24 +18,42 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import format_line
+from dtrain.spec.errors import OutOfRange
+
+from .metrics import check_summary, format_line
 
 logger = logging.getLogger("dtrain")
 
 
 @dataclass
 class StepContext:
-    """What a hook sees: the global step, the newest metrics, and a way to stop the run."""
+    """What a hook sees: the global step, the newest metrics, a way to stop the run, and a way to
+    write its own summaries. ``write`` is the session's metric sinks (None outside a run: the
+    summaries are only collected in ``summaries``)."""
 
     step: int
     metrics: dict[str, Any] = field(default_factory=dict)
     stop_requested: str | None = None
+    summaries: list[tuple[str, float, int]] = field(default_factory=list)
+    write: Callable[[dict[str, Any], int], None] | None = field(default=None, repr=False)
 
     def request_stop(self, reason: str = "requested by a hook") -> None:
         self.stop_requested = self.stop_requested or reason
+
+    def summary(self, tag: str, value: float, step: int | None = None) -> None:
+        """Write a scalar summary (TF's ``tf.summary.scalar``): the record ``{"step": step, "time":
+        ..., tag: value}`` in metrics.jsonl and the scalar ``tag`` in TensorBoard's ``tb/``, at
+        ``step`` (default: this context's global step). ``tag`` is a non-empty string other than
+        dtrain's own metric names; ``value`` a finite number (or a one-element tensor). A bad
+        argument raises ValueError, which fails the run like any error of a hook."""
+        tag, value, step = check_summary(tag, value, self.step if step is None else step)
+        self.summaries.append((tag, value, step))
+        if self.write is not None:
+            self.write({"time": time.time(), tag: value}, step)
 
 
 class Hook:
@@ -73,28 +94,57 @@ class StopAtStepHook(Hook):
 
 
 class LoggingHook(Hook):
-    """Log the aligned metrics line every N steps (or seconds)."""
+    """TF's LoggingTensorHook: log the metrics at the first step observed, then every N steps (or
+    seconds) after the last line, and with ``at_end`` once more at the end. ``tensors`` chooses the
+    metrics (``step 11: loss = 0.1432, learning_rate = 0.1``); the default is the aligned line."""
 
-    def __init__(self, every_steps: int | None = None, every_secs: float | None = None):
+    def __init__(self, every_steps: int | None = None, every_secs: float | None = None, at_end: bool = False,
+                 tensors: list[str] | None = None):
         self.every_steps = every_steps if every_steps or every_secs else 100
         self.every_secs = every_secs
-        self._last_step = 0
-        self._last_time = time.monotonic()
+        self.at_end, self.tensors = at_end, tensors
+        self._last: tuple[int, float] | None = None  # (step, time) of the last line; None: log the next step
+        self._latest: tuple[int, dict[str, Any]] | None = None
+        self._start = 0
 
     def begin(self, session: Any) -> None:
-        # Count intervals from where this run starts (a resumed run starts past step 0).
-        self._last_step, self._last_time = session.start_step, time.monotonic()
+        # The first line at the first step trained (TF: the first run), a resumed run's too.
+        self._last, self._start = None, session.start_step
+
+    def _line(self, step: int, metrics: dict[str, Any]) -> str:
+        if self.tensors is None:
+            return format_line(step, metrics)
+        values = [f"{k} = {_value(metrics.get(k))}" for k in self.tensors]
+        return f"step {step}: " + ", ".join(values)
 
     def after_step(self, ctx: StepContext) -> None:
-        due = (self.every_steps and ctx.step // self.every_steps > self._last_step // self.every_steps) or \
-              (self.every_secs and time.monotonic() - self._last_time >= self.every_secs)
+        if ctx.step <= self._start:  # nothing trained yet (the session's first look at the step)
+            return
+        self._latest = (ctx.step, dict(ctx.metrics))
+        due = self._last is None or bool(
+            (self.every_steps and ctx.step - self._last[0] >= self.every_steps)
+            or (self.every_secs and time.monotonic() - self._last[1] >= self.every_secs))
         if due:
-            logger.info("%s", format_line(ctx.step, ctx.metrics))
-            self._last_step, self._last_time = ctx.step, time.monotonic()
+            logger.info("%s", self._line(ctx.step, ctx.metrics))
+            self._last = (ctx.step, time.monotonic())
+
+    def end(self, session: Any) -> None:
+        if not self.at_end:
+            return
+        step, metrics = self._latest or (session.global_step, {})
+        last = next((r for r in reversed(getattr(session, "records", [])) if r.get("loss") is not None), None)
+        if last is not None and last["step"] >= step:  # the final summary record, after the last poll
+            metrics = {**metrics, **{k: last[k] for k in ("loss", "samples_per_sec", "dropped_stale") if k in last}}
+        logger.info("%s", self._line(max(step, session.global_step), metrics))
+
+
+def _value(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else ("n/a" if v is None else str(v))
 
 
 class StepCounterHook(Hook):
-    """Log global steps per second every N steps (or seconds)."""
+    """TF's StepCounterHook: global steps per second every N steps (or seconds), logged and
+    written as the summary ``global_step/sec`` (metrics.jsonl and TensorBoard)."""
 
     def __init__(self, every_steps: int | None = None, every_secs: float | None = None):
         self.every_steps = every_steps if every_steps or every_secs else 100
@@ -114,13 +164,38 @@ class StepCounterHook(Hook):
             rate = (ctx.step - step0) / max(now - t0, 1e-9)
             self.rates.append(rate)
             logger.info("global_step/sec: %.1f", rate)
+            ctx.summary("global_step/sec", rate)
             self._last = (ctx.step, now)
 
 
 class NanGuardHook(Hook):
-    """A NaN or inf loss (or gradient) stops the run with an error; the ps refuses that update,
-    so the parameters and the last checkpoint stay good. (The ps does the detection: the
-    session turns ``nan_guard`` on for every shard when this hook is listed.)"""
+    """TF's NanTensorHook: a NaN or inf loss (or gradient) stops the run; the ps refuses that
+    update, so the parameters and the last checkpoint stay good. ``mode: fail`` (TF's
+    fail_on_nan_loss=True): the run fails with an error; ``mode: warn``: a warning, and the run
+    stops cleanly (final checkpoint, evaluation and model.pt, summary ``stop_reason``). (The ps
+    does the detection: the session turns ``nan_guard`` on for every shard when this hook is
+    listed.)"""
+
+    def __init__(self, mode: str = "fail"):
+        self.mode = mode
+
+
+def nan_stop(hooks: list[Hook], error: str) -> bool:
+    """Whether the ps's ``error`` is a nan_guard's that a ``mode: warn`` hook turns into a clean stop."""
+    return error.startswith("nan_guard:") and any(isinstance(h, NanGuardHook) and h.mode == "warn" for h in hooks)
+
+
+def call_step_hooks(hooks: list[Hook], ctx: StepContext) -> None:
+    """Every hook's ``before_step``, then every ``after_step``. StopIteration or OutOfRange from a
+    hook is a clean stop (TF's MonitoredSession swallows them and should_stop() is true); any other
+    exception propagates: a transient one to a recovery, the rest to a failed run."""
+    try:
+        for h in hooks:
+            h.before_step(ctx)
+        for h in hooks:
+            h.after_step(ctx)
+    except (StopIteration, OutOfRange) as exc:
+        ctx.request_stop(f"{type(exc).__name__} from a hook" + (f": {exc}" if str(exc) else ""))
 
 
 BUILTIN: dict[str, type[Hook]] = {
@@ -146,8 +221,12 @@ def build_hooks(specs: list[Any]) -> list[Hook]:
             cls = BUILTIN[h.type]
             if cls is StopAtStepHook:
                 hooks.append(StopAtStepHook(h.num_steps, h.last_step))
-            elif cls in (LoggingHook, StepCounterHook):
-                hooks.append(cls(h.every_steps, h.every_secs))
+            elif cls is LoggingHook:
+                hooks.append(LoggingHook(h.every_steps, h.every_secs, at_end=h.at_end, tensors=h.tensors))
+            elif cls is StepCounterHook:
+                hooks.append(StepCounterHook(h.every_steps, h.every_secs))
+            elif cls is NanGuardHook:
+                hooks.append(NanGuardHook(h.mode))
             else:
                 hooks.append(cls())
             continue

@@ -23,6 +23,10 @@ never waits for a client round trip between steps.
 In every step every replica contributes, so a replica's local step equals the global step and its
 batch is its slice of the single-process batch of that step (``ShardIterator``): N replicas of
 batch b give the same updates as one process with batch N*b, and a restore resumes the data order.
+
+That is ``training.mode: sync``. With ``mode: async`` (:func:`new_driver`) the driver is
+:class:`~dtrain.chief.ingraph_async.AsyncInGraphDriver`: one graph per tower step, each tower's
+gradient applied on arrival, towers independent.
 """
 
 from __future__ import annotations
@@ -88,7 +92,9 @@ class InGraphDriver:
         self._finished = False
         self.global_step = 0
         self._stats = [ReplicaStats(r.index) for r in plan.replicas]
-        self._held: dict[int, list[Future]] = {}
+        self._held: dict[Any, list[Future]] = {}
+        self._pending: deque[tuple[int, list[Future], dict[str, str]]] = deque()
+        self._config: list[Future] = []  # (spec, plan), scattered to each replica's worker
         self._aborted = False
         self._lock = threading.Lock()
 
@@ -138,7 +144,7 @@ class InGraphDriver:
         out.update(out["extra"].pop("where", {}))
         return out
 
-    def _key(self, version: int, what: str) -> str:
+    def _key(self, version: int | str, what: str) -> str:
         return f"dtrain-ig-{what}-{version}-{self.token}-{self._nonce}"
 
     def _pin(self, address: str) -> dict[str, Any]:
@@ -205,51 +211,60 @@ class InGraphDriver:
 
     def _run(self) -> None:
         t_start = time.perf_counter()
-        c = self.client
-        config: list[Future] = []
-        pending: deque[tuple[int, list[Future], dict[str, str]]] = deque()
         try:
-            addr0, key0 = self.shard_refs[0]
-            first = c.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
-            self._wait([first], "reading shard 0's step")
-            start, stopped = first.result()
-            self.global_step = start
-            steps = self.spec.training.steps
-            # The spec and plan go to each replica's worker once; every step's gradient task
-            # refers to them by key.
-            for addr in self.replica_addresses:
-                config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
-            previous: list[Future | None] = [None] * len(self.shard_refs)
-            version = start
-            ending = stopped
-            while True:
-                while not ending and not self._stop.is_set() and len(pending) < WINDOW and version < steps:
-                    applies, labels = self._submit_step(version, config, previous)
-                    pending.append((version, applies, labels))
-                    previous = list(applies)
-                    version += 1
-                if not pending:
-                    break
-                v, applies, labels = pending.popleft()
-                self._wait(applies, f"in-graph step {v}", labels, self._held[v])
-                results = [f.result() for f in applies]
-                ending = self._record(v, results) or ending
-                del self._held[v], applies, results
+            self._loop()
         except Exception as exc:
             if not isinstance(exc, _Aborted):
                 self._error = f"in-graph replication: {exc}" if isinstance(exc, _StepError) \
                     else f"in-graph replication: {type(exc).__name__}: {exc}"
                 logger.debug("in-graph driver failed", exc_info=True)
             # Steps still in flight would only recreate the models that _release drops.
-            outstanding = [f for held in self._held.values() for f in held]
-            outstanding += [f for _v, applies, _labels in pending for f in applies]
             with contextlib.suppress(Exception):
-                c.cancel(outstanding, force=True)
+                self.client.cancel(self._outstanding(), force=True)
         finally:
             self._held.clear()
             self._release(t_start)
-            del config
+            self._config = []
             self._finished = True
+
+    def _begin(self) -> tuple[int, bool]:
+        """Read shard 0's (step, stopped) and send the spec and plan to each replica's worker once
+        (every gradient task refers to them by key)."""
+        c = self.client
+        addr0, key0 = self.shard_refs[0]
+        first = c.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
+        self._wait([first], "reading shard 0's step")
+        start, stopped = first.result()
+        self.global_step = start
+        for addr in self.replica_addresses:
+            self._config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
+        return start, stopped
+
+    def _outstanding(self) -> list[Future]:
+        """The futures still in flight (cancelled when the loop fails or is aborted)."""
+        return [f for held in self._held.values() for f in held] + \
+            [f for _v, applies, _labels in self._pending for f in applies]
+
+    def _loop(self) -> None:
+        start, stopped = self._begin()
+        steps = self.spec.training.steps
+        previous: list[Future | None] = [None] * len(self.shard_refs)
+        version = start
+        ending = stopped
+        pending = self._pending
+        while True:
+            while not ending and not self._stop.is_set() and len(pending) < WINDOW and version < steps:
+                applies, labels = self._submit_step(version, self._config, previous)
+                pending.append((version, applies, labels))
+                previous = list(applies)
+                version += 1
+            if not pending:
+                break
+            v, applies, labels = pending.popleft()
+            self._wait(applies, f"in-graph step {v}", labels, self._held[v])
+            results = [f.result() for f in applies]
+            ending = self._record(v, results) or ending
+            del self._held[v], applies, results
 
     def _record(self, version: int, results: list[dict[str, Any]]) -> bool:
         """Book one finished step; True when the loop should end."""
@@ -297,3 +312,16 @@ class InGraphDriver:
                 if "buffers" in info:
                     stats.extra["buffers"] = info["buffers"]
                 stats.extra["where"] = {"worker": info["worker"], "pid": info["pid"]}
+
+
+def new_driver(client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]], tasks: dict[str, str],
+               token: str, local_steps: dict[int, int] | None = None) -> InGraphDriver:
+    """The step driver for ``training.mode``: one graph per global step (sync), or one graph per
+    tower step with towers running independently (async: ``dtrain.chief.ingraph_async``), where
+    ``local_steps`` (replica index -> steps it pushed, from a checkpoint) is where each tower
+    resumes in its data order."""
+    if spec.training.mode == "async":
+        from .ingraph_async import AsyncInGraphDriver
+
+        return AsyncInGraphDriver(client, spec, plan, shard_refs, tasks, token, local_steps)
+    return InGraphDriver(client, spec, plan, shard_refs, tasks, token)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,33 @@ class JsonlSink:
 
 def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# The keys of dtrain's own records (and the eval/ tags): a user summary named like one would be read
+# as (or drawn over) dtrain's own figure.
+RESERVED_TAGS = frozenset({"step", "time", "loss", "samples_per_sec", "dropped_stale", "learning_rate", "replicas",
+                           "samples", "eval", "replica_stats", "shard_stats"})
+
+
+def check_summary(tag: Any, value: Any, step: Any) -> tuple[str, float, int]:
+    """A user summary (``StepContext.summary``) as ``(tag, value, step)``; ValueError naming the
+    bad argument and the fix otherwise. ``value``: a finite real number (a one-element tensor or
+    array is read with ``.item()``)."""
+    if not isinstance(tag, str) or not tag.strip():
+        raise ValueError(f"summary tag must be a non-empty string such as 'my/accuracy', got {tag!r}")
+    if tag in RESERVED_TAGS or tag.startswith("eval/"):
+        raise ValueError(f"summary tag {tag!r} is one of dtrain's own metrics ({', '.join(sorted(RESERVED_TAGS))}, "
+                         "eval/*); choose another name, e.g. 'my/" + tag.replace("eval/", "") + "'")
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:
+            value = value.item()  # a one-element torch tensor or numpy array
+        except (ValueError, RuntimeError):
+            pass
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"summary {tag!r}: the value must be a finite number (int or float), got {value!r}")
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"summary {tag!r}: step must be a global step (an int >= 0) or None, got {step!r}")
+    return tag, float(value), int(step)
 
 
 class TensorBoardSink:

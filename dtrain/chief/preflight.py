@@ -100,12 +100,13 @@ def collection_data(spec: PipelineSpec, client: Any, data: Any) -> Any:
     return data_input
 
 
-def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0) -> int:
+def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0, averages: bool = False) -> int:
     """Bytes a ps task holds for ``param_bytes`` of dense parameters (the parameters, their
-    accumulator and scratch buffer, and the optimizer's state) and ``table_bytes`` of sparse table
+    accumulator and scratch buffer, the optimizer's state, and with ``averages`` their moving
+    averages: training.moving_average) and ``table_bytes`` of sparse table
     rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
     buffers and a step's pushed rows come on top."""
-    state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False)))
+    state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False))) + int(averages)
     from dtrain.ps.rows import ROW_STATE
 
     return param_bytes * (1 + PS_BUFFERS + state) + table_bytes * (1 + ROW_STATE.get(optimizer.name, 0))
@@ -261,7 +262,7 @@ def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
     tables = {s.task: s.table_bytes for s in plan.shards}
     for task, nbytes in plan.ps_bytes.items():
         rows = tables.get(task, 0)
-        need = ps_state_bytes(nbytes - rows, spec.optimizer, rows)
+        need = ps_state_bytes(nbytes - rows, spec.optimizer, rows, averages=spec.training.moving_average is not None)
         if need > limit:
             what = (f"{nbytes} bytes of parameters" if not rows else
                     f"{nbytes} bytes of parameters, {rows} of them sparse table rows")

@@ -9,7 +9,12 @@ scheduler; a replica's worker left), and restarts it:
   (and with bounded staleness) the surviving replicas' barriers get a grace while it restarts,
   and a step it left half-pushed is completed without it (``ShardGroup.excuse``);
 - in-graph replication restarts its step driver and every shard from the newest checkpoint
-  after any loss (the step in flight is lost with the task).
+  after any loss (the step in flight is lost with the task);
+- a **transient error** while every process lives (:func:`is_transient`: TF's Aborted and
+  Unavailable, which hooks may raise too; a ps call that got no answer; a sync barrier that timed
+  out; a refused or closed connection): like TF's recoverable session, everything restarts from
+  the newest checkpoint, or from the initial parameters at step 0 when there is none. Any other
+  error fails the run.
 
 Each recovery is counted against ``training.max_recoveries`` and logged (``recovery_log``).
 """
@@ -24,12 +29,35 @@ from typing import TYPE_CHECKING, Any
 from dtrain.chief import checkpoint as ckpt_io
 from dtrain.chief import stages
 from dtrain.deploy.cluster import wait_for_tasks
-from dtrain.spec.errors import RunError
+from dtrain.spec.errors import RunError, TransientError
 
 if TYPE_CHECKING:  # pragma: no cover
     from dtrain.chief.session import Session
 
 logger = logging.getLogger(__name__)
+
+
+# The socket data plane's errors that say a ps did not answer or its connection broke (the
+# dataplane plane imports nothing of dtrain's errors; its messages are pinned by its tests), and a
+# ps's error reply carrying a sync barrier's timeout.
+_DATA_PLANE_TRANSIENT = ("no answer from the ps", "data-plane connection failed", "connection closed by the peer",
+                         "BarrierTimeout:")
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is one the session recovers from (TF's AbortedError and UnavailableError):
+    a :class:`~dtrain.spec.errors.TransientError` (dtrain.Aborted, dtrain.Unavailable), a sync
+    barrier that timed out, a timeout, or a connection refused or closed (on Dask's comms or the
+    socket data plane). Everything else (a replica's own error, a hook's RuntimeError, a full disk,
+    non-finite parameters, a data-plane handshake refused) is not."""
+    from distributed.comm.core import CommClosedError
+
+    from dtrain.dataplane.protocol import DataPlaneError
+    from dtrain.ps.shard import BarrierTimeout
+
+    if isinstance(exc, DataPlaneError):
+        return str(exc).startswith(_DATA_PLANE_TRANSIENT) or "did not open the data plane" in str(exc)
+    return isinstance(exc, (TransientError, BarrierTimeout, TimeoutError, ConnectionError, CommClosedError))
 
 
 class Recovery:
@@ -83,32 +111,58 @@ class Recovery:
             time.sleep(0.1)
 
     def guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a coordinator action that calls the ps; a lost task turns into a recovery."""
+        """Run a coordinator action that calls the ps; a lost task or a transient error turns into a
+        recovery."""
         try:
             return fn(*args)
         except RunError:
             raise
         except Exception as exc:
-            if not self.recover_if_lost(exc):
+            if not (self.recover_if_lost(exc) or self.recover_if_transient(exc)):
                 raise
             return None
 
-    def recover(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
-        """Restart what was lost; a task lost again while restarting (another worker died, the
-        restarted one died) is a further recovery within ``training.max_recoveries``."""
+    def recover_if_transient(self, exc: BaseException | None) -> bool:
+        """After an error while every task lives: a transient one (:func:`is_transient`) restarts the
+        session from the newest checkpoint; say whether it did."""
+        if not is_transient(exc):
+            return False
+        # A timeout or a broken connection is often the first sign of a lost task: give the
+        # scheduler a moment to notice, and then recover that loss (only what was lost restarts).
+        if self.recover_if_lost(exc, wait_s=2.0):
+            return True
+        assert exc is not None
+        self.recover([], [], error=exc)
+        return True
+
+    def replica_error(self) -> BaseException | None:
+        """The error of the first replica (or pipeline stage) task that failed, if any."""
+        s = self.session
+        for f in [*s.replica_futures, *stages.futures_of(s)]:
+            if f is not None and f.status == "error":
+                return f.exception(timeout=5)
+        return None
+
+    def recover(self, lost_shards: list[int], lost_replicas: list[int], error: BaseException | None = None) -> None:
+        """Restart what was lost (or, after a transient ``error``, everything); a task lost again
+        while restarting (another worker died, the restarted one died), or a transient error then,
+        is a further recovery within ``training.max_recoveries``."""
         while True:
             try:
-                self._recover_once(lost_shards, lost_replicas)
+                self._recover_once(lost_shards, lost_replicas, error)
                 return
             except RunError:
                 raise
             except Exception as exc:
                 lost_shards, lost_replicas = self.lost_tasks()
-                if not (lost_shards or lost_replicas):
+                if not (lost_shards or lost_replicas or is_transient(exc)):
                     raise
-                logger.warning("lost a task again while recovering (%s: %s)", type(exc).__name__, exc)
+                error = None if lost_shards or lost_replicas else exc
+                logger.warning("%s again while recovering (%s: %s)", "an error" if error else "lost a task",
+                               type(exc).__name__, exc)
 
-    def _recover_once(self, lost_shards: list[int], lost_replicas: list[int]) -> None:
+    def _recover_once(self, lost_shards: list[int], lost_replicas: list[int], error: BaseException | None = None
+                      ) -> None:
         s = self.session
         t_lost = time.time()
         step_lost = s.global_step  # the global step when the loss was seen (the chief's last poll)
@@ -119,15 +173,18 @@ class Recovery:
                 h.on_task_lost(task)
         self.count += 1
         limit = s.spec.training.max_recoveries
+        what = f"lost {', '.join(lost)}" if lost else f"{type(error).__name__}: {error}"
         if self.count > limit:
-            raise RunError(f"lost {', '.join(lost)}; recovery attempts used up (training.max_recoveries: {limit})")
-        logger.warning("lost %s at global step %d; recovering (%d/%d)", ", ".join(lost), step_lost,
-                       self.count, limit)
+            raise RunError(f"{what}; recovery attempts used up (training.max_recoveries: {limit})") from error
+        logger.warning("%s at global step %d; recovering (%d/%d)", what, step_lost, self.count, limit)
         record: dict[str, Any] = {"lost": lost, "step": step_lost, "time": t_lost}
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
         self.log.append(record)
-        # A lost ps, or any loss in in-graph replication (its step in flight is lost with it): every
-        # shard restarts from the newest checkpoint, with the step driver or every replica.
-        restart = bool(lost_shards) or s.driver is not None
+        # A lost ps, any loss in in-graph replication (its step in flight is lost with it), or a
+        # transient error (TF's recoverable session: a new session from the newest checkpoint):
+        # every shard restarts from the newest checkpoint, with the step driver or every replica.
+        restart = bool(lost_shards) or s.driver is not None or error is not None
         stale = [f for i, f in enumerate(s.replica_futures) if restart or i in lost_replicas]
         stale += stages.futures_of(s, None if restart else lost_replicas)
         if not restart:

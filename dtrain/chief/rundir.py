@@ -42,6 +42,9 @@ def default_run_dir(spec: Any) -> Path:
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """A run directory holding checkpoints is never overwritten silently (exit 2 via RunDirError)."""
+    if (run_dir / ".lock").exists():  # one in use says so first (a running run has checkpoints from step 0)
+        with RunDirLock(run_dir):
+            pass
     ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt")) if (run_dir / "checkpoints").is_dir() else []
     if ckpts and not resume:
         raise RunDirError(f"{run_dir} already holds {len(ckpts)} checkpoint(s) (newest {ckpts[-1].name}); "

@@ -35,12 +35,13 @@ from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
 from . import data_report, elastic, evaluation, signals, stages, telemetry
-from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks
+from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks, call_step_hooks, nan_stop
 from .inputs import DataInput, with_stats
 from .metrics import JsonlSink, TensorBoardSink
 from .recovery import Recovery
 from .rundir import Result, save_torch, write_cluster_info, write_json
-from .shards import ShardGroup, checkpoint_layout, task_host
+from .saver import Saver
+from .shards import ShardGroup, task_host
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,10 @@ class Session:
         self.driver: Any = None  # in-graph replication's step driver
         self.local_steps: dict[Any, int] = {}
         self._submits = 0
-        self.checkpoints_written: list[str] = []
-        self._last_ckpt_step = 0
-        self._last_ckpt_time = time.monotonic()
+        self.saver = Saver(self)  # checkpoint cadence and saving (chief/saver.py)
         self.summary_written = False
+        self.stop_reason: str | None = None  # why training ended before training.steps (a hook, nan_guard)
+        self._begun = False
         self.retired: set[int] = set()  # replicas at the end of their data (no sync step waits for them)
         self.elastic = elastic.elastic(self)  # workers that join and leave (chief/elastic.py), or None
 
@@ -109,10 +110,10 @@ class Session:
     def submit_replicas(self, only: int | None = None) -> None:
         """Submit every replica (or just ``only``), each pinned to its worker task's address."""
         if self.spec.training.replication == "in_graph":
-            from .ingraph import InGraphDriver
+            from .ingraph import new_driver
 
-            self.driver = InGraphDriver(self.client, self.spec, self.plan, self.shards.refs(), self.conn.tasks,
-                                        f"{self.token}-g{self.generation}")
+            self.driver = new_driver(self.client, self.spec, self.plan, self.shards.refs(), self.conn.tasks,
+                                     f"{self.token}-g{self.generation}", self.local_steps)
             self.driver.start()
             return
         refs = self.shards.refs()
@@ -193,10 +194,7 @@ class Session:
             if self.resume and latest is None:
                 logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
             self.start_generation(latest)
-            self.start_step = self.global_step
             phases.mark("ps actors created, replicas submitted")
-            for h in self.hooks:
-                h.begin(self)
             stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook) and h.last_step is not None]
             if stops:  # a stop_at_step hook ends training exactly there, as training.steps does
                 self.shards.stop_at(min(stops))
@@ -204,8 +202,8 @@ class Session:
             self._monitor()
             phases.mark("training, to the last step")
             self.train_s = time.time() - self.t_train
-            if self.spec.checkpoint is not None and self._last_ckpt_step != self.global_step:
-                self.save_checkpoint()
+            if self.spec.checkpoint is not None and self.saver.last_step != self.global_step:
+                self.saver.save()
             model, final_eval = self._finish(init_model)
             phases.mark("final evaluation, model.pt")
             status = "completed"
@@ -218,7 +216,7 @@ class Session:
                 self._write_summary(status, error, {}, time.time() - t_start)
                 if self.spec.checkpoint is not None and self.shards.handles:
                     try:
-                        self.save_checkpoint(stop=True)
+                        self.saver.save(stop=True)
                     except Exception as ckpt_exc:  # the interrupt wins; say what was lost
                         logger.warning("could not checkpoint on interrupt: %s", ckpt_exc)
             raise
@@ -268,58 +266,19 @@ class Session:
         if checkpoint is not None:
             self.shards.restore(checkpoint)
             self.global_step = checkpoint.step
-            self._last_ckpt_step = checkpoint.step
+            self.saver.restored(checkpoint.step)
             self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
                                 .get("local_steps", {}).items()}
             logger.info("restored %s (global step %d)", checkpoint.path.name, checkpoint.step)
+        if not self._begun:  # the hooks' begin(): once, with the ps initialised, before replicas start
+            self._begun, self.start_step = True, self.global_step
+            for h in self.hooks:
+                h.begin(self)
+        if checkpoint is None and self.spec.checkpoint is not None:  # TF's saver: a checkpoint at creation
+            self.saver.save()
         if self.elastic is not None:
             self.elastic.retire_free()
         self.submit_replicas()
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, stop: bool = False) -> Path | None:
-        """Snapshot every shard at one consistent step and write it atomically; with ``stop``,
-        every shard stops at that step too (the interrupt path).
-
-        Applies pause for the snapshot: in async mode at once; in sync mode at the newest step any
-        shard has reached, once the lagging shards have applied it (they are at most one step
-        behind, and the replicas' gradients for that step are already on their way). A sync
-        snapshot whose shards still disagree, or parameters that became non-finite, are never
-        written (RunError): a checkpoint must always be safe to resume from.
-        """
-        spec = self.spec.checkpoint
-        if spec is None:
-            return None
-        t0 = time.monotonic()
-        states = self.shards.snapshot(stop=stop)
-        steps = [int(st["step"]) for st in states]
-        if self.spec.training.mode == "sync" and len(set(steps)) != 1:
-            raise RunError(f"the shards did not agree on one step for a checkpoint ({steps}); no checkpoint written")
-        for i, st in enumerate(states):
-            if not bool(torch.isfinite(st["params"]).all()):
-                raise RunError(f"the parameters of shard {i} became non-finite (NaN or inf) at step {st['step']}; "
-                               "no checkpoint written (lower optimizer.lr, check the data, or add a nan_guard hook "
-                               "to stop at the first non-finite gradient)")
-        step = steps[0]
-        local = {str(k): v for k, v in self.local_steps.items()}
-        path = ckpt_io.save(self.run_dir, step, states, spec_data=self.spec.model_dump(mode="json"),
-                            pipeline_hash=self.plan.pipeline_hash,
-                            replicas={"local_steps": local, **data_report.positions(self, step)},
-                            layout=checkpoint_layout(self.spec, self.plan), keep=spec.keep)
-        self._last_ckpt_step, self._last_ckpt_time = step, time.monotonic()
-        self.checkpoints_written.append(path.name)
-        logger.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - t0)
-        for h in self.hooks:
-            h.on_checkpoint(step, str(path))
-        return path
-
-    def _checkpoint_due(self) -> bool:
-        spec = self.spec.checkpoint
-        if spec is None or self.global_step == self._last_ckpt_step:
-            return False
-        if spec.every_steps and self.global_step // spec.every_steps > self._last_ckpt_step // spec.every_steps:
-            return True
-        return bool(spec.every_secs and time.monotonic() - self._last_ckpt_time >= spec.every_secs)
 
     def _open_sinks(self) -> None:
         if not self.resume:
@@ -339,8 +298,8 @@ class Session:
     def _monitor(self) -> None:
         stopping = False
         last_step = -1
-        latest: dict[str, Any] = {}
         lr = getattr(self.spec.optimizer, "lr", None)
+        latest: dict[str, Any] = {"learning_rate": lr}  # known before the first summary record
         last_liveness = 0.0
         while True:
             now = time.monotonic()
@@ -351,7 +310,7 @@ class Session:
             try:
                 stats = self.shards.stats(timeout=10)
             except Exception as exc:
-                if not self.recovery.recover_if_lost(exc):
+                if not (self.recovery.recover_if_lost(exc) or self.recovery.recover_if_transient(exc)):
                     raise RunError(f"ps task 0 does not answer: {type(exc).__name__}: {exc}") from None
                 continue
             if stats["generation"] != self.generation:
@@ -376,14 +335,16 @@ class Session:
                 if every and rec["step"] % every == 0 and rec["step"] < self.shards.last_step:
                     self.recovery.guarded(evaluation.evaluate_now, self, rec["step"])
             if self.global_step != last_step:
-                ctx = StepContext(self.global_step, dict(latest))
-                for h in self.hooks:
-                    h.before_step(ctx)
-                for h in self.hooks:
-                    h.after_step(ctx)
+                ctx = StepContext(self.global_step, dict(latest), write=self._log)
+                try:
+                    call_step_hooks(self.hooks, ctx)
+                except Exception as exc:  # TF's Aborted/Unavailable from a hook: recover; others fail
+                    if self.recovery.recover_if_transient(exc):
+                        continue
+                    raise
                 if ctx.stop_requested and not stopping:
                     logger.info("stopping: %s", ctx.stop_requested)
-                    stopping = True
+                    stopping, self.stop_reason = True, ctx.stop_requested
                     self.recovery.guarded(self.shards.stop_consistently)
                 last_step = self.global_step
             if self.progress is not None:
@@ -392,16 +353,17 @@ class Session:
                                "dropped_stale": self.dropped_stale, "replicas": elastic.live_count(self),
                                "replicas_max": self.plan.num_replicas, "elastic": self.elastic is not None,
                                **data_report.progress(self)})
-            if stats["error"]:
+            if stats["error"] and not self._nan_stop(stats["error"]):
                 self.shards.request_stop()
                 raise RunError(stats["error"])
-            if self._checkpoint_due():
-                self.recovery.guarded(self.save_checkpoint)
+            if self.saver.due():
+                self.recovery.guarded(self.saver.save)
             failure = self._replica_failure()
             if failure:  # a lost stage's neighbours fail before the scheduler sees its worker gone: wait
-                if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0):
+                if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0) \
+                        or self.recovery.recover_if_transient(self.recovery.replica_error()):
                     continue
-                self._checkpoint_before_failing(failure)
+                self.saver.before_failing(failure)
                 self.shards.request_stop()
                 raise RunError(failure)
             data_report.retire_finished(self)
@@ -425,22 +387,23 @@ class Session:
         for rec in final["records"]:
             self._log({k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}, rec["step"])
             self.records.append(rec)
-        if final["error"]:  # nan_guard fired after the last poll
+        if final["error"] and not self._nan_stop(final["error"]):  # nan_guard fired after the last poll
             raise RunError(final["error"])
 
-    def _checkpoint_before_failing(self, failure: str) -> None:
-        """A replica failed (a shard that cannot be read, its own error): keep the last good step."""
-        if self.spec.checkpoint is None or self.driver is not None:
-            return
-        try:
-            path = self.save_checkpoint(stop=True)
-            logger.warning("%s; checkpoint %s written first", failure, path.name if path else None)
-        except Exception as exc:
-            logger.warning("could not checkpoint before failing: %s", exc)
+    def _nan_stop(self, error: str) -> bool:
+        """A nan_guard hook with ``mode: warn`` turns the ps's refusal into a clean stop (TF's
+        NanTensorHook(fail_on_nan_loss=False)): the parameters are the last good ones."""
+        if not nan_stop(self.hooks, error):
+            return False
+        if self.stop_reason != error:
+            logger.warning("%s; stopping (nan_guard mode: warn)", error)
+            self.stop_reason = error
+            self.shards.request_stop()
+        return True
 
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
         self.shards.close_data_plane()
-        model = evaluation.assemble(self, model, self.shards.pull_params())
+        model = evaluation.assemble(self, model, self.shards.pull_params(for_eval=True))
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
             raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.global_step}: "
@@ -484,7 +447,7 @@ class Session:
             "replicas": self.plan.num_replicas, "recoveries": self.recoveries, "dropped_stale": self.dropped_stale,
             "samples": self.samples, "train_s": round(train_s, 3), "pipeline_hash": self.plan.pipeline_hash,
             "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
-            "recovery_log": self.recovery.log, "checkpoints": self.checkpoints_written,
+            "recovery_log": self.recovery.log, "checkpoints": self.saver.written,
         }
         if self.spec.training.replication == "between_graph":
             t = self.spec.training
@@ -495,4 +458,6 @@ class Session:
         summary.update(telemetry.summary(self))
         if error:
             summary["error"] = error
+        if self.stop_reason:
+            summary["stop_reason"] = self.stop_reason
         return summary

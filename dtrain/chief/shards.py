@@ -78,8 +78,10 @@ class ShardGroup:
             "nan_guard": self.nan_guard,
             "num_replicas": self.plan.num_replicas, "replicas_to_aggregate": self.plan.replicas_to_aggregate,
             "aggregate_fraction": self.plan.aggregate_fraction,
+            "sync_tokens": t.sync_tokens, "init_tokens": t.init_tokens,  # TF's token queue (ps/tokens.py)
             "max_staleness": t.max_staleness, "optimizer": self.spec.optimizer.model_dump(),
             "torch_threads": t.torch_threads,
+            "moving_average": t.moving_average.model_dump() if t.moving_average is not None else None,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
             "lease_s": self.lease_s, "tls": self.tls, "telemetry": self.spec.observe.telemetry,
             # Sparse tables: this ps task's part of each (the ps tasks are the first shards).
@@ -228,8 +230,12 @@ class ShardGroup:
                 out[j] = value
         return out
 
-    def pull_params(self) -> list[torch.Tensor]:
-        return [call(s.get_params(), timeout=transfer_timeout(shard.numel, state_factor=1))[0]
+    def pull_params(self, for_eval: bool = False) -> list[torch.Tensor]:
+        """Every shard's parameters; ``for_eval`` (evaluation, model.pt): their moving averages when
+        ``training.moving_average.use_for_eval`` (ps/averages.py)."""
+        ema = self.spec.training.moving_average
+        averaged = for_eval and ema is not None and ema.use_for_eval
+        return [call(s.get_params(averaged), timeout=transfer_timeout(shard.numel, state_factor=1))[0]
                 for s, shard in zip(self.handles, self.plan.shards, strict=True)]
 
     def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:

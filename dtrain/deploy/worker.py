@@ -93,8 +93,11 @@ def _warn_all_interfaces(args: argparse.Namespace, use_tls: bool) -> None:
 
 
 def _check_task(args: argparse.Namespace) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*", args.job):
-        raise _usage(f"--job {args.job!r}: a job name is letters, digits, '_', '.', '-'")
+    from dtrain.spec.device import JOB_NAME_RULE
+
+    if not re.fullmatch(JOB_NAME_RULE, args.job):  # the rule cluster.jobs and device strings follow
+        raise _usage(f"--job {args.job!r}: a job name must match {JOB_NAME_RULE} (a letter, then letters, digits "
+                     "or '_'), as TensorFlow's servers require")
     if args.task < 0:
         raise _usage(f"--task {args.task}: task indices start at 0")
     if args.nthreads < 1:

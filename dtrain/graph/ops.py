@@ -1,4 +1,7 @@
-"""The ops of graph pipelines: pure torch on float32 tensors (never touches Dask)."""
+"""The ops of graph pipelines: pure torch on float32 tensors (never touches Dask).
+
+Strings are Python ``str`` values (a graph pipeline's string constants): ``identity`` passes one
+on and ``add`` concatenates two, as TF's ``add`` does on ``tf.string``; the other ops take numbers."""
 
 from __future__ import annotations
 
@@ -67,15 +70,23 @@ def to_tensor(value: Any, device: str | torch.device = "cpu") -> torch.Tensor:
         raise ValueError(f"not a number or a rectangular nested list of numbers: {exc}") from None
 
 
-def apply_op(op: str, inputs: Sequence[Any], device: str | torch.device = "cpu") -> torch.Tensor:
-    """Evaluate one op on numbers, nested lists or tensors; ValueError naming the op otherwise."""
+def apply_op(op: str, inputs: Sequence[Any], device: str | torch.device = "cpu") -> torch.Tensor | str:
+    """Evaluate one op on numbers, nested lists or tensors (or strings: ``identity``, ``add``);
+    ValueError naming the op otherwise."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(GRAPH_OPS)}")
     if len(inputs) != ARITY[op]:
         raise ValueError(f"{op} takes {ARITY[op]} input(s), got {len(inputs)}")
+    if any(isinstance(v, str) for v in inputs):
+        if op == "identity" or (op == "add" and all(isinstance(v, str) for v in inputs)):
+            return "".join(inputs)
+        raise ValueError(f"{op} takes numbers, got a string ({', '.join(repr(v) for v in inputs)}); strings take "
+                         "identity and add (which concatenates two strings)")
     return OPS[op](*(to_tensor(v, device) for v in inputs))
 
 
-def to_python(value: torch.Tensor) -> float | list:
-    """A Python float (0-d) or nested list of floats."""
+def to_python(value: torch.Tensor | str) -> float | list | str:
+    """A Python float (0-d), nested list of floats, or the string as it is."""
+    if isinstance(value, str):
+        return value
     return value.detach().cpu().tolist()

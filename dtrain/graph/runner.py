@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dtrain.graph.initializers import initialize
 from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
 from dtrain.spec.errors import ConnectError, RunError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
@@ -38,24 +39,29 @@ def _torch_device(device: str, soft: bool) -> torch.device:
     raise ValueError(f"{device} asks for a GPU this worker does not have (placement.soft is false)")
 
 
-def _node_task(name: str, op: str, args: list[Any], device: str, soft: bool) -> tuple[torch.Tensor, str]:
-    """Runs on the pinned worker. ``args``: the variable's value, or inputs where upstream nodes
-    arrive as (tensor, worker) tuples. Returns (value, name of the worker that ran it)."""
+def _node_task(name: str, op: str, args: list[Any], device: str, soft: bool) -> tuple[torch.Tensor | str, str]:
+    """Runs on the pinned worker. ``args``: the variable's value (a number, list, string, or
+    {initializer, shape}), or inputs where upstream nodes arrive as (value, worker) tuples.
+    Returns (value, name of the worker that ran it)."""
     from distributed import get_worker
 
     where = str(get_worker().name)
     try:
         dev = _torch_device(device, soft)
-        if op == "variable":
+        if op == "variable" and isinstance(args[0], str):
+            return args[0], where  # a string constant
+        if op == "variable" and isinstance(args[0], dict):
+            value = initialize(args[0]["initializer"], args[0]["shape"], dev)
+        elif op == "variable":
             value = to_tensor(args[0], dev)
         else:
             value = apply_op(op, [a[0] if isinstance(a, tuple) else a for a in args], dev)
     except Exception as exc:
         raise OpError(f"{op} {name!r} failed on {where} ({device}): {exc}") from None
-    return value.cpu(), where
+    return (value if isinstance(value, str) else value.cpu()), where
 
 
-def _worker_name(result: tuple[torch.Tensor, str]) -> str:
+def _worker_name(result: tuple[torch.Tensor | str, str]) -> str:
     return result[1]
 
 

@@ -14,19 +14,22 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dtrain.data.shards import Manifest
-from dtrain.spec.device import DeviceSpec
+from dtrain.spec.device import DeviceSpec, is_clear, merge_device
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
 from dtrain.spec.errors import Problem, SpecError
+from dtrain.spec.graph import graph_jobs, initial_value
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
 from .assign import assign_workers, resolve_workers  # noqa: F401 (resolve_workers: re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data
+from .partitioners import check_partitioner, partition_of
 from .placement import VariableRequest, partition, place_variables
 from .stages import StagePlan, format_stages, plan_stages
 from .tables import TablePlan, format_tables, plan_tables
 
 FLOAT32_BYTES = 4
+_PART_KEYS = ("axis", "blocks", "stride", "slice_spec")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class VariablePlan:
     numel: int
     source: str  # the parameter it belongs to
     start: int  # first element within the (flattened) parameter
+    axis: int = 0  # a part: the axis it was split along
+    blocks: int = 1  # runs of the flattened parameter it holds (> 1: split along an inner axis)...
+    stride: int = 0  # ...this many elements apart
+    slice_spec: str = ""  # a part: TensorFlow's save-slice spec ("20 43 0,20:15,14"); "" for a whole variable
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class Plan:
     shared_tasks: tuple[str, ...] = ()  # auto assignment: ps tasks sharing a replica's worker
     replicas_min: int | None = None  # elastic replicas: the fewest live (the replicas are its max slots)
     aggregate_fraction: float | None = None  # elastic sync: the quorum's share of the live replicas
+    sync_tokens: bool = False  # training.sync_tokens: TensorFlow's token queue (ps/tokens.py)
     adaptive: tuple[int, int] | None = None  # cluster.adaptive: the embedded cluster's replica workers (min, max)
 
     @property
@@ -131,12 +139,16 @@ class Plan:
     def lockstep(self) -> bool:
         """Sync with every one of a fixed set of replicas in each step (no backups, not elastic):
         replica r's k-th batch is in step k."""
-        return self.mode == "sync" and self.replicas_to_aggregate == self.num_replicas and self.replicas_min is None
+        return self.mode == "sync" and self.replicas_to_aggregate == self.num_replicas and self.replicas_min is None \
+            and not self.sync_tokens  # tokens: a replica's gradient may be dropped or count twice in a step
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ps_bytes"] = dict(self.ps_bytes)
         d["num_replicas"] = self.num_replicas
+        # a whole variable: no part keys (axis, blocks, stride, slice_spec), as before partitioners
+        d["variables"] = [v if v["slice_spec"] else {k: x for k, x in v.items() if k not in _PART_KEYS}
+                          for v in d["variables"]]
         d["data"] = data_json(self.data) if self.data is not None else None
         return json.loads(json.dumps(d))
 
@@ -153,6 +165,7 @@ class Plan:
                      + (f", aggregate {self.replicas_to_aggregate}" if self.mode == "sync" and not self.aggregate_fraction
                         else f", aggregate {self.aggregate_fraction:g} of the live replicas" if self.mode == "sync"
                         else "")
+                     + (" with TF's token queue" if self.sync_tokens else "")
                      + (f", {self.epochs} epoch(s)" if self.epochs else "")
                      + (f", {self.steps} steps" if self.steps < MAX_STEPS else "")]
         if self.variables:
@@ -161,7 +174,8 @@ class Plan:
             for v in self.variables:
                 shape = "x".join(map(str, v.shape)) or "scalar"
                 lines.append(f"  {v.name:<{w}}  {shape:>12}  {v.bytes:>10} B  -> {v.device}"
-                             f"  [shard {v.shard} @ {v.offset}]")
+                             f"  [shard {v.shard} @ {v.offset}]"
+                             + (f"  axis {v.axis} slice {v.slice_spec!r}" if v.slice_spec else ""))
         lines.extend(format_tables(self.tables))
         if self.shards:
             lines.append("ps tasks:")
@@ -187,6 +201,9 @@ class Plan:
             lines.append("graph:")
             for op in self.ops:
                 ins = ", ".join(map(str, op.inputs))
+                if op.op == "variable" and isinstance(op.value, dict):  # an initializer: what it draws
+                    init = op.value["initializer"]
+                    ins = f"{init['type']} {'x'.join(map(str, op.value['shape'])) or 'scalar'}, seed {init['seed']}"
                 lines.append(f"  {op.name} = {op.op}({ins})  -> {op.device}  on {op.address or op.worker}")
         if self.assignment == "auto":
             lines.append("workers assigned automatically (cluster.assign: auto; none named or tagged for the tasks)"
@@ -253,6 +270,8 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     layout, table_modules = _layout_and_tables(spec)
     staging, layer_shapes = _staging(spec)
     _check_pins(pins, [name for name, _, _ in layout], [name for name, _ in table_modules])
+    partitioner = spec.placement.partitioner
+    check_partitioner(partitioner, layout, {name for name, _, _ in layout if _pin_for(name, pins) is not None})
     tables = plan_tables(table_modules, ps_job, num_ps, spec.placement.embedding_partition)
     for name, shape, numel in layout:
         pin = _pin_for(name, pins)
@@ -260,6 +279,8 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         if spec.placement.variables == "partitioned" and pin is None and shape and num_ps > 1 \
                 and nbytes >= spec.placement.min_slice_bytes:
             requests.extend(partition(name, shape, FLOAT32_BYTES, num_ps))
+        elif pin is None and (parts := partition_of(partitioner, name, shape, FLOAT32_BYTES)):
+            requests.extend(parts)
         else:
             requests.append(VariableRequest(name, shape, nbytes, pin, source=name, start=0))
     devices = place_variables(requests, ps_job, num_ps, spec.placement.variables)
@@ -282,7 +303,8 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         dev = dev if dev.task is not None else dev.replace(task=0)
         numel = req.nbytes // FLOAT32_BYTES
         variables.append(VariablePlan(req.name, tuple(req.shape), req.nbytes, dev.to_string(),
-                                      shard_keys.index(key), fill[key], numel, req.source or req.name, req.start))
+                                      shard_keys.index(key), fill[key], numel, req.source or req.name, req.start,
+                                      req.axis, req.blocks, req.stride, req.slice_spec))
         fill[key] += numel
     shards = []
     for i, (key, pos) in enumerate(shard_keys):
@@ -322,6 +344,10 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
             layers.append(LayerPlan(i, layer.type, layer.name or f"{layer.type}_{i}", dev.to_string(), tuple(shape)))
 
     used = {s.task for s in shards} | {t for r in replicas for t in (r.stage_tasks or (r.task,))}
+    if spec.training.sync_tokens and (tables or len(shards) > 1):  # model.module's tables: known only here
+        raise SpecError([Problem("sync_tokens needs every variable in one shard and no sparse tables (the token "
+                                 "queue and the update are one step of one ps task): remove sync_tokens",
+                                 path="training.sync_tokens")])
     return Plan(
         name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.training.steps,
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
@@ -329,6 +355,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
         epochs=spec.data.epochs, stages=staging.stages if staging is not None else (),
         stage_positions=staging.positions if staging is not None else 1, microbatches=spec.training.microbatches,
+        sync_tokens=spec.training.sync_tokens,
     )
 
 
@@ -381,25 +408,24 @@ def _check_pins(pins: Mapping[str, str], names: list[str], tables: list[str] = (
 
 
 def _compile_graph(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
-    jobs = list(spec.cluster.jobs)
-    ps_job = spec.placement.ps_job if spec.placement.ps_job in jobs else jobs[0]
-    worker_job = spec.placement.worker_job if spec.placement.worker_job in jobs else jobs[0]
-    num_ps = spec.cluster.num_tasks(ps_job)
+    # Scopes as in the TF guide's replica_device_setter block (spec/graph.py): the default op device,
+    # worker task 0's CPU, is the outer scope of every node; variables first pass the setter, which
+    # places nothing without a ps job (ps_tasks=0); `none` clears both (tf.device(None)).
+    ps_job, worker_job = graph_jobs(list(spec.cluster.jobs), spec.placement.ps_job, spec.placement.worker_job)
+    default = DeviceSpec(job=worker_job, task=0, device_type="CPU", device_index=0)
+    scoped = [v for v in spec.variables if not is_clear(v.device)]
     requests = [VariableRequest(v.name, (), FLOAT32_BYTES, DeviceSpec.from_string(v.device) if v.device else None)
-                for v in spec.variables]
-    devices = place_variables(requests, ps_job, num_ps, "round_robin")
+                for v in scoped]
+    placed = dict(zip([v.name for v in scoped], place_variables(
+        requests, ps_job or worker_job, spec.cluster.num_tasks(ps_job) if ps_job else 0, "round_robin"), strict=True))
     ops: list[OpPlan] = []
-    for var, dev in zip(spec.variables, devices, strict=True):
-        dev = dev if dev.task is not None else dev.replace(task=0)
+    for var in spec.variables:
+        dev = default.make_merged_spec(placed[var.name]) if var.name in placed else default
         key = _task_key(dev)
         ops.append(OpPlan(var.name, "variable", (), dev.to_string(), _worker_of(spec, dev.job, dev.task),
-                          addresses.get(key), var.value))
-    default = DeviceSpec(job=worker_job, task=0, device_type="CPU", device_index=0)
+                          addresses.get(key), initial_value(var, spec.training.seed)))
     for op in spec.graph:
-        dev = default.make_merged_spec(DeviceSpec.from_string(op.device)) if op.device else default
-        if op.device and DeviceSpec.from_string(op.device).job is not None \
-                and DeviceSpec.from_string(op.device).task is None:
-            dev = dev.replace(task=0)
+        dev = merge_device(default, op.device) if op.device and not is_clear(op.device) else default
         key = _task_key(dev)
         ops.append(OpPlan(op.name, op.op, tuple(op.inputs), dev.to_string(), _worker_of(spec, dev.job, dev.task),
                           addresses.get(key)))

@@ -16,11 +16,38 @@ import torch
 
 @dataclass(frozen=True)
 class Part:
+    """A variable's part: ``numel`` elements at ``offset`` in a shard buffer, holding elements of the
+    flattened parameter from ``start``: one run (``blocks == 1``), or, for a part split along an inner
+    axis (plan/partitioners.py), ``blocks`` equal runs ``stride`` elements apart."""
+
     shard: int
     offset: int  # in the shard buffer
     numel: int
     param: str
     start: int  # in the flattened parameter
+    blocks: int = 1
+    stride: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last element of the flattened parameter that the part holds."""
+        return self.start + (self.blocks - 1) * self.stride + self.numel // self.blocks
+
+    def of_param(self, flat: torch.Tensor) -> torch.Tensor:
+        """The part's elements as a view of the flattened parameter: 1-D, or ``(blocks, run)``."""
+        if self.blocks == 1:
+            return flat[self.start:self.start + self.numel]
+        return flat[self.start:self.end].unfold(0, self.numel // self.blocks, self.stride)
+
+    def of_buffer(self, buf: torch.Tensor) -> torch.Tensor:
+        """The part's elements in a shard buffer, shaped as :meth:`of_param`."""
+        view = buf[self.offset:self.offset + self.numel]
+        return view if self.blocks == 1 else view.view(self.blocks, -1)
+
+
+def part_of(v, shard: int) -> Part:  # v: dtrain.plan.compiler.VariablePlan
+    """A plan variable's :class:`Part` on ``shard`` (its index in the layout at hand)."""
+    return Part(shard, v.offset, v.numel, v.source, v.start, v.blocks, v.stride)
 
 
 class ShardLayout:
@@ -32,8 +59,7 @@ class ShardLayout:
 
     @classmethod
     def from_plan(cls, plan) -> ShardLayout:  # plan: dtrain.compiler.Plan (kept untyped: no import cycle)
-        parts = [Part(v.shard, v.offset, v.numel, v.source, v.start) for v in plan.variables]
-        return cls(parts, [s.numel for s in plan.shards])
+        return cls([part_of(v, v.shard) for v in plan.variables], [s.numel for s in plan.shards])
 
     @property
     def num_shards(self) -> int:
@@ -60,8 +86,7 @@ class ShardLayout:
         """Parameters (name -> tensor) -> one new flat float32 CPU buffer per shard."""
         out = [torch.zeros(n, dtype=torch.float32) for n in self.shard_numel]
         for p in self.parts:
-            src = tensors[p.param].detach().reshape(-1)[p.start:p.start + p.numel]
-            out[p.shard][p.offset:p.offset + p.numel].copy_(src)
+            p.of_buffer(out[p.shard]).copy_(p.of_param(tensors[p.param].detach().reshape(-1)))
         return out
 
     def unpack(self, buffers: Sequence[torch.Tensor], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -69,19 +94,21 @@ class ShardLayout:
         flat = {name: torch.empty(int(torch.Size(shape).numel()), dtype=torch.float32)
                 for name, shape in shapes.items()}
         for p in self.parts:
-            flat[p.param][p.start:p.start + p.numel].copy_(buffers[p.shard][p.offset:p.offset + p.numel])
+            p.of_param(flat[p.param]).copy_(p.of_buffer(buffers[p.shard]))
         return {name: t.view(shapes[name]) for name, t in flat.items()}
 
 
     # ------------------------------------------------------------------ checkpoints
     def describe(self) -> dict[str, list]:
         """Plain data for a checkpoint (see :meth:`from_description`)."""
-        return {"parts": [[p.shard, p.offset, p.numel, p.param, p.start] for p in self.parts],
+        return {"parts": [[p.shard, p.offset, p.numel, p.param, p.start] + ([p.blocks, p.stride] if p.blocks > 1 else [])
+                          for p in self.parts],
                 "shard_numel": list(self.shard_numel)}
 
     @classmethod
     def from_description(cls, data: Mapping[str, list]) -> ShardLayout:
-        return cls([Part(int(s), int(o), int(n), str(name), int(st)) for s, o, n, name, st in data["parts"]],
+        return cls([Part(int(s), int(o), int(n), str(name), int(st), *(int(x) for x in rest))
+                    for s, o, n, name, st, *rest in data["parts"]],
                    [int(n) for n in data["shard_numel"]])
 
     def same_as(self, other: ShardLayout) -> bool:
@@ -95,16 +122,17 @@ class ShardLayout:
 def reshard(states: Sequence[Mapping], old: ShardLayout, new: ShardLayout) -> list[dict]:
     """Shard states written under ``old`` (``params``, ``optimizer_state``, ``step``, ...) -> states
     for the shards of ``new``: every variable and every per-element optimizer tensor (momentum,
-    Adam's moments, Adagrad's sums) reassembled from its slices and placed anew, so a checkpoint
+    Adam's moments, Adagrad's sums) and the moving averages (``averages``) reassembled from its
+    slices and placed anew, so a checkpoint
     resumes under another placement or number of ps tasks. Scalar optimizer state (Adam's and
     Adagrad's step count), the step and the counters come from the shard that holds the global
     step (shard 0). ValueError when the two layouts do not hold the same variables."""
     old_numel: dict[str, int] = {}
     for p in old.parts:
-        old_numel[p.param] = max(old_numel.get(p.param, 0), p.start + p.numel)
+        old_numel[p.param] = max(old_numel.get(p.param, 0), p.end)
     new_numel: dict[str, int] = {}
     for p in new.parts:
-        new_numel[p.param] = max(new_numel.get(p.param, 0), p.start + p.numel)
+        new_numel[p.param] = max(new_numel.get(p.param, 0), p.end)
     if old_numel != new_numel:
         raise ValueError(f"the layouts hold different variables: {sorted(old_numel.items())} against "
                          f"{sorted(new_numel.items())}")
@@ -119,9 +147,12 @@ def reshard(states: Sequence[Mapping], old: ShardLayout, new: ShardLayout) -> li
                            for s, n in zip(opt_states, old.shard_numel, strict=True))]
     scalars = {k: v for k, v in opt_states[0].items() if not isinstance(v, torch.Tensor)}
     regrouped = {k: regroup([s[k] for s in opt_states]) for k in elementwise}
+    # Moving averages (training.moving_average) are per element like the variables they shadow.
+    averages = regroup([st["averages"] for st in states]) if all("averages" in st for st in states) else None
     head = states[0]
-    return [{**{k: v for k, v in head.items() if k not in ("params", "optimizer_state")},
-             "params": params[i], "optimizer_state": {**scalars, **{k: regrouped[k][i] for k in elementwise}}}
+    return [{**{k: v for k, v in head.items() if k not in ("params", "optimizer_state", "averages")},
+             "params": params[i], "optimizer_state": {**scalars, **{k: regrouped[k][i] for k in elementwise}},
+             **({"averages": averages[i]} if averages is not None else {})}
             for i in range(new.num_shards)]
 
 
@@ -137,8 +168,10 @@ class BoundModel:
         if missing:
             raise ValueError(f"the model has no parameter(s) {sorted(missing)} that the plan places; "
                              "was the plan compiled for another model?")
-        # (flat parameter slice, shard, offset, numel), resolved once.
-        self._pairs = [(params[p.param], p.start, p.shard, p.offset, p.numel) for p in layout.parts]
+        # (flat parameter slice, shard, offset, numel), resolved once; parts split along an inner
+        # axis (several runs of the parameter) apart, so the one-run fast path stays as it was.
+        self._pairs = [(params[p.param], p.start, p.shard, p.offset, p.numel) for p in layout.parts if p.blocks == 1]
+        self._strided = [(params[p.param], p) for p in layout.parts if p.blocks > 1]
         self.device = next(iter(params.values())).device if params else torch.device("cpu")
         # Zero-copy is possible when every parameter is one whole part on the CPU: parameters and
         # gradients can then be views into the shard buffers (DDP's gradient_as_bucket_view).
@@ -168,6 +201,9 @@ class BoundModel:
         for param, start, s, off, n in self._pairs:
             if s == shard:
                 param.view(-1)[start:start + n].copy_(buf[off:off + n], non_blocking=False)
+        for param, p in self._strided:
+            if p.shard == shard:
+                p.of_param(param.view(-1)).copy_(p.of_buffer(buf))
 
     @torch.no_grad()
     def grads_into(self, bufs: Sequence[torch.Tensor]) -> None:
@@ -177,3 +213,9 @@ class BoundModel:
                 bufs[s][off:off + n].zero_()
             else:
                 bufs[s][off:off + n].copy_(g.view(-1)[start:start + n])
+        for param, p in self._strided:
+            g = param.grad
+            if g is None:
+                p.of_buffer(bufs[p.shard]).zero_()
+            else:
+                p.of_buffer(bufs[p.shard]).copy_(p.of_param(g.view(-1)))

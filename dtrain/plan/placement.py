@@ -40,6 +40,10 @@ class VariableRequest:
     pin: DeviceSpec | None = None
     source: str = ""  # the parameter this part belongs to
     start: int = 0  # first element of this part within the parameter (flattened)
+    axis: int = 0  # a part: the axis it was split along (plan/partitioners.py)
+    blocks: int = 1  # a part along an inner axis: runs of consecutive elements in the parameter...
+    stride: int = 0  # ...this many elements apart (0: one run)
+    slice_spec: str = ""  # a part: TensorFlow's save-slice spec, e.g. "20 43 0,20:15,14"
 
 
 def partition(name: str, shape: tuple[int, ...], itemsize: int, num_parts: int) -> list[VariableRequest]:
@@ -48,20 +52,9 @@ def partition(name: str, shape: tuple[int, ...], itemsize: int, num_parts: int) 
         raise ValueError(f"cannot partition {name!r}: a scalar has no dimension 0")
     if num_parts < 1:
         raise ValueError(f"cannot partition {name!r} into {num_parts} parts; need at least 1")
-    rows = shape[0]
-    n = max(1, min(num_parts, rows))
-    row_elems = 1
-    for d in shape[1:]:
-        row_elems *= d
-    base, extra = divmod(rows, n)
-    parts, start_row = [], 0
-    for i in range(n):
-        r = base + (1 if i < extra else 0)
-        part_shape = (r, *shape[1:])
-        parts.append(VariableRequest(f"{name}/part_{i}", part_shape, r * row_elems * itemsize,
-                                     source=name, start=start_row * row_elems))
-        start_row += r
-    return parts
+    from .partitioners import slice_variable  # (it builds on VariableRequest)
+
+    return slice_variable(name, shape, itemsize, [max(1, min(num_parts, shape[0])), *[1] * (len(shape) - 1)])
 
 
 def place_variables(requests: list[VariableRequest], ps_job: str, num_ps: int,

@@ -35,11 +35,13 @@ import torch
 
 from dtrain.observe.meters import ShardMeter
 
+from .averages import make_average
 from .control import ShardControl
 from .optim import make_optimizer
-from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate, SyncAggregator
+from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate
 from .rows import TablePart
 from .sparse import Reply, Sparse, SparseRows
+from .token_push import TokenPush, sync_for
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
 
 
-class ParameterShard(SparseRows, ShardControl):
+class ParameterShard(SparseRows, ShardControl, TokenPush):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -70,13 +72,13 @@ class ParameterShard(SparseRows, ShardControl):
         # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
         self.param = init.detach().to(torch.float32).clone()
         self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])
+        self.averages = make_average(config.get("moving_average"), self.param)  # None: no EMA (ps/averages.py)
         # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
         self.tables: dict[str, TablePart] = {
             t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
         self.acc = torch.zeros_like(self.param)
-        self.sync = SyncAggregator(config.get("replicas_to_aggregate") or num_replicas, num_replicas,
-                                   fraction=config.get("aggregate_fraction"))
+        self.sync = sync_for(config, num_replicas)  # the barrier, or TF's token queue (sync_tokens)
         self.policy = AsyncPolicy(config.get("max_staleness"))
         k = config.get("max_staleness")
         self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
@@ -142,6 +144,8 @@ class ParameterShard(SparseRows, ShardControl):
         if scale != 1.0:
             grad.mul_(scale)
         self.optimizer.step(self.param, grad)
+        if self.averages is not None:
+            self.averages.update(self.param, self.step)
         for part in self.tables.values():  # every part counts the step, touched or not (as torch's table)
             part.apply(scale)
         if self.meter is not None:
@@ -246,6 +250,8 @@ class ParameterShard(SparseRows, ShardControl):
                         sparse: Sparse | None = None) -> Reply:
         """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean
         (of the dense gradients, and of the row gradients: summed per id, divided by the count)."""
+        if self.uses_tokens:  # training.sync_tokens: TF's token queue (ps/token_push.py)
+            return await self._push_token(grad, replica, version, loss, samples, local_step, out, sparse)
         await self._wait_unheld(version)
         cond = self._condition()
         async with cond:
@@ -366,8 +372,9 @@ class ParameterShard(SparseRows, ShardControl):
         """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
         return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
 
-    async def get_params(self) -> tuple[torch.Tensor, int]:
-        return self.param.clone(), self.step
+    async def get_params(self, averaged: bool = False) -> tuple[torch.Tensor, int]:
+        """The parameters (``averaged``: their moving averages, when the shard keeps them)."""
+        return (self.averages.state() if averaged and self.averages else self.param.clone()), self.step
 
     async def get_state(self, tables: bool = True) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict).
@@ -376,6 +383,8 @@ class ParameterShard(SparseRows, ShardControl):
         state = self.optimizer.state_dict()
         out = {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
                "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+        if self.averages is not None:
+            out["averages"] = self.averages.state()
         if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
             out["tables"] = {name: part.state(copy=True) for name, part in self.tables.items()}
         return out
@@ -385,6 +394,8 @@ class ParameterShard(SparseRows, ShardControl):
         with torch.no_grad():
             self.param.copy_(state["params"])
         self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
+        if self.averages is not None:
+            self.averages.load(state.get("averages"), self.param)
         for name, part in self.tables.items():
             if name in (state.get("tables") or {}):
                 part.load_state(state["tables"][name])

@@ -9,9 +9,9 @@ with a few stricter checks noted below)::
 
     spec      := "" | component ("/" component)*   (a leading "/" is optional)
     component := ""                                 (empty parts are skipped)
-               | "job:" NAME                        NAME: non-empty, no "/", ":"
-                                                    or whitespace
-               | "replica:" INT | "task:" INT       INT: decimal, >= 0
+               | "job:" (NAME | "*")                NAME: [a-zA-Z][_a-zA-Z0-9]*
+               | "replica:" (INT | "*")             INT: decimal, >= 0
+               | "task:" (INT | "*")
                | "device:" TYPE [":" (INT | "*")]
                | SHORT [":" (INT | "*")]            SHORT: cpu, gpu or tpu, any case
 
@@ -22,7 +22,12 @@ Rules, following TF:
 * A later ``job``/``replica``/``task`` component overrides an earlier one,
   but giving the device twice (``/device:GPU:0/cpu:0``) is a ``ValueError``.
 * ``*`` as the device index means "unset" (``device_index is None``); a device
-  with an unset index is written ``/device:GPU:*``.
+  with an unset index is written ``/device:GPU:*``. As in TF's C++ parser
+  (``DeviceNameUtils::ParseFullName``), ``job:*``, ``replica:*`` and ``task:*``
+  leave the field unset too (Python's ``tf.DeviceSpec`` would keep a job named
+  ``*``).
+* Job names follow the C++ rule a TF server enforces, ``[a-zA-Z][_a-zA-Z0-9]*``
+  (Python's ``tf.DeviceSpec`` takes any string): ``/job:123`` is refused.
 * ``CPU`` and ``GPU`` are canonicalised to upper case whatever case they are
   written in; short forms (``/tpu:0``) are upper-cased; any other type given
   through ``device:`` is kept as written (TF: ``/device:MyFunnyDevice:2``).
@@ -35,6 +40,9 @@ Nested scopes (``with tf.device(outer): with tf.device(inner): ...``) combine
 with :func:`merge_device` / :meth:`DeviceSpec.make_merged_spec`: a plain
 field-wise override where each field set in the inner spec wins and each unset
 field is taken from the outer one (TF's ``_get_combined_properties``).
+As in TF, an empty inner spec (``tf.device("")``) inherits the outer one,
+while ``None`` (``tf.device(None)``), or the keyword ``none``, clears every
+outer scope: ``merge_device(outer, None)`` is the empty spec.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceSpec", "merge_device", "parse_device", "GRAMMAR"]
+__all__ = ["DeviceSpec", "merge_device", "parse_device", "GRAMMAR", "CLEAR", "JOB_NAME_RULE", "is_clear"]
 
 GRAMMAR = (
     "/job:<name>/replica:<int>/task:<int>/device:<TYPE>:<int|*> "
@@ -55,7 +63,11 @@ GRAMMAR = (
 _SHORT_TYPES = frozenset({"CPU", "GPU", "TPU"})
 _CANONICAL_UPPER = frozenset({"CPU", "GPU"})
 _INT_RE = re.compile(r"[0-9]+\Z")
-_JOB_RE = re.compile(r"[^/:\s]+\Z")
+JOB_NAME_RULE = "[a-zA-Z][_a-zA-Z0-9]*"
+"""Job names, as TF's C++ parser (and so a TF server) requires: a letter, then letters, digits or '_'."""
+_JOB_RE = re.compile(JOB_NAME_RULE + r"\Z")
+CLEAR = "none"
+"""The device keyword that clears every enclosing scope, like ``tf.device(None)`` (``is_clear``)."""
 _TYPE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -64,7 +76,8 @@ def _check_job(job: Any) -> str | None:
         return None
     if not isinstance(job, str) or not _JOB_RE.match(job):
         raise ValueError(
-            f"invalid job name {job!r}: must be a non-empty string without '/', ':' or whitespace"
+            f"invalid job name {job!r}: a job name must match {JOB_NAME_RULE} (a letter, then letters, digits "
+            "or '_'), as TensorFlow's servers require"
         )
     return job
 
@@ -134,9 +147,12 @@ class DeviceSpec:
                 if len(pieces) != 2:
                     raise bad(f"must look like '{key}:<value>'")
                 value = pieces[1]
-                if key == "job":
+                if value == "*":  # unset, as TF's C++ parser reads it
+                    fields.pop(key, None)
+                elif key == "job":
                     if not _JOB_RE.match(value):
-                        raise bad("has an empty or invalid job name")
+                        raise bad(f"has an invalid job name: a job name must match {JOB_NAME_RULE} (a letter, then "
+                                  "letters, digits or '_'), as TensorFlow's servers require")
                     fields["job"] = value
                 else:
                     if not _INT_RE.match(value):
@@ -241,9 +257,19 @@ def parse_device(value: DeviceLike) -> DeviceSpec:
     raise TypeError(f"expected a device string or DeviceSpec, got {type(value).__name__}")
 
 
+def is_clear(value: object) -> bool:
+    """Whether a device value clears the enclosing scopes: ``None`` here, the keyword ``none``
+    (any case) in a pipeline file, where an omitted or null ``device`` inherits instead."""
+    return isinstance(value, str) and value.strip().lower() == CLEAR
+
+
 def merge_device(outer: DeviceLike, inner: DeviceLike) -> DeviceSpec:
     """Combine nested device scopes like ``with tf.device(outer): with
     tf.device(inner):``. Fields set in ``inner`` win; unset ones come from
     ``outer`` (``parse_device(outer).make_merged_spec(parse_device(inner))``).
+    An empty ``inner`` ("") inherits ``outer``; ``None`` or ``"none"`` clears it,
+    like ``tf.device(None)``: the result is the empty spec.
     """
+    if inner is None or is_clear(inner):
+        return DeviceSpec()
     return parse_device(outer).make_merged_spec(parse_device(inner))

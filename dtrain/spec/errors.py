@@ -59,6 +59,29 @@ class RunError(RuntimeError):
     """
 
 
+class TransientError(RuntimeError):
+    """An error the session recovers from, TensorFlow's "preemption errors" (AbortedError,
+    UnavailableError): every shard restarts from the newest checkpoint (or from the initial
+    parameters at step 0 when there is none) and every replica restarts, counted against
+    ``training.max_recoveries``; once those are used up the run fails (RunError, exit 1). Any
+    other error fails the run at once. dtrain raises it for a ps call that got no answer; a hook
+    may raise :class:`Aborted` or :class:`Unavailable` itself."""
+
+
+class Aborted(TransientError):
+    """TF's AbortedError: an operation was aborted; the session recovers (:class:`TransientError`)."""
+
+
+class Unavailable(TransientError):
+    """TF's UnavailableError: a ps or worker did not answer; the session recovers (:class:`TransientError`)."""
+
+
+class OutOfRange(Exception):  # noqa: N818 - TensorFlow's name (OutOfRangeError), as Aborted/Unavailable
+    """TF's OutOfRangeError, for hooks: raised by a hook (as is StopIteration), it ends training
+    cleanly, like ``ctx.request_stop()``: the final checkpoint, evaluation and model.pt are written,
+    status completed. (A replica at the end of ``data.epochs`` has its own, data.stream.OutOfRange.)"""
+
+
 class ConnectError(RunError):
     """The cluster could not be reached (no scheduler at the address, a refused TLS handshake, a
     scheduler file that cannot be read): the run never started, so nothing is written (exit 1)."""

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .layers import Layer
+from .partitioner import PartitionerSpec
 from .pipeline import PipelineSpec
 from .sections import BOUND_NAMES, OptimizerSpec, did_you_mean, quoted
 
@@ -82,11 +83,13 @@ def error_message(err: dict[str, Any], loc: tuple) -> str:
         tag = ctx.get("tag")
         choices = [c.strip().strip("'") for c in str(ctx.get("expected_tags", "")).split(",")]
         what = "layer type" if "type" in str(ctx.get("discriminator")) else "optimizer"
+        what = "partitioner type" if "partitioner" in loc else what
         return f"unknown {what} {tag!r}{did_you_mean(tag, choices)} (known: {', '.join(choices)})"
     if kind == "union_tag_not_found":
         key = str(ctx.get("discriminator", "tag")).strip("'")
         choices = _union_tags(loc)
         what = "the layer type" if key == "type" else "the optimizer"
+        what = "the partitioner type" if "partitioner" in loc else what
         return f"missing required key {key!r}: {what}, one of {', '.join(choices)}"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", err["msg"]))
@@ -198,8 +201,8 @@ def _expand(items: list[Any]) -> list[Any]:
 
 @functools.cache
 def discriminated() -> frozenset[str]:
-    """Every layer type and optimizer name: the tags pydantic puts into a union member's ``loc``."""
-    return frozenset(t for c in _expand([Layer, OptimizerSpec]) for t in _tags_of(c))
+    """Every layer type, optimizer and partitioner name: the tags pydantic puts into a union member's ``loc``."""
+    return frozenset(t for c in _expand([Layer, OptimizerSpec, PartitionerSpec]) for t in _tags_of(c))
 
 
 def _tags_of(cls: type[BaseModel]) -> tuple[str, ...]:

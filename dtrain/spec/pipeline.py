@@ -12,14 +12,13 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from .device import DeviceSpec
+from .device import DeviceSpec, is_clear
 from .elastic import check_elastic, elastic_of
 from .errors import CrossFieldErrors
-from .graph import _ARITY, OpSpec, VariableSpec
+from .graph import OpSpec, VariableSpec, graph_problems
 from .imports import missing_module
 from .layers import TABLE_LAYERS, ModelSpec
 from .observe import ObserveSpec
@@ -39,6 +38,7 @@ from .sections import (
 )
 from .session import BUILTIN_HOOKS, CheckpointSpec, EvalSpec, HookSpec, SummarySpec
 from .stages import stage_problems, stage_tasks
+from .tokens import check_tokens
 
 # ---------------------------------------------------------------------------------------- pipeline
 
@@ -107,18 +107,20 @@ class PipelineSpec(Strict):
         jobs = self.cluster.jobs
         job_list = ", ".join(f"{j} ({self.cluster.num_tasks(j)} task(s))" for j in jobs)
 
-        def check_device(loc: tuple[str | int, ...], value: str | None) -> None:
-            if value is None:
+        def check_device(loc: tuple[str | int, ...], value: str | None, scope_job: str) -> None:
+            """A pin's job must exist and its task be one of that job's; a pin without a job (/task:1) is
+            relative, like a nested tf.device: its task is one of ``scope_job``'s, the enclosing scope's job."""
+            if value is None or is_clear(value):
                 return
             dev = DeviceSpec.from_string(value)
+            job = dev.job if dev.job is not None else scope_job
             if dev.job is not None and dev.job not in jobs:
                 problems.append((loc, f"{value!r} names job {dev.job!r}, which the cluster lacks; jobs: {job_list}"))
-            elif dev.job is not None and dev.task is not None and dev.task >= self.cluster.num_tasks(dev.job):
-                n = self.cluster.num_tasks(dev.job)
-                problems.append((loc, f"{value!r} names task {dev.task} but job {dev.job!r} has {n} task(s) "
-                                      f"(0..{n - 1}); add tasks in cluster.jobs or pick an existing one"))
-            elif dev.job is None and dev.task is not None:
-                problems.append((loc, f"{value!r} names a task without a job; write /job:NAME/task:{dev.task}"))
+            elif job in jobs and dev.task is not None and dev.task >= self.cluster.num_tasks(job):
+                n = self.cluster.num_tasks(job)
+                rel = "" if dev.job is not None else f" (a pin without a job is in the enclosing scope's job, {job!r})"
+                problems.append((loc, f"{value!r} names task {dev.task} but job {job!r} has {n} task(s) "
+                                      f"(0..{n - 1}){rel}; add tasks in cluster.jobs or pick an existing one"))
 
         # One process per task on this machine, unless the tasks are served by a running cluster
         # (cluster.scheduler, or the scheduler `dtrain run --scheduler` passes in the context).
@@ -128,12 +130,16 @@ class PipelineSpec(Strict):
                              f"per task ({job_list}); at most {MAX_EMBEDDED_TASKS} run on one machine: lower the "
                              "task counts, or run on a Dask cluster with cluster.scheduler (or dtrain run --scheduler)"))
         check_elastic(self, problems)
+        check_tokens(self, problems)
 
         if self.is_graph:
             if not self.graph and not self.variables:
                 problems.append(((), "the pipeline has neither a 'model' nor a 'graph'/'variables' section; "
                                      "add model: {input_shape: [...], layers: [...]} or a graph"))
-            self._check_graph(problems, check_device)
+            problems.extend(graph_problems(self, check_device))
+            if self.training.moving_average is not None:
+                problems.append((("training", "moving_average"), "moving averages follow the optimizer's updates on "
+                                 "the ps; a graph pipeline has none: remove it (or use a model pipeline)"))
             if problems:
                 raise CrossFieldErrors(problems)
             return self
@@ -154,29 +160,32 @@ class PipelineSpec(Strict):
             problems.append((("training", "total_num_replicas"),
                              f"{t.total_num_replicas} replicas but job {self.placement.worker_job!r} has {workers} "
                              f"task(s); one replica runs per worker task: add worker tasks"))
-        elif isinstance(t.replicas_to_aggregate, int) and workers and t.replicas_to_aggregate > self.num_replicas():
+        elif isinstance(t.replicas_to_aggregate, int) and workers and t.replicas_to_aggregate > self.num_replicas() \
+                and not t.sync_tokens:  # tokens: a replica may push several gradients to one update (X1)
             source = ("training.total_num_replicas" if t.total_num_replicas is not None
                       else f"the {workers} task(s) of job {self.placement.worker_job!r}")
             problems.append((("training", "replicas_to_aggregate"),
                              f"{t.replicas_to_aggregate} exceeds the {self.num_replicas()} replicas ({source}); "
-                             f"lower it or add worker tasks"))
+                             f"lower it, add worker tasks, or set training.sync_tokens: true (TensorFlow's token "
+                             "queue: a replica then pushes several gradients per update)"))
         if t.wire_dtype != "float32" and (t.transport != "socket" or t.replication == "in_graph"):
             problems.append((("training", "wire_dtype"), f"wire_dtype {t.wire_dtype} needs transport: socket "
                              "and between_graph replication (Dask's serializer has no bfloat16)"))
-        if t.replication == "in_graph" and t.mode == "async":
-            problems.append((("training", "replication"),
-                             "in_graph replication needs mode: sync (the session aggregates every step); "
-                             "set training.mode: sync or use replication: between_graph"))
+        if t.replication == "in_graph" and t.mode == "async" and (t.overlap or t.max_staleness is not None):
+            key = "overlap" if t.overlap else "max_staleness"
+            problems.append((("training", key), f"{key} applies to between_graph replication (in_graph async "
+                             "towers push one step at a time, unbounded); remove it or use replication: between_graph"))
         if t.mode == "sync" and (t.overlap or t.max_staleness is not None):
             key = "overlap" if t.overlap else "max_staleness"
             problems.append((("training", key), f"{key} applies to mode: async only; remove it or set mode: async"))
         if t.replicas_to_aggregate is not None and t.mode == "async":
             problems.append((("training", "replicas_to_aggregate"),
                              "replicas_to_aggregate applies to mode: sync only; remove it or set mode: sync"))
+        ps_job, worker_job = self.placement.ps_job, self.placement.worker_job
         check_device(("placement", "worker_device"), self.placement.worker_device
-                     if self.placement.worker_device.startswith("/") else None)
+                     if self.placement.worker_device.startswith("/") else None, worker_job)
         for name, dev in self.placement.variable_devices.items():
-            check_device(("placement", "variable_devices", name), dev)
+            check_device(("placement", "variable_devices", name), dev, ps_job)
             if DeviceSpec.from_string(dev).device_type == "GPU":
                 # A shard is one flat float32 buffer in its task's CPU memory: a GPU type would only
                 # change what `dtrain plan` prints.
@@ -189,10 +198,10 @@ class PipelineSpec(Strict):
         assert model is not None
         if model.layers is not None:
             for i, layer in enumerate(model.layers):
-                check_device(("model", "layers", i, "device"), layer.device)
+                check_device(("model", "layers", i, "device"), layer.device, worker_job)
             self._check_shapes(problems)
         for name, dev in self.placement.layer_devices.items():
-            check_device(("placement", "layer_devices", name), dev)
+            check_device(("placement", "layer_devices", name), dev, worker_job)
         if model.layers is not None and self.placement.layer_devices:
             problems.append((("placement", "layer_devices"), "layer_devices pins a model.module's children; "
                              "for model.layers set each layer's device instead"))
@@ -318,33 +327,6 @@ class PipelineSpec(Strict):
             problems.append((("model", "layers"), f"cross_entropy needs logits of shape (classes,), the layers "
                              f"produce {out}; end with a linear layer (add a flatten before it)"))
 
-    def _check_graph(self, problems: list, check_device: Any) -> None:
-        seen: dict[str, tuple[str | int, ...]] = {}
-        for i, var in enumerate(self.variables):
-            if var.name in seen:
-                problems.append((("variables", i, "name"), f"duplicate name {var.name!r} "
-                                 f"(first at {'.'.join(map(str, seen[var.name]))})"))
-            seen.setdefault(var.name, ("variables", i))
-            check_device(("variables", i, "device"), var.device)
-        for i, op in enumerate(self.graph):
-            if op.name in seen:
-                problems.append((("graph", i, "name"), f"duplicate name {op.name!r} "
-                                 f"(first at {'.'.join(map(str, seen[op.name]))})"))
-            for j, inp in enumerate(op.inputs):
-                if isinstance(inp, str) and inp not in seen:
-                    problems.append((("graph", i, "inputs", j), f"{inp!r} is not a variable or an earlier op; "
-                                     f"known: {', '.join(seen) or 'none'}"))
-                if isinstance(inp, float) and not math.isfinite(inp):
-                    problems.append((("graph", i, "inputs", j), "literal must be finite"))
-            want = _ARITY.get(op.op, 1)
-            if len(op.inputs) != want:
-                problems.append((("graph", i, "inputs"), f"op {op.op!r} takes {want} input(s), got {len(op.inputs)}"))
-            seen.setdefault(op.name, ("graph", i))
-            check_device(("graph", i, "device"), op.device)
-        for i, name in enumerate(self.fetch):
-            if name not in seen:
-                problems.append((("fetch", i), f"{name!r} is not a variable or op; known: {', '.join(seen) or 'none'}"))
-
 
 def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]:
     """Settings a model with sparse embedding tables cannot use, one problem each (also checked
@@ -367,5 +349,8 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
     if t.overlap:
         out.append((("training", "overlap"), "overlap does not apply to sparse tables (the next batch's rows come "
                                              "with the reply); remove it"))
+    if t.moving_average is not None:
+        out.append((("training", "moving_average"), "moving averages are kept for dense variables only, not sparse "
+                                                    "tables; remove it, or set sparse: false on the embedding layer"))
     return out
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .device import DeviceSpec
+from .device import JOB_NAME_RULE, DeviceSpec, is_clear
 from .elastic import AdaptiveSpec, ElasticJob, parse_elastic
 from .errors import CrossFieldErrors
 from .sizes import memory_limit_bytes
@@ -99,9 +99,17 @@ def check_device_type(spec: DeviceSpec, value: str) -> None:
                      "or /device:GPU:N (/cpu:0, /gpu:N)")
 
 
-def check_device_string(value: str | None) -> str | None:
+def check_device_string(value: str | None, allow_clear: bool = False) -> str | None:
+    """A device string's grammar and type. ``allow_clear``: graph nodes also take ``none``, which
+    clears the enclosing scopes like ``tf.device(None)`` (elsewhere a replica's task always applies)."""
     if value is None:
         return None
+    if is_clear(value):
+        if allow_clear:
+            return value
+        raise ValueError(f"{value!r} (clear the enclosing device scopes, like tf.device(None)) applies to graph "
+                         "variables and ops only; here the replica's (or ps) task always applies: give a device "
+                         "string, or leave the key out to inherit")
     check_device_type(DeviceSpec.from_string(value), value)  # from_string raises ValueError with the grammar
     return value
 
@@ -167,8 +175,9 @@ class ClusterSpec(Strict):
         problems: list[tuple[tuple[str | int, ...], str]] = []
         most = MAX_TASKS_PER_JOB
         for name, tasks in jobs.items():
-            if not isinstance(name, str) or not re.match(NAME, name):
-                problems.append(((str(name),), f"job name {name!r} must be letters, digits, '_', '.', '-'"))
+            if not isinstance(name, str) or not re.fullmatch(JOB_NAME_RULE, name):
+                problems.append(((str(name),), f"job name {name!r} must match {JOB_NAME_RULE} (a letter, then "
+                                               "letters, digits or '_'), as TensorFlow's servers require"))
             elif isinstance(tasks, dict):  # elastic: {min, max}
                 jobs = {**jobs, name: parse_elastic(name, tasks, problems)}
             elif isinstance(tasks, bool) or not isinstance(tasks, (int, list, tuple)):
@@ -210,6 +219,8 @@ class ClusterSpec(Strict):
 
 # ------------------------------------------------------------------------------------- placement
 
+from .partitioner import PartitionerSpec  # noqa: E402  (needs Strict; one module per section group)
+
 
 class PlacementSpec(Strict):
     """Where variables and compute live (replica_device_setter and tf.device)."""
@@ -234,6 +245,10 @@ class PlacementSpec(Strict):
     min_slice_bytes: int = Field(
         256 * 1024, ge=1, description="partitioned: variables of at least this many bytes are split over ps tasks."
     )
+    partitioner: PartitionerSpec | None = Field(
+        None, description="Split variables into parts (TensorFlow's partitioners: fixed_size, min_max, "
+        "variable_axis_size), each part placed like a variable by `variables` (round_robin or greedy).",
+    )
     layer_devices: dict[str, str] = Field(
         default_factory=dict,
         description="model.module: pin the module's top-level children (by name, or a prefix ending in '.') to "
@@ -244,6 +259,17 @@ class PlacementSpec(Strict):
         "mod", description="How sparse embedding tables are split by rows over the ps tasks (TensorFlow's "
         "partition_strategy): mod puts id i on task i % P, div gives each task a contiguous range.",
     )
+
+    @model_validator(mode="after")
+    def _partitioner_alone(self) -> PlacementSpec:
+        if self.partitioner is not None and self.variables == "partitioned":
+            raise CrossFieldErrors([(("variables",), "'partitioned' splits by min_slice_bytes and cannot be combined "
+                                     "with placement.partitioner: set variables to round_robin or greedy (how the "
+                                     "parts are placed), or remove the partitioner")])
+        if self.partitioner is not None and "min_slice_bytes" in self.model_fields_set:
+            raise CrossFieldErrors([(("min_slice_bytes",), "applies to variables: partitioned only; with "
+                                     "placement.partitioner use its own size key (min_slice_size, max_shard_bytes)")])
+        return self
 
     @field_validator("worker_device")
     @classmethod
@@ -339,13 +365,25 @@ OptimizerSpec = Annotated[
 # -------------------------------------------------------------------------------------- training
 
 
+class MovingAverageSpec(Strict):
+    """tf.train.ExponentialMovingAverage as SyncReplicasOptimizer's variable_averages (dtrain.ps.averages)."""
+
+    decay: float = Field(ge=0.0, lt=1.0, description="After every applied update: shadow = decay * shadow + "
+                         "(1 - decay) * variable, for every dense variable, kept on its ps task; in [0, 1), e.g. 0.999.")
+    num_updates: bool = Field(False, description="TF's num_updates=global_step: decay at step n is min(decay, "
+                              "(1 + n) / (10 + n)), so the average follows the variables closely early on.")
+    use_for_eval: bool = Field(True, description="Evaluate (eval.every_steps and the final evaluation) and write "
+                               "model.pt with the averages instead of the trained variables.")
+
+
 class TrainingSpec(Strict):
     """Replication and the step protocol."""
 
     replication: Literal["between_graph", "in_graph"] = Field(
         "between_graph",
         description="between_graph: each replica runs its own loop and shares only the ps; in_graph: the session "
-        "submits one Dask graph per step (N gradient tasks, a reduce, an apply). in_graph needs mode: sync.",
+        "submits one Dask graph per step (N gradient tasks, a reduce, an apply; with mode: async, one graph per tower "
+        "step, each tower's gradient applied on arrival).",
     )
     mode: Literal["async", "sync"] = Field(
         "async", description="async: each push is applied at once; sync: SyncReplicasOptimizer semantics."
@@ -356,6 +394,15 @@ class TrainingSpec(Strict):
     total_num_replicas: int | None = Field(
         None, ge=1, description="Replicas, backups included (default and maximum: the worker job's task count)."
     )
+    sync_tokens: bool = Field(
+        False, description="sync: TensorFlow's token queue instead of dtrain's step barrier: a replica tags its "
+        "gradient with its local step, then takes a token (the global step it computes on next; it waits only "
+        "while none is left); an update applies replicas_to_aggregate fresh gradients from any replicas and "
+        "enqueues max(total_num_replicas, replicas_to_aggregate) tokens; replicas_to_aggregate may exceed the "
+        "replicas. One ps task, between_graph (docs/tokens.md).")
+    init_tokens: int | None = Field(
+        None, ge=0, description="sync_tokens: tokens of the global step enqueued at start and after a restore "
+        "(TF's num_tokens); default replicas_to_aggregate; at least replicas_to_aggregate - total_num_replicas.")
     steps: int | None = Field(
         None, ge=1, le=MAX_STEPS, description="The last global step (at most 2**62). Default: 1000, or unbounded "
         "when data.epochs is set (the data's end ends training).")
@@ -393,6 +440,9 @@ class TrainingSpec(Strict):
     pin_cpus: bool = Field(
         False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
         "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")
+    moving_average: MovingAverageSpec | None = Field(
+        None, description="Keep exponential moving averages of the variables on the ps (TF's variable_averages); "
+        "default: none.")
     shared_memory: bool = Field(
         True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
         "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "

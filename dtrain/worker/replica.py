@@ -29,6 +29,7 @@ from dtrain.model.tables import TABLE_TYPES
 from dtrain.observe.meters import Every
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
+from dtrain.spec.errors import Unavailable  # a transient error: the session recovers
 from dtrain.worker.buckets import GradBuckets
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.tables import SparseRouter
@@ -310,8 +311,8 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         try:
             out = [f.result(timeout=timeout) for f in futures]
         except (TimeoutError, FutureTimeout):  # distinct classes on Python 3.10
-            raise ReplicaError(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
-                               "(training.call_timeout_s); is a ps task lost?") from None
+            raise Unavailable(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
+                              "(training.call_timeout_s); is a ps task lost?") from None
         stats.wait_s += time.perf_counter() - t0
         return out
 

@@ -32,7 +32,7 @@ from torch import nn
 from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, Message, StageLink
 from dtrain.model.build import build_model, build_model_skeleton
 from dtrain.model.layers import get_loss, init_parameters
-from dtrain.plan.layout import BoundModel, Part, ShardLayout
+from dtrain.plan.layout import BoundModel, ShardLayout, part_of
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, microbatched, torch_device
 
@@ -63,7 +63,7 @@ def stage_layout(plan: Any, position: int) -> ShardLayout:
     """The layout of stage ``position``'s shards, numbered from 0 in :func:`stage_shards` order."""
     ids = stage_shards(plan, position)
     local = {g: i for i, g in enumerate(ids)}
-    parts = [Part(local[v.shard], v.offset, v.numel, v.source, v.start) for v in plan.variables if v.shard in local]
+    parts = [part_of(v, local[v.shard]) for v in plan.variables if v.shard in local]
     return ShardLayout(parts, [plan.shards[g].numel for g in ids])
 
 

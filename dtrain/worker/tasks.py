@@ -10,7 +10,9 @@ In-graph replication's tasks (below the replica task) are what the step graphs b
 chief's driver (``dtrain.chief.ingraph``) run: ``read_shard`` and ``reduce_apply`` pinned to a ps
 worker (they find the shard actor in their worker's state and run its coroutine on that worker's
 event loop, so no actor call crosses the network), ``replica_gradients`` pinned to worker task
-``r`` (its model, buffers and data iterator cached in the process across steps), ``release``.
+``r`` (its model, buffers and data iterator cached in the process across steps), ``release``;
+for in-graph async (``dtrain.chief.ingraph_async``) ``tower_gradients`` and ``tower_push`` (the
+shard applies one tower's gradient at once, ``WorkerShard.push_counted``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,16 @@ class WorkerShard(ParameterShard):
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1", tls: Any = None,
                               wire_dtype: str = "float32") -> tuple[str, int]:
         return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype)
+
+    async def push_counted(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
+                           local_step: int, out: torch.Tensor) -> bool:
+        """In-graph async (``tower_push``): ``push_pull``, and whether this push was applied. A
+        checkpoint hold is waited out first: from there to its apply ``push_pull`` never yields to
+        the event loop, so the step moves by one exactly when this push was applied."""
+        await self._wait_unheld()
+        before = self.step
+        await self.push_pull(grad, replica, version, loss, samples, local_step, out=out)
+        return self.step > before
 
 
 def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0,
@@ -195,12 +207,26 @@ def shard_state(actor_key: str) -> tuple[int, bool]:
     return shard.step, bool(shard.stop or shard.error is not None)
 
 
-def read_shard(actor_key: str, timeout: float, *after: Any) -> tuple[torch.Tensor, int, bool]:
+def read_shard(actor_key: str, timeout: float, *after: Any, fresh: bool = False) -> tuple[torch.Tensor, int, bool]:
     """The shard's parameters (a snapshot buffer), its step and its stop flag. ``after`` are the
-    tasks this read must follow (the shard's previous apply); their values are unused."""
+    tasks this read must follow (the shard's previous apply); their values are unused. ``fresh``:
+    into a new tensor, not the shard's ring of reply buffers (async towers read at any pace, so a
+    ring slot could be refilled before a slow tower has loaded it)."""
     worker, shard = _local_shard(actor_key)
-    params, step, stop, _generation = sync(worker.loop, shard.pull, 0, callback_timeout=timeout)
+    out = torch.empty_like(shard.param) if fresh else None
+    params, step, stop, _generation = sync(worker.loop, shard.pull, 0, out, callback_timeout=timeout)
     return params, step, stop
+
+
+def _replica_model(config: tuple[Any, Any], token: str, index: int) -> ReplicaModel:
+    with _LOCK:
+        rep = _MODELS.get((token, index))
+    if rep is None:
+        spec, plan = config
+        rep = ReplicaModel(spec, plan, index)
+        with _LOCK:
+            _MODELS[(token, index)] = rep
+    return rep
 
 
 def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: tuple[torch.Tensor, int, bool]
@@ -211,13 +237,7 @@ def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: t
         raise RuntimeError(f"replica {index}: the shards' parameters are of different steps {steps}; "
                            "a replica never mixes steps")
     version = steps[0]
-    with _LOCK:
-        rep = _MODELS.get((token, index))
-    if rep is None:
-        spec, plan = config
-        rep = ReplicaModel(spec, plan, index)
-        with _LOCK:
-            _MODELS[(token, index)] = rep
+    rep = _replica_model(config, token, index)
     # Every replica contributes to every step: its local step is the global step (this also
     # puts the data order where a restored checkpoint left it).
     if rep.batches.local_step != version:
@@ -255,6 +275,40 @@ def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: t
         out["replicas"] = [{"loss": r["loss"], "samples": r["samples"], "compute_s": r["compute_s"],
                             "device": r["device"]} for r in results]
     return out
+
+
+def tower_gradients(config: tuple[Any, Any], token: str, index: int, local_step: int,
+                    *reads: tuple[torch.Tensor, int, bool]) -> dict[str, Any]:
+    """In-graph async: tower ``index``'s gradient on its ``local_step``-th batch, on the parameters
+    it read. Unlike :func:`replica_gradients` the shards' steps may differ (each applies pushes as
+    they arrive, as between-graph async replicas' pulls see them)."""
+    rep = _replica_model(config, token, index)
+    if rep.batches.local_step != local_step:  # a resumed run: the tower's place in its data order
+        rep.batches.seek(local_step)
+    t0 = time.perf_counter()
+    rep.load([r[0] for r in reads])
+    grads = rep.grad_bufs[local_step % 2]
+    loss, n = rep.step(grads)
+    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
+            "local_step": local_step, "versions": [r[1] for r in reads], "device": str(rep.device)}
+
+
+def tower_push(actor_key: str, token: str, shard: int, replica: int, timeout: float,
+               result: dict[str, Any]) -> dict[str, Any]:
+    """In-graph async: push tower ``replica``'s gradient for ``shard`` through the local actor,
+    applied at once (``push_pull``: no averaging, no barrier). The gradient's version is the step
+    of the parameters the tower read from this shard, so the shard counts its staleness."""
+    worker, ps = _local_shard(actor_key)
+    with _LOCK:  # the reply's copy lands in a scratch buffer: the tower reads afresh each step
+        out = _SUMS.get((token, shard))
+        if out is None or out.shape != ps.param.shape:
+            out = _SUMS[(token, shard)] = torch.empty_like(ps.param)
+    applied = sync(worker.loop, ps.push_counted, result["grads"][shard], replica, result["versions"][shard],
+                   result["loss"], result["samples"], result["local_step"] + 1, out, callback_timeout=timeout)
+    out_ = {"shard": shard, "step": ps.step, "applied": bool(applied), "stop": bool(ps.stop or ps.error is not None)}
+    if shard == 0:
+        out_.update({k: result[k] for k in ("loss", "samples", "compute_s", "device", "local_step")})
+    return out_
 
 
 def release(token: str, replica: int | None = None, shard: int | None = None) -> dict[str, Any]:

@@ -48,7 +48,9 @@ def test_save_writes_checkpoint_and_manifest_atomically(tmp_path):
     data = path.read_bytes()
     manifest = json.loads(path.with_suffix(".json").read_text())
     assert manifest == {"step": 500, "file": "ckpt-00000500.pt", "bytes": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": "abc"}
+                        "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": "abc",
+                        "time": manifest["time"]}  # the write time: keep_every_n_hours reads it
+    assert manifest["time"] == torch.load(path, weights_only=True)["time"]
     payload = torch.load(path, weights_only=True)
     assert payload["step"] == 500 and payload["pipeline_hash"] == "abc" and payload["format"] == ckpt.FORMAT
     assert torch.equal(payload["shards"][1]["params"], _shards(500)[1]["params"])
@@ -286,8 +288,9 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     assert s["status"] == "completed" and s["global_step"] == 60
     written = s["checkpoints"]
     # The shards pause at every multiple of every_steps until the chief has its snapshot: exactly
-    # these checkpoints, however fast the steps go by between the chief's polls.
-    assert written == ["ckpt-00000020.pt", "ckpt-00000040.pt", "ckpt-00000060.pt"]
+    # these checkpoints, however fast the steps go by between the chief's polls (and step 0's,
+    # written at creation as TF's CheckpointSaverHook does).
+    assert written == ["ckpt-00000000.pt", "ckpt-00000020.pt", "ckpt-00000040.pt", "ckpt-00000060.pt"]
     on_disk = [p.name for p in ckpt.list_checkpoints(run_dir)]
     assert on_disk == written[-2:]  # keep: 2
     assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if p.name.startswith(".")]  # no temp files
@@ -342,9 +345,9 @@ checkpoint: {every_steps: 40, keep: 2}
 """
 
 
-@pytest.mark.parametrize("placement", [["cluster.jobs.ps=1"], ["placement.variables=greedy"]])
+@pytest.mark.parametrize("placement", [["cluster.jobs.ps=1"], ["cluster.jobs.ps=3"], ["placement.variables=greedy"]])
 def test_a_resume_under_another_placement_reshards_variables_and_adam_state(inproc_client, tmp_path, placement):
-    """Written by 2 ps tasks (round robin), resumed by 1 ps task or under greedy placement: every
+    """Written by 2 ps tasks (round robin), resumed by 1 or 3 ps tasks or under greedy placement: every
     variable and its Adam moments and step count are regrouped, and training goes on exactly as
     an uninterrupted run's (sync, fixed seed)."""
     spec = dtrain.loads(RESHARD, base_dir=".")

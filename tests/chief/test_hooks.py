@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -92,9 +93,13 @@ def test_step_counter_and_logging_start_counting_at_the_resumed_step(caplog):
     for h in (counter, log):
         h.begin(SimpleNamespace(start_step=1000))
     with caplog.at_level(logging.INFO, logger="dtrain"):
-        for h in (counter, log):
-            h.after_step(StepContext(1005, {"loss": 0.5}))
-    assert counter.rates == [] and caplog.records == []  # 5 steps since the resume, not 1005
+        for step in (1005, 1050, 1104, 1105):
+            for h in (counter, log):
+                h.after_step(StepContext(step, {"loss": 0.5}))
+    assert len(counter.rates) == 2  # at 1050 and 1104; not at 1005 (5 steps since the resume, not 1005)
+    # TF's LoggingTensorHook: the first step seen, then N steps after the last line.
+    assert [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("step ")] == \
+        ["1005", "1105"]
 
 
 # ------------------------------------------------------------------------------ nan_guard
@@ -124,7 +129,7 @@ hooks: [{{type: nan_guard}}]
     assert "nan_guard" in summary["error"]
     # Both replicas' forward after `after` good ones is NaN: the ps refused that update.
     assert summary["global_step"] == after
-    expected = [f"ckpt-{s:08d}.pt" for s in range(15, after + 1, 15)]
+    expected = [f"ckpt-{s:08d}.pt" for s in range(0, after + 1, 15)]  # (step 0: the saver's at creation)
     assert summary["checkpoints"] == expected
     last = ckpt.latest(run_dir)
     assert last is not None and last.path.name == expected[-1]
@@ -200,3 +205,88 @@ def test_build_hooks_errors_name_the_hook(hook, message):
     specs = [HookSpec(type="nan_guard"), HookSpec.model_validate(hook)]
     with pytest.raises(SpecError, match=message):
         build_hooks(specs)
+
+
+# ------------------------------------------------------------------------------ TF's hook semantics
+
+
+@pytest.mark.parametrize("error", ["stop_iteration", "out_of_range"])
+def test_a_hook_raising_stop_iteration_or_out_of_range_ends_the_run_cleanly(inproc_client, run_dir, tmp_path, error):
+    # MS5: no exception escapes; should_stop is true; the end of a run is written as after a stop.
+    s = spec(f"""
+training: {{mode: sync, steps: 2000}}
+summary: {{every_steps: 5, tensorboard: false}}
+checkpoint: {{every_steps: 1000}}
+hooks: [{{type: "tests.helpers.errors:RaiseAt", args: {{step: 20, error: {error}, path: "{tmp_path}/seen.jsonl"}}}}]
+""")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and "error" not in summary
+    name = {"stop_iteration": "StopIteration", "out_of_range": "OutOfRange"}[error]
+    assert summary["stop_reason"] == f"{name} from a hook: raised by RaiseAt at step {seen_raised(tmp_path)}"
+    assert 20 <= summary["global_step"] < 2000 and summary["recoveries"] == 0
+    # The final checkpoint (at the stop step), the final evaluation and model.pt are written.
+    assert summary["checkpoints"][-1] == f"ckpt-{summary['global_step']:08d}.pt"
+    assert summary["eval"]["accuracy"] > 0.3 and (run_dir / "model.pt").is_file()
+
+
+def seen_raised(tmp_path) -> int:
+    from tests.helpers.errors import seen
+
+    raised = seen(tmp_path / "seen.jsonl")[1]
+    assert raised is not None
+    return raised
+
+
+def test_logging_hook_logs_the_first_step_then_every_n_after_it(caplog):
+    # X16, TF's row: every_n_iter=10 -> logged at run 1, 11, 21, 31; not at 32.
+    hook = LoggingHook(every_steps=10)
+    hook.begin(SimpleNamespace(start_step=0))
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        for step in (1, 5, 10, 11, 20, 21, 30, 31, 32):
+            hook.after_step(StepContext(step, {"loss": 0.5}))
+    assert [int(r.getMessage().split()[1]) for r in caplog.records] == [1, 11, 21, 31]
+
+
+def test_logging_hook_chosen_tensors_and_at_end_in_a_run(inproc_client, run_dir, caplog):
+    # X16: `tensors` chooses the values; `at_end` logs the final ones once more, at the last step.
+    s = spec("""
+training: {mode: sync, steps: 40}
+summary: {every_steps: 10, tensorboard: false}
+hooks: [{type: logging, every_steps: 15, at_end: true, tensors: [loss, learning_rate]}]
+""")
+    with caplog.at_level(logging.INFO, logger="dtrain"):
+        summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and summary["global_step"] == 40
+    lines = [r.getMessage() for r in caplog.records if r.name == "dtrain" and r.getMessage().startswith("step ")]
+    assert all(re.fullmatch(r"step \d+: loss = (n/a|[\d.e+-]+), learning_rate = 0\.1", m) for m in lines), lines
+    steps = [int(m.split()[1].rstrip(":")) for m in lines]
+    assert len(steps) >= 2 and steps[-1] == 40  # at_end: the final step
+    assert all(b - a >= 15 for a, b in zip(steps[:-2], steps[1:-1], strict=True)), steps  # then every 15
+    final = lines[-1]
+    assert final.split("loss = ")[1].split(",")[0] == f"{summary['final_loss']:.4g}"  # the final values
+
+
+def test_nan_guard_warn_mode_stops_cleanly_at_the_first_nan(inproc_client, run_dir, caplog):
+    # X18: NanTensorHook(fail_on_nan_loss=False): a warning, a requested stop, no exception; the ps
+    # refused the NaN update, so the final checkpoint and model.pt hold the last good parameters.
+    s = dtrain.loads("""
+name: nan-warn
+cluster: {jobs: {ps: 2, worker: 2}}
+model: {module: "tests.helpers.hooks:NanAfter", kwargs: {after: 40}}
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.05}
+training: {mode: sync, steps: 1000}
+summary: {every_steps: 5, tensorboard: false}
+checkpoint: {every_steps: 15, keep: 10}
+hooks: [{type: nan_guard, mode: warn}]
+""", base_dir=".")
+    with caplog.at_level(logging.WARNING):
+        summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and "error" not in summary
+    assert summary["stop_reason"].startswith("nan_guard: replica ") and "non-finite" in summary["stop_reason"]
+    assert summary["global_step"] == 40
+    assert summary["checkpoints"] == [f"ckpt-{s:08d}.pt" for s in (0, 15, 30, 40)]
+    assert all(torch.isfinite(sh["params"]).all() for sh in ckpt.latest(run_dir).payload["shards"])
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in model.values())
+    assert any("nan_guard" in r.getMessage() and "mode: warn" in r.getMessage() for r in caplog.records)

@@ -212,6 +212,10 @@ def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer):
     tensors = [v for obj in (shard, shard.optimizer) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert ps_state_bytes(numel * 4, spec) == allocated
+    config["moving_average"] = {"decay": 0.99}  # training.moving_average: one more buffer
+    averaged = ParameterShard(config, torch.zeros(numel))
+    assert averaged.averages is not None
+    assert ps_state_bytes(numel * 4, spec, averages=True) == allocated + averaged.averages.shadow.nbytes
 
 
 def test_compile_errors_get_their_file_and_line(tmp_path, capsys):

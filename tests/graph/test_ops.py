@@ -63,3 +63,15 @@ def test_op_errors(op, inputs, match):
 
 def test_sqrt_of_negative_is_nan_like_tf():
     assert math.isnan(to_python(apply_op("sqrt", [-1.0])))
+
+
+def test_strings_pass_through_identity_and_add_concatenates():
+    assert apply_op("identity", ["Hello distributed TensorFlow!"]) == "Hello distributed TensorFlow!"
+    assert apply_op("add", ["Hello ", "distributed TensorFlow!"]) == "Hello distributed TensorFlow!"
+    assert to_python("b'not bytes'") == "b'not bytes'"  # a string is printed as written
+
+
+@pytest.mark.parametrize(("op", "inputs"), [("mul", ["a", 2.0]), ("add", ["a", 1.0]), ("neg", ["a"])])
+def test_numeric_ops_refuse_strings(op, inputs):
+    with pytest.raises(ValueError, match=f"{op} takes numbers, got a string"):
+        apply_op(op, inputs)

@@ -82,3 +82,20 @@ class NanAfter(nn.Module):
             elif self.sleep_s:
                 time.sleep(self.sleep_s)
         return out
+
+
+class SummaryHook(Hook):
+    """Writes its own summaries at every step it sees: ``custom/half_step`` (the step / 2) and
+    ``custom/loss_x2`` (twice the newest loss, as a 0-d tensor) once a loss is known; with
+    ``bad``, ``custom/bad`` with that value instead (a misbehaving hook)."""
+
+    def __init__(self, bad: Any = None):
+        self.bad = bad
+
+    def after_step(self, ctx: StepContext) -> None:
+        if self.bad is not None:
+            ctx.summary("custom/bad", self.bad)
+            return
+        ctx.summary("custom/half_step", ctx.step / 2)
+        if ctx.metrics.get("loss") is not None:
+            ctx.summary("custom/loss_x2", torch.tensor(2 * ctx.metrics["loss"]))

@@ -7,6 +7,8 @@ N*b on the same samples: batch j is the training-split rows at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import dtrain
@@ -47,9 +49,11 @@ def sparse_optimizers(spec: dtrain.PipelineSpec, model: torch.nn.Module) -> list
     return [torch_optimizer(spec, dense), sparse]
 
 
-def single_process(spec: dtrain.PipelineSpec, num_replicas: int, steps: int | None = None) -> torch.nn.Module:
+def single_process(spec: dtrain.PipelineSpec, num_replicas: int, steps: int | None = None,
+                   on_step: Callable[[int, torch.nn.Module], None] | None = None) -> torch.nn.Module:
     """The model after ``steps`` (default ``training.steps``) plain torch steps of batch
-    ``num_replicas * data.batch_size``."""
+    ``num_replicas * data.batch_size``. ``on_step(step, model)``: called after each step (1, 2, ...)
+    and once before the first (0), e.g. to follow the parameters' trajectory."""
     data = dataset_for(spec)
     ids = data.x_train.dtype.kind in "iu"
     x = torch.as_tensor(data.x_train, dtype=torch.int64 if ids else torch.float32)
@@ -62,6 +66,8 @@ def single_process(spec: dtrain.PipelineSpec, num_replicas: int, steps: int | No
         bce = loss_fn
         loss_fn = lambda out, target: bce(out.reshape(-1), target.float())  # noqa: E731
     global_batch = num_replicas * spec.data.batch_size
+    if on_step is not None:
+        on_step(0, model)
     for j in range(spec.training.steps if steps is None else steps):
         idx = torch.as_tensor(ShardIterator.global_batch_indices(
             j, global_batch, n_samples=len(x), seed=spec.training.seed, shuffle=spec.data.shuffle))
@@ -70,6 +76,8 @@ def single_process(spec: dtrain.PipelineSpec, num_replicas: int, steps: int | No
         loss_fn(model(x[idx]), y[idx]).backward()
         for opt in opts:
             opt.step()
+        if on_step is not None:
+            on_step(j + 1, model)
     return model
 
 

@@ -420,7 +420,7 @@ def test_to_json_snapshot(digits, digits_plan):
         "ops": [], "fetch": [], "ps_bytes": {"/job:ps/task:0": 37888, "/job:ps/task:1": 552},
         "missing_tasks": [], "tables": [], "data": None, "epochs": None,
         "stages": [], "stage_positions": 1, "microbatches": 1, "assignment": "", "shared_tasks": [],
-        "replicas_min": None, "aggregate_fraction": None, "adaptive": None,
+        "replicas_min": None, "aggregate_fraction": None, "sync_tokens": False, "adaptive": None,
     }
 
 
@@ -499,6 +499,91 @@ fetch: [t]
         ("z", "/job:ps/task:1/device:CPU:0"), ("w", "/job:ps/task:0/device:GPU:0"),
         ("s", "/job:worker/task:0/device:CPU:0"), ("t", "/job:ps/task:1/device:CPU:0")]
     assert plan.ops[1].value == [1.0, 2.0]
+
+
+def test_nested_scopes_graph_places_relative_pins_like_tf():
+    """SEED-16: replica_device_setter(ps_tasks=2) > tf.device("/task:1") > tf.device("/cpu:0")."""
+    plan = dtrain.compile(dtrain.load(PIPELINES / "nested_scopes_graph.yaml"))
+    assert [(o.name, o.device, o.worker) for o in plan.ops] == [
+        ("v1", "/job:ps/task:0/device:CPU:0", "ps-0"), ("v2", "/job:ps/task:1/device:CPU:0", "ps-1"),
+        ("v3", "/job:ps/task:0/device:CPU:0", "ps-0"), ("s", "/job:worker/task:0/device:CPU:0", "worker-0"),
+        ("p1", "/job:worker/task:1/device:CPU:0", "worker-1"), ("p2", "/job:worker/task:1/device:CPU:0", "worker-1")]
+    assert plan.to_json()["ops"][4]["device"] == "/job:worker/task:1/device:CPU:0"
+
+
+def test_graph_relative_pins_and_clearing():
+    spec = dtrain.loads("""
+cluster: {jobs: {ps: 2, worker: 3}}
+variables:
+  - {name: a, value: 1.0, device: /task:1}        # a ps task: /job:ps/task:1, still advances round robin
+  - {name: b, value: 2.0}                         # round robin: task 1
+  - {name: c, value: 3.0, device: none}           # tf.device(None): no ps slot, the session's task
+  - {name: d, value: 4.0}                         # round robin: task 0 (c took no slot)
+  - {name: e, value: 5.0, device: /job:*/gpu:0}   # job:* is unset: the setter places it
+graph:
+  - {name: f, op: add, inputs: [a, b], device: /task:2/gpu:1}
+  - {name: g, op: neg, inputs: [f], device: none}
+  - {name: h, op: neg, inputs: [f], device: /job:ps}
+fetch: [g]
+""")
+    assert [(o.name, o.device) for o in dtrain.compile(spec).ops] == [
+        ("a", "/job:ps/task:1/device:CPU:0"), ("b", "/job:ps/task:1/device:CPU:0"),
+        ("c", "/job:worker/task:0/device:CPU:0"), ("d", "/job:ps/task:0/device:CPU:0"),
+        ("e", "/job:ps/task:1/device:GPU:0"), ("f", "/job:worker/task:2/device:GPU:1"),
+        ("g", "/job:worker/task:0/device:CPU:0"), ("h", "/job:ps/task:0/device:CPU:0")]
+
+
+@pytest.mark.parametrize("jobs, worker", [("{worker: 2}", "worker"), ("{local: 2}", "local")])
+def test_graph_without_ps_job_keeps_variables_on_the_default_op_device(jobs, worker):
+    """R10: replica_device_setter with ps_tasks=0 places nothing: variables stay where the ops run."""
+    spec = dtrain.loads(f"""
+cluster: {{jobs: {jobs}}}
+variables:
+  - {{name: x, value: 1.0}}
+  - {{name: y, value: 2.0}}
+  - {{name: z, value: 3.0, device: /task:1}}
+graph:
+  - {{name: s, op: add, inputs: [x, y]}}
+fetch: [s]
+""")
+    assert [(o.name, o.device) for o in dtrain.compile(spec).ops] == [
+        ("x", f"/job:{worker}/task:0/device:CPU:0"), ("y", f"/job:{worker}/task:0/device:CPU:0"),
+        ("z", f"/job:{worker}/task:1/device:CPU:0"), ("s", f"/job:{worker}/task:0/device:CPU:0")]
+
+
+def test_graph_initializer_seed_is_resolved_in_the_plan():
+    text = """
+training: {seed: %d}
+cluster: {jobs: {ps: 1, worker: 1}}
+variables:
+  - {name: w, shape: [2, 2], initializer: {type: random_normal, mean: 1.0, stddev: 0.5, seed: 7}}
+  - {name: u, shape: [3], initializer: {type: random_uniform, maxval: 4.0}}
+  - {name: v, shape: [3], initializer: {type: random_uniform, maxval: 4.0}}
+"""
+    w, u, v = dtrain.compile(dtrain.loads(text % 0)).ops
+    assert w.value == {"shape": [2, 2], "initializer": {"type": "random_normal", "mean": 1.0, "stddev": 0.5,
+                                                        "minval": 0.0, "maxval": 1.0, "seed": 7}}
+    assert u.value["shape"] == [3] and u.value["initializer"]["maxval"] == 4.0
+    seed_u, seed_v = u.value["initializer"]["seed"], v.value["initializer"]["seed"]
+    assert seed_u != seed_v  # derived from the name...
+    assert dtrain.compile(dtrain.loads(text % 0)).ops[1].value["initializer"]["seed"] == seed_u  # ...repeatably
+    assert "  w = variable(random_normal 2x2, seed 7)  -> /job:ps/task:0/device:CPU:0" in \
+        dtrain.compile(dtrain.loads(text % 0)).format()
+    other = dtrain.compile(dtrain.loads(text % 1)).ops
+    assert other[1].value["initializer"]["seed"] != seed_u and other[0].value == w.value  # training.seed counts
+
+
+def test_relative_pins_of_layers_and_variables_resolve_like_full_ones(digits):
+    relative = _spec("digits_async", placement={"variable_devices": {"2.": "/task:1"}})
+    full = _spec("digits_async", placement={"variable_devices": {"2.": "/job:ps/task:1"}})
+    assert [v.device for v in dtrain.compile(relative).variables] == [v.device for v in dtrain.compile(full).variables]
+    plans = [dtrain.compile(_spec("digits_async", placement={"worker_device": "cpu"}, model={
+        "input_shape": [64], "loss": "cross_entropy",
+        "layers": [{"type": "linear", "out": 16}, {"type": "relu", "device": pin},
+                   {"type": "linear", "out": 10, "device": pin}]}))
+        for pin in ("/task:1", "/job:worker/task:1")]
+    assert [s.device for s in plans[0].stages] == [s.device for s in plans[1].stages] == [
+        "/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
 
 
 # ----------------------------------------------------------------------------------------- purity

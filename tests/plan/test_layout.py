@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.plan.layout import ShardLayout, reshard
+from dtrain.plan.layout import BoundModel, ShardLayout, reshard
 from tests.helpers.layouts import bound
 
 
@@ -67,6 +67,26 @@ def test_reshard_moves_every_variable_and_its_optimizer_state(src, dst):
     assert ShardLayout.from_description(old.describe()).same_as(old)
 
 
+def test_reshard_moves_the_moving_averages_elementwise():
+    """training.moving_average: each shard's ``averages`` buffer is regrouped like its variables
+    (never copied from shard 0)."""
+    old, new = layout_for(3, "partitioned"), layout_for(2, "greedy")
+    numel: dict[str, int] = {}
+    for p in old.parts:
+        numel[p.param] = max(numel.get(p.param, 0), p.start + p.numel)
+    torch.manual_seed(1)
+    params = {n: torch.randn(k) for n, k in numel.items()}
+    averages = {n: torch.randn(k) for n, k in numel.items()}
+    states = [{"params": buf, "averages": avg, "step": 3}
+              for buf, avg in zip(old.pack(params), old.pack(averages), strict=True)]
+    out = reshard(states, old, new)
+    assert [s["averages"].numel() for s in out] == new.shard_numel
+    back = new.unpack_flat([s["averages"] for s in out], numel)
+    assert all(torch.equal(back[n], averages[n]) for n in numel)
+    plain = reshard([{k: v for k, v in s.items() if k != "averages"} for s in states], old, new)
+    assert all("averages" not in s for s in plain)  # none written: none made up
+
+
 def test_reshard_refuses_layouts_of_other_variables():
     old = layout_for(2, "round_robin")
     other = ShardLayout.from_plan(dtrain.compile(dtrain.loads(
@@ -75,3 +95,74 @@ def test_reshard_refuses_layouts_of_other_variables():
     states = [{"params": torch.zeros(n), "step": 0} for n in old.shard_numel]
     with pytest.raises(ValueError, match="different variables"):
         reshard(states, old, other)
+
+
+# ------------------------------------------------------------------ parts along an inner axis
+
+def partitioned_layout(ps: int, placement: str) -> ShardLayout:
+    text = RESHARD_SPEC.replace("PS", str(ps)).replace("placement: {variables: STRATEGY, min_slice_bytes: 256}",
+                                                          f"placement: {placement}")
+    return ShardLayout.from_plan(dtrain.compile(dtrain.loads(text, base_dir=".")))
+
+
+def test_an_axis_1_part_holds_its_columns():
+    """Each part of a 32x16 weight split in 3 along axis 1 is that block of columns, row by row,
+    in its shard buffer: [:, 0:6], [:, 6:11], [:, 11:16] (TensorFlow's slicing)."""
+    layout = partitioned_layout(2, "{partitioner: {type: fixed_size, num_shards: 3, axis: 1}}")
+    torch.manual_seed(0)
+    w = torch.randn(32, 16)
+    shapes = {"0.weight": torch.Size([32, 16]), "0.bias": torch.Size([32]), "2.weight": torch.Size([32, 32]),
+              "2.bias": torch.Size([32]), "4.weight": torch.Size([4, 32]), "4.bias": torch.Size([4])}
+    params = {n: (w if n == "0.weight" else torch.randn(s)) for n, s in shapes.items()}
+    bufs = layout.pack(params)
+    parts = [p for p in layout.parts if p.param == "0.weight"]
+    assert [(p.start, p.blocks, p.stride, p.numel) for p in parts] == [(0, 32, 16, 192), (6, 32, 16, 160),
+                                                                       (11, 32, 16, 160)]
+    for p, (lo, hi) in zip(parts, [(0, 6), (6, 11), (11, 16)], strict=True):
+        assert torch.equal(bufs[p.shard][p.offset:p.offset + p.numel], w[:, lo:hi].reshape(-1))
+    back = layout.unpack(bufs, shapes)
+    assert all(torch.equal(back[n], params[n]) for n in shapes)
+    assert ShardLayout.from_description(layout.describe()).same_as(layout)
+
+
+def test_a_bound_model_copies_axis_1_parts_both_ways():
+    """load_params / grads_into go through the strided parts: the model gets each part's columns,
+    and the gradient buffers get the gradient's."""
+    layout = partitioned_layout(2, "{partitioner: {type: min_max, max_partitions: 3, min_slice_size: 512, axis: 1}}")
+    spec = dtrain.loads(RESHARD_SPEC.replace("PS", "2").replace("STRATEGY", "round_robin"), base_dir=".")
+    model = dtrain.build_model(spec)
+    bound_model = BoundModel(model, layout)
+    assert not bound_model.zero_copy and any(p.blocks > 1 for p in layout.parts)
+    torch.manual_seed(1)
+    want = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    for s, buf in enumerate(layout.pack(want)):
+        bound_model.load_params(s, buf)
+    assert all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
+    for n, p in model.named_parameters():
+        p.grad = want[n] * 3
+    bufs = bound_model.new_buffers()
+    bound_model.grads_into(bufs)
+    got = layout.unpack(bufs, {n: p.shape for n, p in model.named_parameters()})
+    assert all(torch.equal(got[n], want[n] * 3) for n in want)
+
+
+@pytest.mark.parametrize(("src", "dst"), [
+    ((2, "{variables: partitioned, min_slice_bytes: 256}"), (2, "{partitioner: {type: fixed_size, num_shards: 3, axis: 1}}")),
+    ((3, "{partitioner: {type: fixed_size, num_shards: 3, axis: 1}}"),
+     (2, "{partitioner: {type: min_max, max_partitions: 5, min_slice_size: 512, axis: 1}}")),
+    ((2, "{partitioner: {type: variable_axis_size, max_shard_bytes: 300, axis: 1}}"), (1, "{}")),
+])
+def test_reshard_between_partitionings(src, dst):
+    old, new = partitioned_layout(*src), partitioned_layout(*dst)
+    assert not old.same_as(new)
+    torch.manual_seed(0)
+    numel = {}
+    for p in old.parts:
+        numel[p.param] = max(numel.get(p.param, 0), p.end)
+    params = {n: torch.randn(k) for n, k in numel.items()}
+    states = [{"params": buf, "step": 3, "optimizer_state": {"momentum_buffer": buf * 2}} for buf in old.pack(params)]
+    out = reshard(states, old, new)
+    back = new.unpack_flat([s["params"] for s in out], numel)
+    assert all(torch.equal(back[n], params[n]) for n in numel)
+    back = new.unpack_flat([s["optimizer_state"]["momentum_buffer"] for s in out], numel)
+    assert all(torch.equal(back[n], params[n] * 2) for n in numel)

@@ -41,7 +41,12 @@ PARSE_CASES = [
     ("/job:ps//task:0/", "/job:ps/task:0", ("ps", None, 0, None, None)),
     ("/job:ps/task:0/job:worker", "/job:worker/task:0", ("worker", None, 0, None, None)),
     ("/task:0/task:7", "/task:7", (None, None, 7, None, None)),
-    ("/job:my-job.v2_x", "/job:my-job.v2_x", ("my-job.v2_x", None, None, None, None)),
+    ("/job:my_job_v2", "/job:my_job_v2", ("my_job_v2", None, None, None, None)),
+    # C3: '*' leaves job, replica and task unset, as TF's C++ parser reads it.
+    ("/job:*/replica:4/gpu:*", "/replica:4/device:GPU:*", (None, 4, None, "GPU", None)),
+    ("/gpu:*/job:*/replica:4", "/replica:4/device:GPU:*", (None, 4, None, "GPU", None)),
+    ("/job:ps/task:*", "/job:ps", ("ps", None, None, None, None)),
+    ("/job:ps/job:*", "", (None, None, None, None, None)),
     ("", "", (None, None, None, None, None)),
     ("/", "", (None, None, None, None, None)),
 ]
@@ -151,7 +156,7 @@ def test_merge_device_accepts_strings_and_specs(outer, inner, merged):
     assert merge_device(outer, inner).to_string() == merged
     assert merge_device(DeviceSpec.from_string(outer), inner).to_string() == merged
     assert merge_device(outer, DeviceSpec.from_string(inner)).to_string() == merged
-    assert merge_device(outer or None, inner or None).to_string() == merged
+    assert merge_device(outer or None, inner).to_string() == merged
 
 
 def test_merge_with_empty_is_identity_both_ways():
@@ -303,3 +308,81 @@ def test_repr_is_evaluable(spec):
     r = repr(d)
     assert r.startswith("DeviceSpec(")
     assert eval(r, {"DeviceSpec": DeviceSpec}) == d
+
+
+# ---------------------------------------------------------------- C++ parser rows (tf-semantics C1-C3)
+
+
+def test_c1_full_name_parses():
+    d = DeviceSpec.from_string("/job:foo/replica:1/task:2/gpu:3")
+    assert (d.job, d.replica, d.task, d.device_type, d.device_index) == ("foo", 1, 2, "GPU", 3)
+
+
+@pytest.mark.parametrize("spec, component", [
+    ("/job:123/replica:1/task:2/gpu:3", "job:123"),
+    ("/job:foo/replica:-1/task:2/gpu:3", "replica:-1"),
+    ("/job:foo/replica:1/task:2/bar:3", "bar:3"),
+    ("/job:foo/replica:1/task:2/gpu:3/extra", "extra"),
+    ("foobar", "foobar"),
+])
+def test_c2_invalid_names(spec, component):
+    with pytest.raises(ValueError) as info:
+        DeviceSpec.from_string(spec)
+    assert repr(component) in str(info.value)
+
+
+@pytest.mark.parametrize("job", ["123", "1ps", "my-job", "ps.v2", "_ps", "wörker"])
+def test_c2_job_names_follow_the_cpp_rule(job):
+    with pytest.raises(ValueError, match=r"must match \[a-zA-Z\]\[_a-zA-Z0-9\]\*"):
+        DeviceSpec.from_string(f"/job:{job}/task:0")
+    with pytest.raises(ValueError, match=r"must match \[a-zA-Z\]\[_a-zA-Z0-9\]\*"):
+        DeviceSpec(job=job)
+
+
+@pytest.mark.parametrize("job", ["ps", "worker", "local", "moon", "chief", "w", "Worker2", "param_server"])
+def test_c2_usual_job_names_stay_valid(job):
+    assert DeviceSpec.from_string(f"/job:{job}").job == job
+
+
+def test_c3_star_means_unset():
+    a = DeviceSpec.from_string("/job:*/replica:4/gpu:*")
+    b = DeviceSpec.from_string("/gpu:*/job:*/replica:4")
+    assert a == b == DeviceSpec(replica=4, device_type="GPU")
+    assert a.job is None and a.task is None and a.device_index is None
+    # merging an unset job keeps the outer one (it is not a job named '*')
+    assert merge_device("/job:ps/task:1", "/job:*/cpu:0").to_string() == "/job:ps/task:1/device:CPU:0"
+
+
+# ---------------------------------------------------------------- nested scopes (tf-semantics N4-N10, N13)
+
+
+def test_n4_to_n7_chain_with_merge_device():
+    scope = merge_device("/device:GPU:0", "/job:worker")
+    assert scope.to_string() == "/job:worker/device:GPU:0"  # N4
+    scope = merge_device(scope, "/device:CPU:0")
+    assert scope.to_string() == "/job:worker/device:CPU:0"  # N5
+    scope = merge_device(scope, "/job:ps")
+    assert scope.to_string() == "/job:ps/device:CPU:0"  # N6
+    assert merge_device(scope, "").to_string() == "/job:ps/device:CPU:0"  # N7: "" inherits
+
+
+def test_n8_n9_unset_index_keeps_the_outer_one():
+    assert merge_device("/device:GPU:7", "/device:GPU:*").to_string() == "/device:GPU:7"
+    assert merge_device("", "/device:CPU:*").to_string() == "/device:CPU:*"
+    assert merge_device("/device:CPU:*", "/device:CPU:5").to_string() == "/device:CPU:5"
+
+
+@pytest.mark.parametrize("clear", [None, "none", "None", " NONE "])
+def test_n10_none_clears_every_outer_scope(clear):
+    outer = "/job:worker/replica:2/device:CPU:1"
+    cleared = merge_device(outer, clear)
+    assert cleared == DeviceSpec() and cleared.to_string() == ""  # no device at all
+    # ... and a scope inside the cleared one starts from nothing
+    assert merge_device(cleared, "/job:ps").to_string() == "/job:ps"
+    # the empty string is not a clear: it inherits (N7)
+    assert merge_device(outer, "").to_string() == outer
+
+
+def test_none_is_not_a_device_string():
+    with pytest.raises(ValueError, match="'none'"):
+        DeviceSpec.from_string("none")

@@ -144,13 +144,13 @@ def test_cross_field_problems_are_all_reported(tmp_path: Path):
         "  layers:\n"                                  # 4
         "    - {type: linear, out: 3, device: /job:ps/task:3}\n"  # 5
         "training:\n"                                  # 6
-        "  replication: in_graph\n"                    # 7
+        "  replicas_to_aggregate: 2\n"                 # 7 (mode: async, the default)
         "  total_num_replicas: 5\n"                    # 8
         "data: {source: missing.csv}\n"                # 9
     )
     problems = problems_of(path)
     assert [(p.line, p.path) for p in problems] == [
-        (5, "model.layers[0].device"), (7, "training.replication"), (8, "training.total_num_replicas"),
+        (5, "model.layers[0].device"), (7, "training.replicas_to_aggregate"), (8, "training.total_num_replicas"),
         (9, "data.source"),
     ]
 

@@ -282,3 +282,17 @@ def test_problem_and_dotted_formatting():
     err = SpecError([Problem("a", "x", "f", 1), Problem("b", "", "f", 2)])
     assert str(err) == "f:1: x: a\nf:2: b" and isinstance(err, ValueError)
     assert str(CrossFieldErrors([(("training", "mode"), "m"), ((), "n")])) == "training.mode: m; n"
+
+
+def test_moving_average_is_for_dense_variables_only():
+    """Sparse tables are not averaged: a pipeline with one is refused with the fix; a dense
+    embedding (sparse: false) is an ordinary variable and is averaged."""
+    ctr = Path(__file__).resolve().parents[2] / "pipelines" / "ctr_sparse.yaml"
+    with pytest.raises(SpecError) as info:
+        dtrain.load(ctr, overrides=["training.moving_average={decay: 0.99}"])
+    assert [(p.path, p.message) for p in info.value.problems] == [(
+        "training.moving_average", "moving averages are kept for dense variables only, not sparse tables; "
+        "remove it, or set sparse: false on the embedding layer (from --set training.moving_average={decay: 0.99})")]
+    dense = dtrain.load(ctr, overrides=["training.moving_average={decay: 0.99}", "model.layers.0.sparse=false"])
+    assert dense.training.moving_average.decay == 0.99 and dense.training.moving_average.use_for_eval
+    assert not dense.has_sparse_tables()

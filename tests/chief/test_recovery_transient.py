@@ -1,0 +1,144 @@
+"""Recovery from transient errors while every process lives, as TensorFlow's recoverable
+MonitoredTrainingSession (monitored_session_test rows MS1-MS3, MS6-MS7): Aborted and Unavailable,
+raised by a hook or met as a sync barrier that timed out, restart the session from the newest
+checkpoint (or re-initialise at step 0 without one) within training.max_recoveries; any other
+error fails the run. Runs use the shared in-process cluster and a tiny digits model."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from distributed.comm.core import CommClosedError
+
+import dtrain
+from dtrain.chief.recovery import is_transient
+from dtrain.dataplane.protocol import DataPlaneError
+from dtrain.ps.shard import BarrierTimeout
+from dtrain.spec.errors import RunError
+from tests.helpers.errors import seen
+from tests.helpers.paths import ROOT
+
+BASE = """
+name: transient
+cluster: {jobs: {ps: 2, worker: 2}}
+model:
+  input_shape: [64]
+  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.1}
+summary: {every_steps: 5, tensorboard: false}
+"""
+
+
+def raising(tmp_path, error: str, step: int, extra: str = "", more: str = "") -> dtrain.PipelineSpec:
+    return dtrain.loads(BASE + more + f"""
+training: {{mode: sync, steps: 60{extra}}}
+hooks: [{{type: "tests.helpers.errors:RaiseAt", args: {{step: {step}, error: {error}, path: "{tmp_path}/seen.jsonl"}}}}]
+""", base_dir=".")
+
+
+def logged_steps(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def first_drop(steps: list[int]) -> int:
+    """The index of the first summary record at or below the one before it (a new session)."""
+    return next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+
+
+def test_which_errors_are_transient():
+    # TF's preemption errors and their analogues here ...
+    for exc in (dtrain.Aborted("x"), dtrain.Unavailable("x"), BarrierTimeout("x"), TimeoutError(),
+                ConnectionRefusedError(), CommClosedError("x"), DataPlaneError("no answer from the ps in 60 s"),
+                DataPlaneError("BarrierTimeout: replica 0 waited for the other replicas' gradients"),
+                DataPlaneError("connection closed by the peer")):
+        assert is_transient(exc), exc
+    # ... and nothing else: the run fails (X14).
+    for exc in (RuntimeError("x"), RunError("x"), ValueError("x"), OSError(errno.ENOSPC, "full"), None,
+                dtrain.OutOfRange("x"), KeyError("x"), DataPlaneError("ValueError: bad request"),
+                DataPlaneError("the ps at h:1 refused the data-plane handshake (a wrong per-run secret)")):
+        assert not is_transient(exc), exc
+
+
+@pytest.mark.parametrize(("error", "cls"), [("aborted", "Aborted"), ("unavailable", "Unavailable")])
+def test_a_transient_error_without_checkpoints_reinitialises_at_step_0(inproc_client, run_dir, tmp_path, error,
+                                                                      cls):
+    # MS1/MS2: no saver; a hook raises Aborted (Unavailable) -> a fresh session, gs back to 0, and on.
+    summary = dtrain.run(raising(tmp_path, error, 20), client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and summary["global_step"] == 60
+    assert summary["recoveries"] == 1
+    rec = summary["recovery_log"][0]
+    assert rec["lost"] == [] and rec["error"].startswith(f"{cls}: raised by RaiseAt") and rec["restored_step"] == 0
+    _, raised = seen(tmp_path / "seen.jsonl")
+    assert raised is not None and raised >= 20
+    steps = logged_steps(run_dir)
+    i = first_drop(steps)
+    assert steps[i] == 5 and steps[i - 1] >= 20  # the re-initialised session counts again from step 0
+    assert steps[i:] == list(range(5, 61, 5))
+    assert summary["eval"]["accuracy"] > 0.5
+
+
+def test_a_transient_error_restores_the_newest_checkpoint(inproc_client, run_dir, tmp_path):
+    # MS3: with a saver, the new session restores the newest checkpoint (the shards hold at each
+    # multiple of every_steps until it is written, so the hook at 25..30 sees step 20's as newest).
+    s = raising(tmp_path, "aborted", 25, more="checkpoint: {every_steps: 10, keep: 10}\n")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert summary["status"] == "completed" and summary["global_step"] == 60 and summary["recoveries"] == 1
+    assert summary["recovery_log"][0]["restored_step"] == 20
+    steps = logged_steps(run_dir)
+    i = first_drop(steps)
+    assert steps[i] == 25 and steps[i:] == list(range(25, 61, 5))  # resumed after step 20, not from 0
+
+
+def test_without_recoveries_the_transient_error_reaches_the_caller(inproc_client, run_dir, tmp_path):
+    # MS7 (SingularMonitoredSession): training.max_recoveries: 0 -> the Aborted fails the run (exit 1).
+    with pytest.raises(RunError, match=r"Aborted: raised by RaiseAt .*recovery attempts used up "
+                                       r"\(training.max_recoveries: 0\)"):
+        dtrain.run(raising(tmp_path, "aborted", 20, ", max_recoveries: 0"), client=inproc_client, run_dir=run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Aborted" in summary["error"] and summary["global_step"] < 60
+
+
+def test_any_other_error_from_a_hook_fails_the_run_at_once(inproc_client, run_dir, tmp_path):
+    # X14 / MS6: a RuntimeError is not recoverable, whatever max_recoveries allows.
+    with pytest.raises(RunError, match="RuntimeError: raised by RaiseAt"):
+        dtrain.run(raising(tmp_path, "runtime", 20), client=inproc_client, run_dir=run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["recoveries"] == 0 and summary["global_step"] < 60
+
+
+def test_a_sync_barrier_timeout_while_every_process_lives_is_recovered(inproc_client, run_dir, tmp_path):
+    # X14: the first replica at its 20th batch stalls 6 s (once); the other's barrier gives up after
+    # 2 s (BarrierTimeout from the ps). Nothing was lost: the session restarts and completes.
+    s = dtrain.loads(BASE.replace(
+        "model:\n  input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]",
+        f'model: {{module: "tests.helpers.errors:StallOnce", kwargs: {{flag: "{tmp_path}/stalled"}}}}')
+        + "training: {mode: sync, steps: 60, barrier_timeout_s: 2, call_timeout_s: 30}\n", base_dir=".")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    assert (tmp_path / "stalled").exists()
+    assert summary["status"] == "completed" and summary["global_step"] == 60
+    assert summary["recoveries"] == 1, summary["recovery_log"]
+    rec = summary["recovery_log"][0]
+    assert rec["lost"] == [] and "BarrierTimeout: " in rec["error"] and rec["restored_step"] == 0
+
+
+@pytest.mark.processes
+def test_the_cli_exits_1_when_a_transient_error_has_no_recovery_left(tmp_path):
+    # MS7 through `dtrain run` (its embedded cluster): the Aborted reaches the caller as exit 1.
+    path = tmp_path / "aborted.yaml"
+    path.write_text(BASE.replace("cluster: {jobs: {ps: 2, worker: 2}}", "cluster: {jobs: {ps: 1, worker: 1}}") + f"""
+training: {{steps: 400, max_recoveries: 0}}
+hooks: [{{type: "tests.helpers.errors:RaiseAt", args: {{step: 10, error: aborted, path: "{tmp_path}/seen.jsonl"}}}}]
+""")
+    out = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(path), "--run-dir", str(tmp_path / "run"),
+                          "--quiet"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Aborted: raised by RaiseAt" in out.stderr and "training.max_recoveries: 0" in out.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
