@@ -37,27 +37,20 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-# The socket data plane's errors that say a ps did not answer or its connection broke (the
-# dataplane plane imports nothing of dtrain's errors; its messages are pinned by its tests), and a
-# ps's error reply carrying a sync barrier's timeout.
-_DATA_PLANE_TRANSIENT = ("no answer from the ps", "data-plane connection failed", "connection closed by the peer",
-                         "BarrierTimeout:")
-
-
 def is_transient(exc: BaseException | None) -> bool:
     """Whether ``exc`` is one the session recovers from (TF's AbortedError and UnavailableError):
     a :class:`~dtrain.spec.errors.TransientError` (dtrain.Aborted, dtrain.Unavailable), a sync
-    barrier that timed out, a timeout, or a connection refused or closed (on Dask's comms or the
-    socket data plane). Everything else (a replica's own error, a hook's RuntimeError, a full disk,
-    non-finite parameters, a data-plane handshake refused) is not."""
+    barrier that timed out, a timeout, or a connection refused or closed (on Dask's comms, or the
+    socket data plane's :class:`~dtrain.dataplane.protocol.DataPlaneUnavailable`). Everything else
+    (a replica's own error, a hook's RuntimeError, a full disk, non-finite parameters, a data-plane
+    handshake refused) is not."""
     from distributed.comm.core import CommClosedError
 
-    from dtrain.dataplane.protocol import DataPlaneError
+    from dtrain.dataplane.protocol import DataPlaneUnavailable
     from dtrain.ps.shard import BarrierTimeout
 
-    if isinstance(exc, DataPlaneError):
-        return str(exc).startswith(_DATA_PLANE_TRANSIENT) or "did not open the data plane" in str(exc)
-    return isinstance(exc, (TransientError, BarrierTimeout, TimeoutError, ConnectionError, CommClosedError))
+    return isinstance(exc, (TransientError, BarrierTimeout, TimeoutError, ConnectionError, CommClosedError,
+                            DataPlaneUnavailable))
 
 
 class Recovery:

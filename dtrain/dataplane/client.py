@@ -24,8 +24,10 @@ from .protocol import (
     OP_PUSH_SYNC,
     REP,
     REQ,
+    RETRYABLE_REPLIES,
     WIRE_DTYPES,
     DataPlaneError,
+    DataPlaneUnavailable,
     recv_bytes,
     recv_exact,
     tensor_view,
@@ -63,7 +65,7 @@ class SocketShard:
         except (OSError, DataPlaneError) as exc:
             self._sock.close()
             why = f"no answer in {timeout:.0f} s" if isinstance(exc, (TimeoutError, BlockingIOError)) else exc
-            raise DataPlaneError(f"the ps at {host}:{port} did not open the data plane: {why}") from None
+            raise DataPlaneUnavailable(f"the ps at {host}:{port} did not open the data plane: {why}") from None
         if magic != MAGIC:
             self._sock.close()
             raise DataPlaneError(f"{host}:{port} is not a dtrain ps data plane (or another dtrain version)")
@@ -86,7 +88,7 @@ class SocketShard:
                 offer[0].close()
             self._sock.close()
             if answer == b"timeout":
-                raise DataPlaneError(f"no answer from the ps at {host}:{port} in {timeout:.0f} s (data-plane handshake)")
+                raise DataPlaneUnavailable(f"no answer from the ps at {host}:{port} in {timeout:.0f} s (data-plane handshake)")
             raise DataPlaneError(f"the ps at {host}:{port} refused the data-plane handshake (a wrong per-run "
                                  "secret: is this replica from another run?)")
         if offer:
@@ -129,9 +131,9 @@ class SocketShard:
         try:
             return (*reply, read_rows(self._sock, sparse, self.tables, self.wire))
         except (TimeoutError, BlockingIOError):
-            raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
+            raise DataPlaneUnavailable(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
-            raise DataPlaneError(f"data-plane connection failed: {exc}") from None
+            raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
 
     def _dense_roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
                          local_step: int, head: int | None, sparse: dict | None) -> tuple[torch.Tensor, int, bool, int]:
@@ -157,7 +159,8 @@ class SocketShard:
             if error:
                 if nbytes > MAX_ERROR:  # not allocated: the server is not authenticated
                     raise DataPlaneError(f"an error reply of {nbytes} bytes from the ps (at most {MAX_ERROR})")
-                raise DataPlaneError(recv_bytes(self._sock, nbytes).decode(errors="replace"))
+                reply = recv_bytes(self._sock, nbytes).decode(errors="replace")
+                raise (DataPlaneUnavailable if reply.startswith(RETRYABLE_REPLIES) else DataPlaneError)(reply)
             if self.shm is not None:
                 if nbytes:
                     raise DataPlaneError(f"{nbytes} bytes of parameters on a shared-memory connection")
@@ -176,9 +179,9 @@ class SocketShard:
                 buf.copy_(target)
             return buf, step, bool(stop), generation
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO expiry is EAGAIN
-            raise DataPlaneError(f"no answer from the ps in {self.timeout:.0f} s") from None
+            raise DataPlaneUnavailable(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
-            raise DataPlaneError(f"data-plane connection failed: {exc}") from None
+            raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
 
     @property
     def sends_parts(self) -> bool:
@@ -204,7 +207,7 @@ class SocketShard:
         try:
             self._send(OP_PART, grad, start, end)
         except OSError as exc:
-            self._part_error = DataPlaneError(f"data-plane connection failed: {exc}")
+            self._part_error = DataPlaneUnavailable(f"data-plane connection failed: {exc}")
 
     def send_part(self, grad: torch.Tensor, start: int, end: int) -> None:
         """Send ``grad[start:end]`` now (a bucket whose gradients backward has finished), in order

@@ -68,6 +68,15 @@ class DataPlaneError(RuntimeError):
     """The data-plane connection failed (closed, timed out, refused the handshake)."""
 
 
+class DataPlaneUnavailable(DataPlaneError):
+    """The ps did not answer in time, the connection broke, or its sync barrier timed out: the
+    session may retry (TF's UnavailableError), unlike a refused handshake or a malformed reply."""
+
+
+RETRYABLE_REPLIES = ("BarrierTimeout:",)
+"""Error replies of the ps (``type: message``) that say a retry may succeed."""
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     # MSG_WAITALL: the kernel fills the whole buffer in one call (one GIL release and re-acquire
     # per message instead of one per 64 KB chunk, which the compute thread would feel).
@@ -75,7 +84,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while len(view):
         n = sock.recv_into(view, len(view), flags)
         if n == 0:
-            raise DataPlaneError("connection closed by the peer")
+            raise DataPlaneUnavailable("connection closed by the peer")
         view = view[n:]
 
 
