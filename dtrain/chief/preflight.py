@@ -270,4 +270,5 @@ def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
                 f"ps task {task} needs at least {need} bytes ({what}, with their accumulator, "
                 f"scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
                 f"{spec.cluster.memory_limit!r} ({limit} bytes): raise cluster.memory_limit, add ps tasks, or split "
-                "large variables with placement.variables: partitioned", path="cluster.memory_limit"))
+                "large variables over the ps tasks with placement.partitioner (e.g. {type: min_max, "
+                "max_partitions: 8})", path="cluster.memory_limit"))
