@@ -24,7 +24,7 @@ from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 from .assign import assign_workers, resolve_workers  # noqa: F401 (resolve_workers: re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data
 from .partitioners import check_partitioner, partition_of
-from .placement import VariableRequest, partition, place_variables
+from .placement import VariableRequest, names_variable, partition, place_variables
 from .stages import StagePlan, format_stages, plan_stages
 from .tables import TablePlan, format_tables, plan_tables
 
@@ -379,12 +379,8 @@ def _staging(spec: PipelineSpec) -> tuple[Any, list[tuple[int, ...]] | None]:
 
 def _pin_for(name: str, pins: Mapping[str, str]) -> DeviceSpec | None:
     """The pin of a parameter: its exact name, else the longest prefix ending in '.' that matches."""
-    if name in pins:
-        return DeviceSpec.from_string(pins[name])
-    prefixes = [p for p in pins if p.endswith(".") and name.startswith(p)]
-    if prefixes:
-        return DeviceSpec.from_string(pins[max(prefixes, key=len)])
-    return None
+    keys = [key for key in pins if names_variable(key, name)]  # the exact name is the longest
+    return DeviceSpec.from_string(pins[max(keys, key=len)]) if keys else None
 
 
 def _check_pins(pins: Mapping[str, str], names: list[str], tables: list[str] = ()) -> None:  # type: ignore[assignment]
@@ -397,7 +393,7 @@ def _check_pins(pins: Mapping[str, str], names: list[str], tables: list[str] = (
                                     "(or set sparse: false on the layer to make it an ordinary variable)",
                                     path=f"placement.variable_devices.{key}"))
             continue
-        if key in names or (key.endswith(".") and any(n.startswith(key) for n in names)):
+        if any(names_variable(key, n) for n in names):
             continue
         hint = "" if key.endswith(".") or not any(n.startswith(key + ".") for n in names) \
             else f"; to pin every parameter under it write {key + '.'!r}"

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .placement import VariableRequest
+from .placement import VariableRequest, names_variable
 
 DEFAULT_MIN_SLICE_SIZE = 256 * 1024
 
@@ -116,16 +116,20 @@ def slice_variable(name: str, shape: Sequence[int], itemsize: int, partitions: S
     return parts
 
 
+def _splittable(shape: Sequence[int], axis: int) -> bool:
+    """A variable with ``axis`` and at least two elements (else it stays whole)."""
+    return len(shape) > axis and math.prod(shape) >= 2
+
+
 def _selected(config: Any, name: str) -> bool:
-    names = config.variables
-    return not names or name in names or any(n.endswith(".") and name.startswith(n) for n in names)
+    return not config.variables or any(names_variable(key, name) for key in config.variables)
 
 
 def partition_of(config: Any, name: str, shape: Sequence[int], itemsize: int) -> list[VariableRequest] | None:
     """The parts of a dense variable under ``placement.partitioner`` (None: it stays whole): a
     variable the partitioner selects, with the partitioner's axis and at least two elements, whose
     partition vector splits it into two or more parts."""
-    if config is None or not _selected(config, name) or len(shape) <= config.axis or math.prod(shape) < 2:
+    if config is None or not _selected(config, name) or not _splittable(shape, config.axis):
         return None
     partitions = partitions_for(config, shape, itemsize)
     if max(partitions) < 2:
@@ -144,14 +148,14 @@ def check_partitioner(config: Any, layout: Sequence[tuple[str, tuple[int, ...], 
     problems = []
     for i, key in enumerate(config.variables):
         path = f"placement.partitioner.variables.{i}"
-        matched = [n for n in shapes if n == key or (key.endswith(".") and n.startswith(key))]
+        matched = [n for n in shapes if names_variable(key, n)]
         if not matched:
             problems.append(Problem(f"{key!r} names no dense variable of the model (variables: {', '.join(shapes)}; "
                                     "a prefix must end with '.')", path=path))
         elif key in shapes and key in pinned:
             problems.append(Problem(f"{key!r} is pinned by placement.variable_devices, and a pinned variable is "
                                     "never partitioned: remove it from one of the two", path=path))
-        elif key in shapes and (len(shapes[key]) <= config.axis or math.prod(shapes[key]) < 2):
+        elif key in shapes and not _splittable(shapes[key], config.axis):
             problems.append(Problem(f"{key!r} has shape {list(shapes[key])}: it cannot be split along axis "
                                     f"{config.axis}; remove it, or use another placement.partitioner.axis", path=path))
     if problems:

@@ -46,6 +46,12 @@ class VariableRequest:
     slice_spec: str = ""  # a part: TensorFlow's save-slice spec, e.g. "20 43 0,20:15,14"
 
 
+def names_variable(key: str, name: str) -> bool:
+    """Whether a key of ``variable_devices`` or ``partitioner.variables`` names the variable ``name``:
+    its exact name, or a prefix ending in '.' (``"0."`` names ``0.weight`` and ``0.bias``)."""
+    return name == key or (key.endswith(".") and name.startswith(key))
+
+
 def partition(name: str, shape: tuple[int, ...], itemsize: int, num_parts: int) -> list[VariableRequest]:
     """Split along dim 0 into ``min(num_parts, shape[0])`` parts; the first ``dim0 % n`` parts get a row more."""
     if not shape:

@@ -40,7 +40,6 @@ class TokenSync:
     # Tokens the chief enqueues at start and after a restore; None: replicas_to_aggregate (TF's -1).
     init_tokens: int | None = None
     step: int = 0
-    count: int = 0  # fresh gradients accumulated for the current step
     dropped_stale: int = 0
     tokens: deque[int] = field(default_factory=deque)
     # Which replicas' gradients are in the current step's mean (a replica may appear twice: X2).
@@ -57,6 +56,11 @@ class TokenSync:
         self.reset(self.step)
 
     @property
+    def count(self) -> int:
+        """Fresh gradients accumulated for the current step."""
+        return len(self.pushes)
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens enqueued after every update: ``max(total_num_replicas, replicas_to_aggregate)``."""
         return max(self.total_num_replicas, self.replicas_to_aggregate)
@@ -69,7 +73,6 @@ class TokenSync:
         if local_step < self.step:
             self.dropped_stale += 1
             return Drop("stale", self.step)
-        self.count += 1
         self.pushes.append(replica)
         if self.count >= self.replicas_to_aggregate:
             return self._advance()
@@ -81,7 +84,7 @@ class TokenSync:
         return self.tokens.popleft() if self.tokens else None
 
     def _advance(self) -> Apply:
-        count, self.count = self.count, 0
+        count = self.count
         self.pushes = []
         self.step += 1
         self.tokens.extend([self.step] * self.tokens_per_step)
@@ -91,7 +94,6 @@ class TokenSync:
         """Start (again) at ``step``: forget partial accumulation and the queue, then enqueue the
         init tokens of ``step`` (TF's chief does so at every session start, restores included)."""
         self.step = step
-        self.count = 0
         self.pushes = []
         self.tokens = deque([step] * (self.init_tokens or 0))
 

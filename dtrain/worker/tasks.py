@@ -229,6 +229,32 @@ def _replica_model(config: tuple[Any, Any], token: str, index: int) -> ReplicaMo
     return rep
 
 
+def _scratch(token: str, shard: int, like: torch.Tensor) -> torch.Tensor:
+    """This process's buffer of ``like``'s shape for a run's ``shard`` (kept across steps; ``release``
+    drops it)."""
+    with _LOCK:
+        buf = _SUMS.get((token, shard))
+        if buf is None or buf.shape != like.shape:
+            buf = _SUMS[(token, shard)] = torch.empty_like(like)
+    return buf
+
+
+def _gradients(rep: ReplicaModel, local_step: int, reads: tuple[tuple[torch.Tensor, int, bool], ...]
+               ) -> dict[str, Any]:
+    """``rep``'s gradient on its ``local_step``-th batch (its data order put there first: a restored
+    checkpoint's place), on the parameters it read."""
+    if rep.batches.local_step != local_step:
+        rep.batches.seek(local_step)
+    t0 = time.perf_counter()
+    rep.load([r[0] for r in reads])
+    # Two alternating buffer sets: this step's result may still be referenced by Dask while the
+    # next step fills the other one (step v+2 starts only after step v's transfers are done).
+    grads = rep.grad_bufs[local_step % 2]
+    loss, n = rep.step(grads)
+    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
+            "device": str(rep.device)}
+
+
 def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: tuple[torch.Tensor, int, bool]
                       ) -> dict[str, Any]:
     """Replica ``index``'s gradient on the parameters of one step (one flat buffer per shard)."""
@@ -237,19 +263,8 @@ def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: t
         raise RuntimeError(f"replica {index}: the shards' parameters are of different steps {steps}; "
                            "a replica never mixes steps")
     version = steps[0]
-    rep = _replica_model(config, token, index)
-    # Every replica contributes to every step: its local step is the global step (this also
-    # puts the data order where a restored checkpoint left it).
-    if rep.batches.local_step != version:
-        rep.batches.seek(version)
-    t0 = time.perf_counter()
-    rep.load([r[0] for r in reads])
-    # Two alternating buffer sets: this step's result may still be referenced by Dask while the
-    # next step fills the other one (step v+2 starts only after step v's transfers are done).
-    grads = rep.grad_bufs[version % 2]
-    loss, n = rep.step(grads)
-    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
-            "step": version, "device": str(rep.device)}
+    # Every replica contributes to every step: its local step is the global step.
+    return {**_gradients(_replica_model(config, token, index), version, reads), "step": version}
 
 
 def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: tuple[torch.Tensor, int, bool],
@@ -258,10 +273,7 @@ def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: t
     worker, ps = _local_shard(actor_key)
     version = read[1]
     first = results[0]["grads"][shard]
-    with _LOCK:
-        total = _SUMS.get((token, shard))
-        if total is None or total.shape != first.shape:
-            total = _SUMS[(token, shard)] = torch.empty_like(first)
+    total = _scratch(token, shard, first)
     total.copy_(first)
     for res in results[1:]:
         total.add_(res["grads"][shard])
@@ -282,15 +294,8 @@ def tower_gradients(config: tuple[Any, Any], token: str, index: int, local_step:
     """In-graph async: tower ``index``'s gradient on its ``local_step``-th batch, on the parameters
     it read. Unlike :func:`replica_gradients` the shards' steps may differ (each applies pushes as
     they arrive, as between-graph async replicas' pulls see them)."""
-    rep = _replica_model(config, token, index)
-    if rep.batches.local_step != local_step:  # a resumed run: the tower's place in its data order
-        rep.batches.seek(local_step)
-    t0 = time.perf_counter()
-    rep.load([r[0] for r in reads])
-    grads = rep.grad_bufs[local_step % 2]
-    loss, n = rep.step(grads)
-    return {"grads": grads, "loss": loss, "samples": n, "compute_s": time.perf_counter() - t0,
-            "local_step": local_step, "versions": [r[1] for r in reads], "device": str(rep.device)}
+    return {**_gradients(_replica_model(config, token, index), local_step, reads), "local_step": local_step,
+            "versions": [r[1] for r in reads]}
 
 
 def tower_push(actor_key: str, token: str, shard: int, replica: int, timeout: float,
@@ -299,10 +304,7 @@ def tower_push(actor_key: str, token: str, shard: int, replica: int, timeout: fl
     applied at once (``push_pull``: no averaging, no barrier). The gradient's version is the step
     of the parameters the tower read from this shard, so the shard counts its staleness."""
     worker, ps = _local_shard(actor_key)
-    with _LOCK:  # the reply's copy lands in a scratch buffer: the tower reads afresh each step
-        out = _SUMS.get((token, shard))
-        if out is None or out.shape != ps.param.shape:
-            out = _SUMS[(token, shard)] = torch.empty_like(ps.param)
+    out = _scratch(token, shard, ps.param)  # the reply's copy lands here: the tower reads afresh each step
     applied = sync(worker.loop, ps.push_counted, result["grads"][shard], replica, result["versions"][shard],
                    result["loss"], result["samples"], result["local_step"] + 1, out, callback_timeout=timeout)
     out_ = {"shard": shard, "step": ps.step, "applied": bool(applied), "stop": bool(ps.stop or ps.error is not None)}
