@@ -408,9 +408,10 @@ class TrainingSpec(Strict):
         "when data.epochs is set (the data's end ends training).")
     seed: int = Field(0, ge=0, le=MAX_SEED,
                       description="Seed for initialisation, data order and dropout (0 .. 2**32 - 1).")
-    overlap: bool = Field(
-        False, description="async: overlap the push/pull round trip with the next step's compute (staleness 1)."
-    )
+    overlap: bool | None = Field(
+        None, description="async: overlap the push/pull round trip with the next step's compute (each replica's "
+        "gradient is one step stale). Default (unset): on in async between_graph mode unless max_staleness or "
+        "sparse tables rule it out; false: a replica waits for its push's reply (one replica is then exact SGD).")
     max_staleness: int | None = Field(
         None, ge=0, le=MAX_STEPS, description="async: bounded staleness k (stale synchronous parallel). Default: unbounded."
     )
@@ -448,3 +449,11 @@ class TrainingSpec(Strict):
         "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "
         "falls back to the socket per connection when the ps cannot map the file (another machine or container, "
         "a full /dev/shm).")
+
+    def overlaps(self, tables: bool = False) -> bool:
+        """Whether a between_graph replica overlaps its push with its next step: ``overlap`` when set,
+        else on in async mode unless ``max_staleness`` or sparse tables (``tables``) rule it out."""
+        if self.overlap is not None:
+            return self.overlap
+        return self.mode == "async" and self.replication == "between_graph" and self.max_staleness is None \
+            and not tables

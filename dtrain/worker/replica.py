@@ -348,6 +348,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     versions = [r[1] for r in replies]
     stop = said_stop(replies)
     pending: list[Any] | None = None
+    overlap = t.overlaps(tables=router is not None)  # default: on in async mode (spec/sections.py)
     k = start_local_step
     while not stop:
         t_data = time.perf_counter()
@@ -380,7 +381,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
             if router is not None and not stop:
                 router.take(replies)
             continue
-        if t.overlap and pending is not None:
+        if overlap and pending is not None:
             # Staleness 1: this step's gradient was computed while the previous push was in flight.
             replies = wait(pending)
             rep.load([r[0] for r in replies])
@@ -388,7 +389,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
             stop = said_stop(replies)
         futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
                              **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
-        if t.overlap:
+        if overlap:
             pending = futs
             continue
         replies = wait(futs)
