@@ -9,6 +9,7 @@ Usage (from the repository root; ``make bench`` runs the first line)::
     python benchmarks/bench.py --scaling         # + scaling curves (model size x ps shards) -> scaling.png
     python benchmarks/bench.py --set training.transport=dask   # extra overrides for every dtrain spec
     python benchmarks/bench.py --observe         # telemetry's overhead: each config with it on and off
+    python benchmarks/bench.py --link 1gbit      # every config across an emulated 1 Gbit/s link (exit 2 if impossible)
 
 What is measured (see benchmarks/README.md for how to read the output)
 ---------------------------------------------------------------------
@@ -80,7 +81,7 @@ Numbers live here, never in tests: tests/test_bench.py only checks that ``--tiny
 Implementation note: the code lives in the package ``benchmarks/dtrain_bench/`` (``configs``:
 what is measured; ``children``: what runs in the child processes; ``runner``: starting and killing
 them; ``report``: the main table; ``scaling``: the sweep; ``machine``: machine info, loopback
-counter and round trip); this file parses the arguments and runs the repetitions. It is also
+counter and round trip; ``link``: ``--link``'s namespace, shaped loopback, rows and goals); this file parses the arguments and runs the repetitions. It is also
 imported by Dask's spawned worker processes (as ``__mp_main__``) and by torch.multiprocessing's
 children, so it and the package import only the standard library at their top level; torch, dask
 and dtrain are imported inside the functions that need them. What a child process unpickles by
@@ -105,6 +106,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dtrain_bench.children import run_child
 from dtrain_bench.configs import (
+    ENTRY,
     MODELS,
     RESULTS,
     SCALING_HIDDEN,
@@ -114,9 +116,20 @@ from dtrain_bench.configs import (
     param_count,
     progress,
 )
+from dtrain_bench.link import (
+    annotate,
+    goals,
+    header_line,
+    link_configs,
+    measure_link,
+    parse_rate,
+    print_link,
+    reexec,
+    setup_inside,
+)
 from dtrain_bench.machine import loadavg, machine_info
 from dtrain_bench.overhead import pair_order, print_overhead, print_ps_cost
-from dtrain_bench.report import print_main, summarize
+from dtrain_bench.report import median, print_main, summarize
 from dtrain_bench.runner import Runner
 from dtrain_bench.scaling import plot_scaling, print_scaling, run_scaling
 from dtrain_bench.sparse import SIZES as SPARSE_SIZES
@@ -160,11 +173,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sparse-warmup", type=int, default=20, help="--sparse warm-up steps")
     ap.add_argument("--sparse-steps", type=int, default=200, help="--sparse timed steps")
     ap.add_argument("--sparse-every", type=int, default=10, help="--sparse dtrain summary.every_steps")
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="run every configuration across an emulated link of RATE (tc's syntax: 10gbit, 1gbit, "
+                         "100mbit): a private network namespace whose loopback is shaped by tbf; exit 2 if it cannot "
+                         "be made (README)")
+    ap.add_argument("--link-inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     tiny = args.tiny
+    if args.link is not None:
+        try:
+            parse_rate(args.link)
+        except ValueError as exc:
+            ap.error(f"--link: {exc}")
+        if args.sparse or args.observe or args.scaling or args.scaling_only:
+            ap.error("--link runs the main table only (not with --sparse, --observe, --scaling, --scaling-only)")
     if args.sparse:
         args.reps = args.reps or 1
         args.sparse_rows = args.sparse_rows or list(SPARSE_SIZES)
@@ -189,8 +214,19 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args.child, args.params, args.result)
     if args.sparse:
         return main_sparse(args, argv)
+    if args.link and not args.link_inside:  # again, inside a private network namespace
+        return reexec(args.link, list(sys.argv[1:] if argv is None else argv), str(ENTRY))
     model = MODELS["tiny" if args.tiny else "w1"]
-    configs = observe_configs() if args.observe else main_configs(args.tiny)
+    link: dict[str, Any] | None = None
+    if args.link:
+        err, show = setup_inside(args.link)
+        if err:
+            print(f"--link {args.link}: {err}; nothing was measured", file=sys.stderr)
+            return 2
+        link = {"rate": args.link, "rate_bits": parse_rate(args.link), "qdisc": show, "raw": []}
+        configs = link_configs(args.tiny)
+    else:
+        configs = observe_configs() if args.observe else main_configs(args.tiny)
     if args.only:
         wanted = {"plain", *args.only.split(",")}
         unknown = wanted - {c.name for c in configs}
@@ -206,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                      "optimizer": optimizer_for(args.optimizer, args.lr), "reps": args.reps, "warmup": args.warmup,
                      "steps": args.steps, "every": args.every, "plain_warmup": args.plain_warmup,
                      "min_seconds": args.min_seconds, "num_samples": args.num_samples, "tiny": args.tiny,
-                     "overrides": args.set, "interleaved": True},
+                     "overrides": args.set, "interleaved": True, "link": args.link},
         "method": ("samples/s: plain/DDP over their timed loop; dtrain from metrics.jsonl records after the "
                    "warm-up: delta global steps x batch x (1 async | replicas_to_aggregate sync) / delta time. "
                    "ratio: to the plain loop of the same repetition; median and range over repetitions."),
@@ -216,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = dict(meta)
     rc = 0
     try:
+        if link is not None:
+            doc["link"] = link
+            link["raw"].append(measure_link(4 * param_count(model)))
+            progress(f"link {args.link}: raw round trip {link['raw'][0]['bytes_per_s'] / 1e6:,.1f} MB/s")
         if not args.scaling_only:
             runs: list[dict[str, Any]] = []
             for rep in range(args.reps):
@@ -237,7 +277,15 @@ def main(argv: list[str] | None = None) -> int:
             doc["machine"]["loadavg_end"] = loadavg()
             doc["results"] = results
             doc["runs"] = runs
+            if link is not None:
+                link["raw"].append(measure_link(4 * param_count(model)))
+                link["bytes_per_s"] = median([x["bytes_per_s"] for x in link["raw"]])
+                annotate(results, runs, link)
+                link["goals"] = goals(results, runs, link["rate_bits"])
+                link["header"] = header_line(link)
             print_main(results, doc, args.tiny)
+            if link is not None:
+                print_link(results, link)
             if args.observe:
                 doc["telemetry_overhead"] = print_overhead(runs)
                 doc["telemetry_ps_cost"] = print_ps_cost(model)

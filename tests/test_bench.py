@@ -155,3 +155,48 @@ def test_observe_pairs_swap_order_every_other_rep_and_the_overhead_is_paired_by_
     assert out["async_1ps_1w"]["reps"] == 2 and abs(out["async_1ps_1w"]["median"] - (-0.45)) < 1e-9
     assert abs(out["async_1ps_1w"]["min"] - (-1.0)) < 1e-9 and abs(out["async_1ps_1w"]["max"] - 0.1) < 1e-9
     assert "async_1ps_1w" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(200)
+def test_bench_link_shapes_the_loopback_it_measures_across(tmp_path):
+    """``--link 200mbit --tiny``: everything runs in a private network namespace whose lo is shaped
+    to 200 Mbit/s (25 MB/s). The raw round trip measured inside must be near that rate, not the
+    unshaped loopback's GB/s (fails if the tbf qdisc is not applied, or the round trip runs outside
+    the namespace), and the dtrain row's bytes cross that lo (fails if shared memory stays on: its lo
+    bytes would be headers only). Where the namespace cannot be made it must exit 2 and say so."""
+    out = tmp_path / "link.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--link", "200mbit", "--tiny", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    if proc.returncode == 2 and "cannot create a private network namespace" in proc.stderr:
+        pytest.skip(f"no private network namespace here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    link = doc["link"]
+    assert link["rate_bits"] == 200e6 and "tbf" in link["qdisc"]
+    assert 0 < link["bytes_per_s"] < 2 * 25e6, link["raw"]  # unshaped loopback: > 1 GB/s
+    results = doc["results"]
+    assert set(results) == {"plain", "sync_1ps_2w_default"}
+    assert all(r["status"] == "ok" and r["samples_per_sec"] > 0 for r in results.values()), results
+    sync = results["sync_1ps_2w_default"]
+    assert sync["config"]["sets"][0] == "training.shared_memory=false"
+    assert sync["lo_bytes_per_step"] > 0.5 * sync["bytes_per_step_protocol"]  # the gradients crossed lo
+    assert 0 < sync["link_fraction"] < 2.0
+    assert "link: lo in a private network namespace, tbf rate 200mbit" in proc.stdout
+    assert "% of link" in proc.stdout and "issue 16's goals under a link" in proc.stdout
+
+
+def test_bench_link_refuses_a_bad_rate_and_a_missing_namespace(tmp_path):
+    """A rate tc would not take exits 2 with a message; so does a machine without unshare/tc (an empty
+    PATH stands in for it), before anything is measured (fails if the probe is skipped: the run would
+    start and fail later, or shape nothing)."""
+    for bad in ("fast", "10gb/s", "-1gbit", "0bit"):
+        proc = subprocess.run([sys.executable, str(BENCH), "--link", bad, "--tiny"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--link" in proc.stderr, (bad, proc.stderr)
+    out = tmp_path / "never.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--link", "1gbit", "--tiny", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={"PATH": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot create a private network namespace" in proc.stderr and "not found on PATH" in proc.stderr
+    assert not out.exists()

@@ -175,11 +175,22 @@ def spawn_ddp(p: dict[str, Any], world: int, trainer: Any = _mlp_trainer) -> lis
 
 def child_ddp(p: dict[str, Any]) -> dict[str, Any]:
     world = p["world"]
-    ranks = spawn_ddp(p, world)
+    sampler = LoopbackSampler()
+    sampler.start()
+    try:
+        ranks = spawn_ddp(p, world)
+    finally:
+        sampler.stop()
     dt = max(r["seconds"] for r in ranks)
     steps = p["steps"]
-    return {"status": "ok", "samples_per_sec": world * steps * p["batch"] / dt, "step_ms": 1e3 * dt / steps,
-            "steps": steps, "seconds": dt, "peak_rss": max(r["peak_rss"] for r in ranks)}
+    out = {"status": "ok", "samples_per_sec": world * steps * p["batch"] / dt, "step_ms": 1e3 * dt / steps,
+           "steps": steps, "seconds": dt, "peak_rss": max(r["peak_rss"] for r in ranks)}
+    # the loopback's bytes/s between the barriers (all ranks inside their timed window)
+    ta, tb = max(r["t_a"] for r in ranks), min(r["t_b"] for r in ranks)
+    ba, bb = sampler.at(ta), sampler.at(tb)
+    if ba is not None and bb is not None and tb > ta:
+        out["lo_bytes_per_sec"] = (bb - ba) / (tb - ta)
+    return out
 
 
 # ------------------------------------------------------------------------------------ dtrain
@@ -214,7 +225,7 @@ def dtrain_spec_dict(p: dict[str, Any]) -> dict[str, Any]:
     layers.append({"type": "linear", "out": p["model"]["classes"]})
     training: dict[str, Any] = {"mode": p["mode"], "replication": p["replication"],
                                 "steps": p["warmup"] + p["steps"], "torch_threads": p["threads"], "seed": p["seed"]}
-    if p["mode"] == "async":
+    if p["mode"] == "async" and p.get("overlap") is not None:
         training["overlap"] = p["overlap"]
     return {
         "name": f"bench-{p['name']}",
@@ -314,6 +325,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         ba, bb = sampler.at(ta), sampler.at(tb)
         if ba is not None and bb is not None and steps:
             out["lo_bytes_per_step_window"] = (bb - ba) / steps
+            out["lo_bytes_per_sec_window"] = (bb - ba) / (tb - ta)
         # The loopback counter is machine-wide: other processes' traffic adds to it in bursts, so
         # the median over the summary intervals is used (robust to a few contaminated intervals).
         per = []
@@ -325,6 +337,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
                 per.append((lb - la) / (b["step"] - a["step"]))
         if per:
             out["lo_bytes_per_step"] = statistics.median(per)
+            out["lo_bytes_per_sec"] = out["lo_bytes_per_step"] * steps / (tb - ta)  # at the run's step rate
         # CPU per replica step in the timed window: the ps's and each replica's, in ms (a replica
         # takes replicas / k of its own steps per global step).
         cpu = sampler.cpu_between(ta, tb)

@@ -42,7 +42,7 @@ class Config:
     ps: int = 1
     mode: str = "async"
     replication: str = "between_graph"
-    overlap: bool = False
+    overlap: bool | None = False  # None: the spec has no overlap key (its default)
     placement: str = "round_robin"
     optional: bool = False  # a failure is reported as "not available" and does not fail the benchmark
     sets: tuple[str, ...] = ()  # spec overrides of this configuration (before --set's)
@@ -63,8 +63,9 @@ def observe_configs() -> list[Config]:
 
 def main_configs(tiny: bool) -> list[Config]:
     plain = Config("plain", "plain PyTorch, 1 process", "plain")
-    a1 = Config("async_1ps_1w", "dtrain async 1 ps + 1 worker", "dtrain", workers=1, overlap=True)
-    a2 = Config("async_1ps_2w", "dtrain async 1 ps + 2 workers", "dtrain", workers=2, overlap=True)
+    # Default settings (no tuning keys): async overlaps by default (training.overlap).
+    a1 = Config("async_1ps_1w", "dtrain async 1 ps + 1 worker", "dtrain", workers=1, overlap=None)
+    a2 = Config("async_1ps_2w", "dtrain async 1 ps + 2 workers", "dtrain", workers=2, overlap=None)
     s2 = Config("sync_1ps_2w", "dtrain sync 1 ps + 2 workers", "dtrain", workers=2, mode="sync")
     g2 = Config("ingraph_1ps_2w", "dtrain in_graph 1 ps + 2 workers", "dtrain", workers=2, mode="sync",
                 replication="in_graph", optional=True)

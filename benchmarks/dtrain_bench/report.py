@@ -128,6 +128,8 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
     print(f"  machine: {mach.get('cpu_count')} CPUs ({mach.get('cpu_model', '?')}), torch {mach.get('torch')}, "
           f"dask {mach.get('dask')}, python {mach.get('python')}; load average at start "
           f"{mach.get('loadavg_start')}, at end {mach.get('loadavg_end')}")
+    if (meta.get("link") or {}).get("header"):
+        print(meta["link"]["header"])
     load = (mach.get("loadavg_start") or [0])[0]
     if mach.get("cpu_count") and load > 0.5 * mach["cpu_count"]:
         print("  NOTE: the machine was busy when the benchmark started; figures are noisy (see the ranges).")

@@ -1,4 +1,9 @@
-"""In-graph replication: the coordinator builds one Dask graph per step.
+"""In-graph replication: the coordinator builds one Dask graph per step (the graph path).
+
+In-graph sync on the socket data plane (the default) runs on towers instead
+(``dtrain.chief.ingraph_towers``: no task per step, gradients over the data plane); this graph
+path runs in-graph sync with ``training.transport: dask`` or with ``replicas_to_aggregate`` below
+the replica count, and is the base of both other drivers (:func:`new_driver` chooses).
 
 Each global step ``v`` is one graph (TensorFlow's in-graph replication, with Dask tasks for ops):
 
@@ -302,6 +307,11 @@ class InGraphDriver:
                     infos[r] = f.result()
         except Exception as exc:  # a lost worker keeps its cache; nothing else to free
             logger.debug("in-graph release failed: %s", exc)
+        self._finish_stats(t_start, infos)
+
+    def _finish_stats(self, t_start: float, infos: list[dict[str, Any] | None]) -> None:
+        """The replicas' wall and wait times, and where each ran (``infos``: per replica, what its
+        release returned, or None)."""
         wall = time.perf_counter() - t_start
         with self._lock:
             for stats, info in zip(self._stats, infos, strict=True):
@@ -311,17 +321,26 @@ class InGraphDriver:
                     continue
                 if "buffers" in info:
                     stats.extra["buffers"] = info["buffers"]
+                if "wait_s" in info:  # a tower's own figures: waiting for the shards, and for its next step
+                    stats.wait_s = info["wait_s"]
+                    stats.extra["idle_s"] = info["idle_s"]
                 stats.extra["where"] = {"worker": info["worker"], "pid": info["pid"]}
 
 
 def new_driver(client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]], tasks: dict[str, str],
                token: str, local_steps: dict[int, int] | None = None) -> InGraphDriver:
-    """The step driver for ``training.mode``: one graph per global step (sync), or one graph per
-    tower step with towers running independently (async: ``dtrain.chief.ingraph_async``), where
-    ``local_steps`` (replica index -> steps it pushed, from a checkpoint) is where each tower
-    resumes in its data order."""
+    """The step driver for ``training.mode``. Sync: towers driven step by step over the socket
+    data plane (``dtrain.chief.ingraph_towers``) where it can (``transport: socket``, every replica
+    in every step), else one graph per global step (this module). Async: one graph per tower step
+    with towers running independently (``dtrain.chief.ingraph_async``), where ``local_steps``
+    (replica index -> steps it pushed, from a checkpoint) is where each tower resumes in its data
+    order."""
     if spec.training.mode == "async":
         from .ingraph_async import AsyncInGraphDriver
 
         return AsyncInGraphDriver(client, spec, plan, shard_refs, tasks, token, local_steps)
+    from .ingraph_towers import TowerDriver, uses_towers
+
+    if uses_towers(spec, plan):
+        return TowerDriver(client, spec, plan, shard_refs, tasks, token)
     return InGraphDriver(client, spec, plan, shard_refs, tasks, token)

@@ -133,9 +133,10 @@ class EmbeddedCluster(SpecCluster):
 def embedded_cluster(spec: PipelineSpec, processes: bool = True) -> SpecCluster:
     """Start the embedded cluster (blocking until every worker has joined), TLS-only with a
     per-run certificate (the module docstring); its ``security`` is what a client needs."""
-    security = Security.temporary()
+    security = Security.temporary() if spec.cluster.tls else None  # cluster.tls: false is plain TCP
     scheduler = {"cls": Scheduler, "options": {
-        "host": "127.0.0.1", "port": 0, "protocol": "tls://", "security": security,
+        "host": "127.0.0.1", "port": 0, "protocol": "tls://" if security is not None else "tcp://",
+        "security": security,
         "dashboard_address": "127.0.0.1:0",
         "dashboard": spec.cluster.dashboard,
     }}
@@ -248,6 +249,9 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
 
             from distributed.comm.core import CommClosedError, FatalCommClosedError
 
+            if not spec.cluster.tls:
+                raise ConnectError(f"cluster.tls: false applies to the embedded cluster; the scheduler at {address} "
+                                   "decides by its own address (tls:// with cluster.security): remove cluster.tls")
             security = _security(spec)
             if "://" not in address and address.endswith(".json"):
                 # a scheduler file written by `dask scheduler --scheduler-file` (a shared file system)

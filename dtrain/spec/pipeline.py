@@ -168,6 +168,9 @@ class PipelineSpec(Strict):
                              f"{t.replicas_to_aggregate} exceeds the {self.num_replicas()} replicas ({source}); "
                              f"lower it, add worker tasks, or set training.sync_tokens: true (TensorFlow's token "
                              "queue: a replica then pushes several gradients per update)"))
+        if not self.cluster.tls and (self.cluster.scheduler or self.cluster.security):
+            problems.append((("cluster", "tls"), "tls: false applies to the embedded cluster; a running scheduler's "
+                             "address says whether it uses TLS (tls:// with cluster.security): remove tls"))
         if t.wire_dtype != "float32" and (t.transport != "socket" or t.replication == "in_graph"):
             problems.append((("training", "wire_dtype"), f"wire_dtype {t.wire_dtype} needs transport: socket "
                              "and between_graph replication (Dask's serializer has no bfloat16)"))

@@ -155,6 +155,9 @@ class ClusterSpec(Strict):
     start_method: Literal["forkserver", "spawn"] = Field("forkserver", description="Embedded cluster: how worker "
         "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default).")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
+    tls: bool = Field(True, description="Embedded cluster: TLS with a per-run certificate on every Dask connection "
+                      "and the data plane. false: plain TCP on 127.0.0.1 (faster where the bytes cross the socket; "
+                      "anyone on this machine who can reach the ports can then connect to the scheduler).")
     assign: Literal["auto", "named"] = Field(
         "auto", description="Which Dask worker serves each task. named: the worker named J-i (or listed for the "
         "task, or tagged with the resource J), as `dtrain worker` and the embedded cluster start them. auto: the "

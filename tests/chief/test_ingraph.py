@@ -14,7 +14,7 @@ import torch
 from distributed import get_task_stream
 
 import dtrain
-from dtrain.chief.ingraph import InGraphDriver
+from dtrain.chief.ingraph import InGraphDriver, new_driver
 from dtrain.chief.shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
 from dtrain.plan.layout import ShardLayout
@@ -29,7 +29,7 @@ OPTIMIZERS = {"sgd": "{name: sgd, lr: 0.1}", "momentum": "{name: momentum, lr: 0
 
 def in_graph_spec(num_ps: int, replicas: int, steps: int, optimizer: str = "sgd",
                   model: str = "input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, "
-                               "{type: linear, out: 10}]", extra: str = "") -> dtrain.PipelineSpec:
+                               "{type: linear, out: 10}]", extra: str = "", training: str = "") -> dtrain.PipelineSpec:
     return dtrain.loads(f"""
 name: in-graph
 cluster: {{jobs: {{ps: {num_ps}, worker: {replicas}}}}}
@@ -37,7 +37,7 @@ model:
   {model}
 data: {{source: sklearn:digits, batch_size: 8}}
 optimizer: {OPTIMIZERS[optimizer]}
-training: {{replication: in_graph, mode: sync, steps: {steps}, seed: 5, call_timeout_s: 30}}
+training: {{replication: in_graph, mode: sync, steps: {steps}, seed: 5, call_timeout_s: 30{", " + training if training else ""}}}
 summary: {{every_steps: 50, tensorboard: false}}
 {extra}
 """, base_dir=".")
@@ -60,7 +60,8 @@ def shards_for(client, spec: dtrain.PipelineSpec, tmp_path) -> Iterator[ShardGro
 
 
 def driver_for(group: ShardGroup, spec: dtrain.PipelineSpec | None = None) -> InGraphDriver:
-    return InGraphDriver(group.client, spec or group.spec, group.plan, group.refs(), group.conn.tasks, group.token)
+    """The driver the session would start (towers on the socket data plane, else one graph per step)."""
+    return new_driver(group.client, spec or group.spec, group.plan, group.refs(), group.conn.tasks, group.token)
 
 
 def trained_model(group: ShardGroup) -> torch.nn.Module:
@@ -99,7 +100,8 @@ def test_in_graph_matches_single_process_training(inproc_client, tmp_path, num_p
         assert r["local_steps"] == steps and r["samples"] == steps * 8 and r["final_step"] == steps
         assert r["device"] == "cpu" and r["compute_s"] > 0 and r["wall_s"] >= r["compute_s"]
     assert [r["worker"] for r in rows] == [f"worker-{i}" for i in range(replicas)]
-    assert rows[0]["extra"] == {"buffers": {}}  # the MLP has no non-parameter buffers
+    assert rows[0]["extra"]["buffers"] == {}  # the MLP has no non-parameter buffers
+    assert rows[0]["extra"].keys() <= {"buffers", "idle_s"}  # (idle_s: a tower's wait for its next step)
 
 
 def test_in_graph_resumes_where_the_shards_are(inproc_client, tmp_path):
@@ -171,9 +173,11 @@ def test_in_graph_reports_a_failing_gradient_task(inproc_client, tmp_path):
 
 
 def _ran_in_graph(task_stream) -> bool:
-    """The session ran the step graphs (dtrain.worker.tasks in-graph tasks), not between-graph replica loops."""
+    """The session ran in-graph replication (its towers, or its step graphs' gradient tasks), not
+    between-graph replica loops."""
     keys = [str(r["key"]) for r in task_stream.data]
-    return any(k.startswith("dtrain-ig-grad") for k in keys) and not any(k.startswith("dtrain-replica-") for k in keys)
+    return any(k.startswith(("dtrain-ig-tower", "dtrain-ig-grad")) for k in keys) \
+        and not any(k.startswith("dtrain-replica-") for k in keys)
 
 
 def test_in_graph_through_dtrain_run_matches_single_process(inproc_client, tmp_path):

@@ -131,3 +131,36 @@ def test_embedded_workers_drop_only_the_shutdown_heartbeat_error():
     assert not f.filter(record("Failed to communicate with scheduler during heartbeat."))
     assert f.filter(record("Unexpected exception during heartbeat. Closing worker."))
     assert f.filter(record("Compute Failed"))
+
+
+def test_cluster_tls_false_gives_a_plain_tcp_cluster_and_data_plane():
+    """``cluster.tls: false``: the embedded scheduler and workers speak plain TCP on 127.0.0.1, and
+    so does the data plane (its greeting comes in the clear); with a scheduler the key is refused."""
+    import socket
+
+    import torch
+
+    from dtrain.chief.shards import ShardGroup
+    from dtrain.dataplane.protocol import MAGIC
+    from dtrain.deploy.cluster import ConnectError
+
+    spec = dtrain.load(DIGITS, overrides=["cluster.tls=false"])
+    with connect(spec, processes=False) as conn, conn.client.as_current():
+        assert conn.client.scheduler.address.startswith("tcp://127.0.0.1:")
+        assert all(w.startswith("tcp://127.0.0.1:") for w in conn.workers())
+        plan = dtrain.compile(spec)
+        group = ShardGroup(conn, spec, plan, token="plain")
+        try:
+            group.create([torch.zeros(s.numel) for s in plan.shards])
+            assert group.data_plane["tls"] is None
+            host, port = group.data_plane["endpoints"][0]
+            with socket.create_connection((host, port), timeout=5) as raw:
+                assert raw.recv(len(MAGIC), socket.MSG_WAITALL) == MAGIC  # no TLS hello needed
+        finally:
+            group.stop_renewing()
+            group.close_data_plane()
+            conn.client.cancel(group.futures, force=True)
+    with pytest.raises(dtrain.SpecError, match="cluster.tls"):
+        dtrain.load(DIGITS, overrides=["cluster.tls=false", "cluster.scheduler=tcp://127.0.0.1:1"])
+    with pytest.raises(ConnectError, match="cluster.tls"), connect(spec, scheduler="tcp://127.0.0.1:1"):
+        pass
