@@ -1,7 +1,9 @@
 """The ps side of the data plane: ``ShardServer`` serves one ParameterShard to its replicas,
 one thread per authenticated connection, running every request on the ps's event loop through
 the shard's own methods (so sync barriers, staleness and checkpoint holds are identical to the
-actor path). See ``protocol`` for the bytes.
+actor path), except a plain async push: the connection thread applies it itself, under the
+shard's lock, when nothing can make it wait (``ParameterShard.push_direct``, ps/fastpath.py).
+See ``protocol`` for the bytes.
 
 Abuse and faults (anyone who can reach the port can connect): a handshake has an absolute
 deadline (a 1-byte drip cannot keep it alive) and at most ``MAX_PENDING`` connections may be in
@@ -218,6 +220,7 @@ class ShardServer:
         gbytes = len(gview) if gview is not None else 0
         itemsize = torch.empty((), dtype=self.wire).element_size()
         num_replicas = self.shard.num_replicas
+        direct = bool(getattr(self.shard, "direct_pushes", False))  # async pushes on this thread
         dims = {name: part.dim for name, part in getattr(self.shard, "tables", {}).items()}
         header = bytearray(proto.REQ.size)
         hview = memoryview(header)
@@ -251,7 +254,8 @@ class ShardServer:
                     else:
                         g, target = grad.copy_(src) if op != proto.OP_PULL else grad, reply
                     self._answer(conn, op, g, replica, version, local_step, loss, samples, target,
-                                 narrow_into=None if f32 else out, send=False, sparse=sparse, dims=dims)
+                                 narrow_into=None if f32 else out, send=False, sparse=sparse, dims=dims,
+                                 direct=direct)
                     continue
                 if nbytes:
                     if offset + nbytes > gbytes or offset % itemsize or nbytes % itemsize:
@@ -268,7 +272,7 @@ class ShardServer:
             if wire_in is not grad:
                 grad.copy_(wire_in)
             self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
-                         narrow_into=wire_out, send=True, sparse=sparse, dims=dims)
+                         narrow_into=wire_out, send=True, sparse=sparse, dims=dims, direct=direct)
 
     def _sparse(self, conn: socket.socket, flags: int, dims: dict[str, int]) -> dict | None:
         """The request's sparse block (flag ``F_SPARSE``), checked against this shard's tables."""
@@ -286,20 +290,20 @@ class ShardServer:
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
                 local_step: int, loss: float, samples: int, out: torch.Tensor,
                 narrow_into: torch.Tensor | None, send: bool, sparse: dict | None = None,
-                dims: dict[str, int] | None = None) -> None:
-        """Run the request on the ps's event loop (the actor's own methods), snapshot into ``out``,
-        narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the header, then the
-        parameters when ``send`` (with shared memory they are already in the reply slot)."""
+                dims: dict[str, int] | None = None, direct: bool = False) -> None:
+        """Run the request — a plain async push on this thread when ``direct`` and the shard
+        allows it now (``push_direct``), else on the ps's event loop (the actor's own methods) —,
+        snapshot into ``out``, narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the
+        header, then the parameters when ``send`` (with shared memory they are already in the
+        reply slot)."""
         loss_value = None if np.isnan(loss) and samples == 0 else loss
-        extra = {} if sparse is None else {"sparse": sparse}
-        if op == proto.OP_PULL:
-            coro = self.shard.pull(version, out=out, **extra)
-        else:
-            coro = getattr(self.shard, proto.OPS[op])(grad, replica, version, loss_value, samples, local_step, out=out,
-                                                      **extra)
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            params, step, stop, generation, *rest = self._result(future)
+            reply = None
+            if direct and op == proto.OP_PUSH_PULL and sparse is None:
+                reply = self.shard.push_direct(self.loop, grad, replica, version, loss_value, samples, local_step, out)
+            if reply is None:
+                reply = self._on_loop(op, grad, replica, version, loss_value, samples, local_step, out, sparse)
+            params, step, stop, generation, *rest = reply
         except Exception as exc:
             self._error(conn, f"{type(exc).__name__}: {exc}")
             return
@@ -315,6 +319,17 @@ class ShardServer:
             conn.sendall(payload)
         for part in tail:
             conn.sendall(part)
+
+    def _on_loop(self, op: int, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
+                 local_step: int, out: torch.Tensor, sparse: dict | None) -> tuple:
+        """The request run on the ps's event loop; its reply (the shard method's result)."""
+        extra = {} if sparse is None else {"sparse": sparse}
+        if op == proto.OP_PULL:
+            coro = self.shard.pull(version, out=out, **extra)
+        else:
+            coro = getattr(self.shard, proto.OPS[op])(grad, replica, version, loss, samples, local_step, out=out,
+                                                      **extra)
+        return self._result(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     def _result(self, future: concurrent.futures.Future) -> Any:
         """The request's result, waiting ``timeout`` and longer while the shard grants a barrier

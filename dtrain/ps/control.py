@@ -35,6 +35,7 @@ class ShardControl:
     step: Any
     _condition: Any
     _wait: Any
+    lock: Any  # taken around what a direct push reads or writes (ps/fastpath.py)
 
     async def renew(self) -> int:
         """The chief is alive: the lease runs ``lease_s`` seconds from now (see the module docstring)."""
@@ -67,9 +68,12 @@ class ShardControl:
     async def stop_at(self, step: int) -> int:
         """End training at global step ``step`` (a stop_at_step hook), as at ``training.steps``:
         the update of that step is the last one applied."""
-        self.steps = min(self.steps, int(step))
-        if self.holds_global_step and self.step >= self.steps:
-            self.stop = True
+        with self.lock:
+            self.steps = min(self.steps, int(step))
+            stop = self.holds_global_step and self.step >= self.steps
+            if stop:
+                self.stop = True
+        if stop:
             await self._wake()
         return self.step
 
@@ -81,7 +85,8 @@ class ShardControl:
 
     async def hold(self, at_step: int | None = None) -> int:
         """Pause applies from ``at_step`` on (default: now); returns the current step."""
-        self.hold_at = self.step if at_step is None else at_step
+        with self.lock:  # no direct push lands between this and the snapshot it is for
+            self.hold_at = self.step if at_step is None else at_step
         await self._wake()  # a raised hold step may free pushes that were held
         return self.step
 
@@ -96,7 +101,8 @@ class ShardControl:
 
     async def release(self) -> int:
         """End a hold: waiting pushes go on."""
-        self.hold_at = None
+        with self.lock:
+            self.hold_at = None
         await self._wake()
         return self.step
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,7 @@ from dtrain.observe.meters import ShardMeter
 
 from .averages import make_average
 from .control import ShardControl
+from .fastpath import DirectPush
 from .optim import make_optimizer
 from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate
 from .rows import TablePart
@@ -50,7 +52,7 @@ class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
 
 
-class ParameterShard(SparseRows, ShardControl, TokenPush):
+class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -88,6 +90,10 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
         self._ring: list[torch.Tensor] = []
         self._ring_next = 0
         self._cond: asyncio.Condition | None = None
+        self._waiting = 0  # waits on _cond in progress (a direct push wakes them: ps/fastpath.py)
+        # Async: held by a push applied on a data-plane connection thread (ps/fastpath.py) and by
+        # the event-loop methods around their reads and writes of the same state.
+        self.lock = threading.Lock()
         self.stop = False
         self.error: str | None = None
         # Shard 0's bookkeeping: records closed at every summary_every global steps.
@@ -210,7 +216,9 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
                              f"a push on shard {self.index} waited for a checkpoint snapshot")
 
     def _bad_grad(self, grad: torch.Tensor, replica: int) -> bool:
-        if self.nan_guard and not bool(torch.isfinite(grad).all()):
+        # (a finite sum means every value is finite, at a tenth of isfinite's cost; an overflowing
+        # sum of finite values falls through to the exact check)
+        if self.nan_guard and not math.isfinite(grad.sum()) and not bool(torch.isfinite(grad).all()):
             self.error = self.error or (f"nan_guard: replica {replica} pushed a non-finite gradient at step "
                                         f"{self.step} of shard {self.index}; the update was not applied")
             return True
@@ -223,18 +231,25 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
         """Async mode: apply this gradient now (unless too stale), reply with fresh parameters.
         ``sparse``: table name -> (ids, their row gradients, the next batch's ids); the reply then
         has a fifth element, table name -> the rows of the next batch's ids."""
-        await self._wait_unheld()
-        if self.stop or self.error is not None or self._bad_ids(sparse, replica):
-            return self._sparse_reply(out, sparse)
-        self._observe(replica, loss, samples, local_step)
-        if self.meter is not None:
-            self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
-        if self.error is None and not self._bad_grad(grad, replica):
-            decision = self.policy.push(version)
-            if isinstance(decision, Apply):
-                self._add_rows(sparse)
-                self._apply(grad)
-        if self.gate is not None:
+        while True:
+            await self._wait_unheld()
+            with self.lock:
+                if self._held(None):  # a direct push's step paused the shard meanwhile (ps/fastpath.py)
+                    continue
+                if self.stop or self.error is not None or self._bad_ids(sparse, replica):
+                    return self._sparse_reply(out, sparse)
+                self._observe(replica, loss, samples, local_step)
+                if self.meter is not None:
+                    self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
+                if self.error is None and not self._bad_grad(grad, replica):
+                    decision = self.policy.push(version)
+                    if isinstance(decision, Apply):
+                        self._add_rows(sparse)
+                        self._apply(grad)
+                if self.gate is None:
+                    return self._sparse_reply(out, sparse)
+                break
+        if self.gate is not None:  # (no direct pushes with a gate: no lock below)
             self.gate.report(replica, local_step)
             cond = self._condition()
             async with cond:
@@ -292,9 +307,10 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
             async with cond:
                 await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
                                  f"pull waited for shard {self.index} to reach step {min_step}")
-        if sparse is not None and self._bad_ids({k: (None, None, v[2]) for k, v in sparse.items()}, -1):
-            return self._sparse_reply(out, {})
-        return self._sparse_reply(out, sparse)
+        with self.lock:
+            if sparse is not None and self._bad_ids({k: (None, None, v[2]) for k, v in sparse.items()}, -1):
+                return self._sparse_reply(out, {})
+            return self._sparse_reply(out, sparse)
 
     def _sparse_reply(self, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
         if sparse is None:
@@ -307,16 +323,20 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
         """Wait for ``predicate`` for barrier_timeout_s, or longer while a grace granted by the
         session (:meth:`barrier_grace`: a lost replica is being restarted) has not run out."""
         t0 = time.monotonic()
-        while True:
-            remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
-            if remaining <= 0:
-                raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
-                                     f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
-            try:
-                await asyncio.wait_for(cond.wait_for(predicate), remaining)
-                return
-            except (asyncio.TimeoutError, TimeoutError):
-                continue  # a grace may have been granted meanwhile: check again
+        self._waiting += 1
+        try:
+            while True:
+                remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
+                if remaining <= 0:
+                    raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
+                                         f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
+                try:
+                    await asyncio.wait_for(cond.wait_for(predicate), remaining)
+                    return
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue  # a grace may have been granted meanwhile: check again
+        finally:
+            self._waiting -= 1
 
     @property
     def grace_until(self) -> float:
@@ -362,54 +382,58 @@ class ParameterShard(SparseRows, ShardControl, TokenPush):
 
     async def stats(self) -> dict[str, Any]:
         """Progress for the session: drains the summary records collected since the last call."""
-        records, self.records = self.records, []
-        return {"step": self.step, "stop": self.stop, "error": self.error, "records": records,
-                "dropped_stale": self.dropped_stale, "samples": self.samples_total,
-                "local_steps": dict(self.local_steps), "generation": self.generation,
-                "last_apply_time": self.last_apply_time}
+        with self.lock:
+            records, self.records = self.records, []
+            return {"step": self.step, "stop": self.stop, "error": self.error, "records": records,
+                    "dropped_stale": self.dropped_stale, "samples": self.samples_total,
+                    "local_steps": dict(self.local_steps), "generation": self.generation,
+                    "last_apply_time": self.last_apply_time}
 
     async def load(self) -> dict[str, Any] | None:
         """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
-        return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
+        with self.lock:
+            return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
 
     async def get_params(self, averaged: bool = False) -> tuple[torch.Tensor, int]:
         """The parameters (``averaged``: their moving averages, when the shard keeps them)."""
-        return (self.averages.state() if averaged and self.averages else self.param.clone()), self.step
+        with self.lock:
+            return (self.averages.state() if averaged and self.averages else self.param.clone()), self.step
 
     async def get_state(self, tables: bool = True) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict).
         ``tables``: with the table parts (copied whole; the chief's snapshots read them in chunks
         instead, :meth:`read_part`)."""
-        state = self.optimizer.state_dict()
-        out = {"params": self.param.clone(), "step": self.step, "optimizer_state": state,
-               "dropped_stale": self.dropped_stale, "samples": self.samples_total}
-        if self.averages is not None:
-            out["averages"] = self.averages.state()
+        with self.lock:
+            out = {"params": self.param.clone(), "step": self.step, "optimizer_state": self.optimizer.state_dict(),
+                   "dropped_stale": self.dropped_stale, "samples": self.samples_total}
+            if self.averages is not None:
+                out["averages"] = self.averages.state()
         if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
             out["tables"] = {name: part.state(copy=True) for name, part in self.tables.items()}
         return out
 
     async def set_state(self, state: dict[str, Any]) -> int:
         """Restore from :meth:`get_state`'s output (a checkpoint)."""
-        with torch.no_grad():
-            self.param.copy_(state["params"])
-        self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
-        if self.averages is not None:
-            self.averages.load(state.get("averages"), self.param)
-        for name, part in self.tables.items():
-            if name in (state.get("tables") or {}):
-                part.load_state(state["tables"][name])
-            part.clear()
-        step = int(state["step"])
-        self.sync.reset(step)
-        self.policy.reset(step)
-        if self.gate is not None:
-            self.gate.reset()
-        self.sync.dropped_stale = int(state.get("dropped_stale", 0))
-        self.samples_total = int(state.get("samples", 0))
-        self.acc.zero_()
-        self.stop = step >= self.steps
-        return step
+        with self.lock:
+            with torch.no_grad():
+                self.param.copy_(state["params"])
+            self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
+            if self.averages is not None:
+                self.averages.load(state.get("averages"), self.param)
+            for name, part in self.tables.items():
+                if name in (state.get("tables") or {}):
+                    part.load_state(state["tables"][name])
+                part.clear()
+            step = int(state["step"])
+            self.sync.reset(step)
+            self.policy.reset(step)
+            if self.gate is not None:
+                self.gate.reset()
+            self.sync.dropped_stale = int(state.get("dropped_stale", 0))
+            self.samples_total = int(state.get("samples", 0))
+            self.acc.zero_()
+            self.stop = step >= self.steps
+            return step
 
     async def apply_mean(self, grad_sum: torch.Tensor, count: int, version: int, loss: float | None = None,
                          samples: int = 0) -> int:

@@ -385,8 +385,9 @@ class TrainingSpec(Strict):
     replication: Literal["between_graph", "in_graph"] = Field(
         "between_graph",
         description="between_graph: each replica runs its own loop and shares only the ps; in_graph: the session "
-        "submits one Dask graph per step (N gradient tasks, a reduce, an apply; with mode: async, one graph per tower "
-        "step, each tower's gradient applied on arrival).",
+        "decides every step and the towers run it: sync on the socket data plane drives one tower actor per worker "
+        "task (no Dask task per step); otherwise one Dask graph per step (N gradient tasks, a reduce, an apply; with "
+        "mode: async, one graph per tower step, each tower's gradient applied on arrival).",
     )
     mode: Literal["async", "sync"] = Field(
         "async", description="async: each push is applied at once; sync: SyncReplicasOptimizer semantics."

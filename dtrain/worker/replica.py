@@ -386,7 +386,11 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
             replies = wait(pending)
             rep.load([r[0] for r in replies])
             versions = [r[1] for r in replies]
-            stop = said_stop(replies)
+            pending = None
+            if stop := said_stop(replies):  # this step's gradient would only be answered "stop": not pushed
+                stats.local_steps, stats.samples = stats.local_steps - 1, stats.samples - n
+                stats.bytes_sent, stats.bytes_recv = stats.bytes_sent - step_bytes, stats.bytes_recv - step_bytes
+                break
         futs = [sh.push_pull(grads[s], index, versions[s], loss if s == 0 else None, n if s == 0 else 0, k,
                              **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
         if overlap:

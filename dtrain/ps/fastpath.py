@@ -1,0 +1,89 @@
+"""The ps shard's direct push: an async push applied on the data plane's connection thread.
+
+Every other request runs on the ps's event loop (``ParameterShard``'s ``async`` methods): the
+connection thread hands it over and waits. For a plain async push that hop — waking the Dask
+worker's loop, a future, a thread switch each way — cost more of the ps's CPU than the apply and
+the snapshot together. ``push_direct`` instead applies such a push on the connection thread
+itself, under the shard's ``lock``:
+
+- Only where nothing can make the push wait: ``training.mode: async``, no staleness gate
+  (``max_staleness`` on the shard that counts the global step), no sparse tables on the shard and
+  none in the request. Under the lock the push also needs no checkpoint hold, no stop and no
+  error; else it returns None and the connection thread takes the event-loop path, which waits
+  or replies exactly as before.
+- The lock covers the check, the apply (optimizer, moving averages, records, the meter, the step's
+  own checkpoint hold or stop) and the reply's snapshot. The event-loop methods that read or write
+  the same state in async mode (the slow push, ``pull``, ``get_params``, ``get_state``,
+  ``set_state``, ``stats``, ``load``, ``hold``, ``release``, ``stop_at``) take it around their
+  (short, never awaiting) critical sections, so a direct apply never lands between a hold and
+  its snapshot, and never inside a checkpoint's read.
+- Waiters on the event loop (a ``pull(min_step)``, a chief's ``wait_held``) are woken after a
+  direct apply through ``loop.call_soon_threadsafe``, only when one is waiting (``_waiting``).
+
+Sync mode never takes this path: its barrier, token queue and excuses stay on the event loop.
+No Dask here (the loop is the one the data-plane server was given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import torch
+
+from .replication import Apply
+
+
+class DirectPush:
+    """Mixin of ``ParameterShard``: :meth:`push_direct` (see the module docstring)."""
+
+    lock: threading.Lock
+    _waiting: int
+    mode: str
+    gate: Any
+    tables: dict[str, Any]
+    policy: Any
+    meter: Any
+    stop: bool
+    error: str | None
+    step: Any
+    _held: Any
+    _observe: Any
+    _bad_grad: Any
+    _apply: Any
+    _reply: Any
+    _wake: Any
+
+    @property
+    def direct_pushes(self) -> bool:
+        """Whether async pushes may be applied on the connection thread (the static conditions)."""
+        return self.mode == "async" and self.gate is None and not self.tables
+
+    def push_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
+                    loss: float | None, samples: int, local_step: int, out: torch.Tensor) -> tuple | None:
+        """``push_pull`` on the calling (connection) thread, or None where it must run on the
+        event loop: a checkpoint hold, a stop or an error (:attr:`direct_pushes` is the caller's
+        check). The same steps as ``push_pull``'s, in the same order."""
+        with self.lock:
+            if self._held(None) or self.stop or self.error is not None:
+                return None
+            self._observe(replica, loss, samples, local_step)
+            if self.meter is not None:
+                self.meter.push(0, self.step - version, loss)
+            if self.error is None and not self._bad_grad(grad, replica):
+                if isinstance(self.policy.push(version), Apply):
+                    self._apply(grad)
+            reply = self._reply(out)
+        if self._waiting:  # (read after the step moved: a waiter counted itself before its check)
+            loop.call_soon_threadsafe(self._wake_waiters)
+        return reply
+
+    def _wake_waiters(self) -> None:
+        """On the event loop: let every waiter re-check its condition (the step moved)."""
+        task = asyncio.ensure_future(self._wake())
+        _WAKERS.add(task)  # (the loop keeps only a weak reference to a task)
+        task.add_done_callback(_WAKERS.discard)
+
+
+_WAKERS: set[asyncio.Future] = set()
