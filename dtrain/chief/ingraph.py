@@ -236,13 +236,18 @@ class InGraphDriver:
         """Read shard 0's (step, stopped) and send the spec and plan to each replica's worker once
         (every gradient task refers to them by key)."""
         c = self.client
+        start, stopped = self._read_start()
+        for addr in self.replica_addresses:
+            self._config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
+        return start, stopped
+
+    def _read_start(self) -> tuple[int, bool]:
+        """Shard 0's (step, stopped), read by a task on its ps worker: the step the driver starts at."""
         addr0, key0 = self.shard_refs[0]
-        first = c.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
+        first = self.client.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
         self._wait([first], "reading shard 0's step")
         start, stopped = first.result()
         self.global_step = start
-        for addr in self.replica_addresses:
-            self._config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
         return start, stopped
 
     def _outstanding(self) -> list[Future]:

@@ -47,7 +47,6 @@ from distributed import wait
 
 from dtrain.plan.assign import task_host
 from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
-from dtrain.worker.tasks import shard_state
 
 from .ingraph import POLL_S, InGraphDriver, _Aborted, _StepError
 
@@ -82,11 +81,7 @@ class TowerDriver(InGraphDriver):
         """Read shard 0's (step, stopped), open every shard's data plane with a fresh secret and
         create the towers at that step."""
         c = self.client
-        addr0, key0 = self.shard_refs[0]
-        first = c.submit(shard_state, key0, key=self._key(-1, "state"), **self._pin(addr0))
-        self._wait([first], "reading shard 0's step")
-        start, stopped = first.result()
-        self.global_step = start
+        start, stopped = self._read_start()
         secret = secrets.token_bytes(32)
         tls = True if str(c.scheduler.address).startswith("tls://") else None  # each process's own certificate
         planes = [c.submit(open_plane, key, secret, task_host(addr), tls, self.timeout, key=self._key(-1, f"plane{s}"),
