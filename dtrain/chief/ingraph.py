@@ -286,14 +286,19 @@ class InGraphDriver:
         self.global_step = results[0]["step"]
         if refused:
             return True  # stopped before this step (a shard refused it): not a step of the replicas
+        self._add_step_stats(results[0]["replicas"])
+        return stop or self.global_step >= self.spec.training.steps
+
+    def _add_step_stats(self, replicas: list[dict[str, Any]]) -> None:
+        """Add one global step's figures (``samples``, ``compute_s``, ``device`` per replica) to
+        every replica's stats."""
         with self._lock:
-            for stats, rep in zip(self._stats, results[0]["replicas"], strict=True):
+            for stats, rep in zip(self._stats, replicas, strict=True):
                 stats.local_steps += 1
                 stats.samples += rep["samples"]
                 stats.compute_s += rep["compute_s"]
                 stats.device = rep["device"]
                 stats.final_step = self.global_step
-        return stop or self.global_step >= self.spec.training.steps
 
     def _release(self, t_start: float) -> None:
         """Free the per-run state on the workers and finish the replicas' stats."""

@@ -185,13 +185,7 @@ class TowerDriver(InGraphDriver):
         if refused or not results[0]["steps"]:
             return True  # stopped before this step: not a step of the replicas
         self.global_step = results[0]["steps"][0]
-        with self._lock:
-            for stats, res in zip(self._stats, results, strict=True):
-                stats.local_steps += 1
-                stats.samples += res["samples"]
-                stats.compute_s += res["compute_s"]
-                stats.device = res["device"]
-                stats.final_step = self.global_step
+        self._add_step_stats(results)
         return stop or self.global_step >= self.spec.training.steps
 
     # ------------------------------------------------------------------ the end

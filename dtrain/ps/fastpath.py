@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-from .replication import Apply
-
 
 class DirectPush:
     """Mixin of ``ParameterShard``: :meth:`push_direct` (see the module docstring)."""
@@ -43,15 +41,10 @@ class DirectPush:
     mode: str
     gate: Any
     tables: dict[str, Any]
-    policy: Any
-    meter: Any
     stop: bool
     error: str | None
-    step: Any
     _held: Any
-    _observe: Any
-    _bad_grad: Any
-    _apply: Any
+    _push_async: Any
     _reply: Any
     _wake: Any
 
@@ -64,16 +57,11 @@ class DirectPush:
                     loss: float | None, samples: int, local_step: int, out: torch.Tensor) -> tuple | None:
         """``push_pull`` on the calling (connection) thread, or None where it must run on the
         event loop: a checkpoint hold, a stop or an error (:attr:`direct_pushes` is the caller's
-        check). The same steps as ``push_pull``'s, in the same order."""
+        check). The same steps as ``push_pull``'s (``_push_async``), without a sparse block."""
         with self.lock:
             if self._held(None) or self.stop or self.error is not None:
                 return None
-            self._observe(replica, loss, samples, local_step)
-            if self.meter is not None:
-                self.meter.push(0, self.step - version, loss)
-            if self.error is None and not self._bad_grad(grad, replica):
-                if isinstance(self.policy.push(version), Apply):
-                    self._apply(grad)
+            self._push_async(grad, replica, version, loss, samples, local_step)
             reply = self._reply(out)
         if self._waiting:  # (read after the step moved: a waiter counted itself before its check)
             loop.call_soon_threadsafe(self._wake_waiters)

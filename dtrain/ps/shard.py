@@ -225,6 +225,17 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
         return False
 
     # ------------------------------------------------------------------ remote methods
+    def _push_async(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
+                    local_step: int, sparse: Sparse | None = None) -> None:
+        """An async push's bookkeeping, then its apply unless it is too stale or bad (the caller
+        holds ``lock``: ``push_pull`` on the event loop, ``push_direct`` on a connection thread)."""
+        self._observe(replica, loss, samples, local_step)
+        if self.meter is not None:
+            self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
+        if self.error is None and not self._bad_grad(grad, replica) and isinstance(self.policy.push(version), Apply):
+            self._add_rows(sparse)
+            self._apply(grad)
+
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
                         sparse: Sparse | None = None) -> Reply:
@@ -238,14 +249,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
                     continue
                 if self.stop or self.error is not None or self._bad_ids(sparse, replica):
                     return self._sparse_reply(out, sparse)
-                self._observe(replica, loss, samples, local_step)
-                if self.meter is not None:
-                    self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
-                if self.error is None and not self._bad_grad(grad, replica):
-                    decision = self.policy.push(version)
-                    if isinstance(decision, Apply):
-                        self._add_rows(sparse)
-                        self._apply(grad)
+                self._push_async(grad, replica, version, loss, samples, local_step, sparse)
                 if self.gate is None:
                     return self._sparse_reply(out, sparse)
                 break
