@@ -1,8 +1,9 @@
 """The ps side of the data plane: ``ShardServer`` serves one ParameterShard to its replicas,
 one thread per authenticated connection, running every request on the ps's event loop through
 the shard's own methods (so sync barriers, staleness and checkpoint holds are identical to the
-actor path), except a plain async push: the connection thread applies it itself, under the
-shard's lock, when nothing can make it wait (``ParameterShard.push_direct``, ps/fastpath.py).
+actor path), except a plain async or sync push: the connection thread runs it itself, under
+the shard's lock, when nothing but the sync barrier can make it wait (``push_direct``,
+ps/fastpath.py; ``push_sync_direct``, ps/sync_push.py).
 See ``protocol`` for the bytes.
 
 Abuse and faults (anyone who can reach the port can connect): a handshake has an absolute
@@ -162,6 +163,8 @@ class ShardServer:
         self.connections += 1
         self.shared_connections += shm is not None
         conn.sendall(b"\x02" if shm is not None else b"\x01")
+        if shm is not None and isinstance(conn, ssl.SSLSocket):
+            conn.unwrap()  # only headers cross this socket, on this machine: see protocol.py (TLS)
         return attempt, shm
 
     # ------------------------------------------------------------------ serving
@@ -220,7 +223,10 @@ class ShardServer:
         gbytes = len(gview) if gview is not None else 0
         itemsize = torch.empty((), dtype=self.wire).element_size()
         num_replicas = self.shard.num_replicas
-        direct = bool(getattr(self.shard, "direct_pushes", False))  # async pushes on this thread
+        # Pushes this thread may run itself (ps/fastpath.py, ps/sync_push.py): op -> the shard's method.
+        direct = {op: getattr(self.shard, name) for op, name, ok in (
+            (proto.OP_PUSH_PULL, "push_direct", "direct_pushes"), (proto.OP_PUSH_SYNC, "push_sync_direct", "direct_sync"))
+            if getattr(self.shard, ok, False)}
         dims = {name: part.dim for name, part in getattr(self.shard, "tables", {}).items()}
         header = bytearray(proto.REQ.size)
         hview = memoryview(header)
@@ -290,17 +296,18 @@ class ShardServer:
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
                 local_step: int, loss: float, samples: int, out: torch.Tensor,
                 narrow_into: torch.Tensor | None, send: bool, sparse: dict | None = None,
-                dims: dict[str, int] | None = None, direct: bool = False) -> None:
-        """Run the request — a plain async push on this thread when ``direct`` and the shard
-        allows it now (``push_direct``), else on the ps's event loop (the actor's own methods) —,
+                dims: dict[str, int] | None = None, direct: dict | None = None) -> None:
+        """Run the request — a push on this thread when ``direct`` has its op and the shard allows
+        it now (``push_direct``, ``push_sync_direct``), else on the ps's event loop (the actor's own
+        methods) —,
         snapshot into ``out``, narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the
         header, then the parameters when ``send`` (with shared memory they are already in the
         reply slot)."""
         loss_value = None if np.isnan(loss) and samples == 0 else loss
         try:
             reply = None
-            if direct and op == proto.OP_PUSH_PULL and sparse is None:
-                reply = self.shard.push_direct(self.loop, grad, replica, version, loss_value, samples, local_step, out)
+            if direct and sparse is None and op in direct:
+                reply = direct[op](self.loop, grad, replica, version, loss_value, samples, local_step, out)
             if reply is None:
                 reply = self._on_loop(op, grad, replica, version, loss_value, samples, local_step, out, sparse)
             params, step, stop, generation, *rest = reply

@@ -36,6 +36,7 @@ class ShardControl:
     _condition: Any
     _wait: Any
     lock: Any  # taken around what a direct push reads or writes (ps/fastpath.py)
+    _tcond: Any  # direct sync pushes wait on it (ps/sync_push.py)
 
     async def renew(self) -> int:
         """The chief is alive: the lease runs ``lease_s`` seconds from now (see the module docstring)."""
@@ -60,7 +61,10 @@ class ShardControl:
         self._expiry = asyncio.get_running_loop().create_task(self._wake())
 
     async def _wake(self) -> None:
-        """Let every waiter re-check its condition (after stop, hold or release changed)."""
+        """Let every waiter re-check its condition (after stop, hold or release changed): on the
+        loop, and direct sync pushes on connection threads (ps/sync_push.py)."""
+        with self.lock:
+            self._tcond.notify_all()
         if self._cond is not None:
             async with self._cond:
                 self._cond.notify_all()

@@ -20,7 +20,8 @@ itself, under the shard's ``lock``:
 - Waiters on the event loop (a ``pull(min_step)``, a chief's ``wait_held``) are woken after a
   direct apply through ``loop.call_soon_threadsafe``, only when one is waiting (``_waiting``).
 
-Sync mode never takes this path: its barrier, token queue and excuses stay on the event loop.
+Sync pushes have their own direct path, with the barrier on a ``threading.Condition``
+(ps/sync_push.py); the token queue, excuses and holds stay on the event loop.
 No Dask here (the loop is the one the data-plane server was given).
 """
 

@@ -19,7 +19,10 @@ Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
 Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
 
-Its lease, stop and checkpoint-hold calls are the mixin ``dtrain.ps.control.ShardControl``. Its
+Its lease, stop and checkpoint-hold calls are the mixin ``dtrain.ps.control.ShardControl``; the
+sync barrier (``push_sync``, ``excuse``, ``apply_mean``) is ``dtrain.ps.sync_push.SyncPush``, and
+the pushes a data-plane connection thread runs itself are ``push_direct`` (ps/fastpath.py) and
+``push_sync_direct`` (ps/sync_push.py). Its
 load (pushes, busy time, bytes, staleness) is counted in a ``ShardMeter`` (docs/observability.md).
 """
 
@@ -40,19 +43,18 @@ from .averages import make_average
 from .control import ShardControl
 from .fastpath import DirectPush
 from .optim import make_optimizer
-from .replication import Accumulate, Apply, AsyncPolicy, Drop, StalenessGate
+from .replication import Apply, AsyncPolicy, StalenessGate
 from .rows import TablePart
-from .sparse import Reply, Sparse, SparseRows
+from .sparse import Reply, Sparse, SparseRows, rows_bytes
+from .sync_push import BarrierTimeout, SyncPush
 from .token_push import TokenPush, sync_for
+
+__all__ = ["BarrierTimeout", "ParameterShard"]
 
 logger = logging.getLogger(__name__)
 
 
-class BarrierTimeout(RuntimeError):
-    """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
-
-
-class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
+class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -91,9 +93,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
         self._ring_next = 0
         self._cond: asyncio.Condition | None = None
         self._waiting = 0  # waits on _cond in progress (a direct push wakes them: ps/fastpath.py)
-        # Async: held by a push applied on a data-plane connection thread (ps/fastpath.py) and by
-        # the event-loop methods around their reads and writes of the same state.
+        # Held by a push applied on a data-plane connection thread (ps/fastpath.py, ps/sync_push.py)
+        # and by the event-loop methods around their reads and writes of the same state; direct
+        # sync pushes wait for their step on _tcond (notified by every apply).
         self.lock = threading.Lock()
+        self._tcond = threading.Condition(self.lock)
         self.stop = False
         self.error: str | None = None
         # Shard 0's bookkeeping: records closed at every summary_every global steps.
@@ -159,6 +163,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
             self.meter.busy_s += time.perf_counter() - t0
         self.last_apply_time = time.time()
         self._after_apply()
+        self._tcond.notify_all()  # direct sync pushes waiting for this step (the caller holds lock)
 
     def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
         if not self.holds_global_step:
@@ -231,7 +236,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
         holds ``lock``: ``push_pull`` on the event loop, ``push_direct`` on a connection thread)."""
         self._observe(replica, loss, samples, local_step)
         if self.meter is not None:
-            self.meter.push(_rows_bytes(sparse) if sparse else 0, self.step - version, loss)
+            self.meter.push(rows_bytes(sparse) if sparse else 0, self.step - version, loss)
         if self.error is None and not self._bad_grad(grad, replica) and isinstance(self.policy.push(version), Apply):
             self._add_rows(sparse)
             self._apply(grad)
@@ -263,44 +268,6 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
                                      f"replica {replica} waited for slower replicas (max_staleness "
                                      f"{self.gate.max_staleness})")
         return self._sparse_reply(out, sparse)
-
-    async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
-                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
-                        sparse: Sparse | None = None) -> Reply:
-        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean
-        (of the dense gradients, and of the row gradients: summed per id, divided by the count)."""
-        if self.uses_tokens:  # training.sync_tokens: TF's token queue (ps/token_push.py)
-            return await self._push_token(grad, replica, version, loss, samples, local_step, out, sparse)
-        await self._wait_unheld(version)
-        cond = self._condition()
-        async with cond:
-            if self.stop or self.error is not None or self._bad_ids(sparse, replica):
-                cond.notify_all()
-                return self._sparse_reply(out, sparse)
-            self._observe(replica, loss, samples, local_step)
-            if self.meter is not None:
-                self.meter.push(_rows_bytes(sparse) if sparse else 0)
-            if self.error is not None or self._bad_grad(grad, replica):  # nan_guard: apply nothing more
-                cond.notify_all()
-                return self._sparse_reply(out, sparse)
-            decision = self.sync.push(replica, version)
-            if isinstance(decision, Drop):
-                return self._sparse_reply(out, sparse)
-            if len(self.sync.contributors) == 1 or isinstance(decision, Apply) and decision.count == 1:
-                self.acc.copy_(grad)
-                self._clear_rows()
-            else:
-                self.acc.add_(grad)
-            self._add_rows(sparse)
-            if isinstance(decision, Apply):
-                # The optimizer reads the gradient only inside step(), so the accumulator is
-                # reused and refilled next step (no fresh buffer per step).
-                self._apply(self.acc, 1.0 / decision.count)
-                cond.notify_all()
-            elif isinstance(decision, Accumulate):
-                await self._wait(cond, lambda: self.sync.step > version or self.stop or self.error is not None,
-                                 f"replica {replica} waited for the other replicas' gradients of step {version}")
-            return self._sparse_reply(out, sparse)
 
     async def pull(self, min_step: int = 0, out: torch.Tensor | None = None, sparse: Sparse | None = None) -> Reply:
         """The current parameters, once this shard has applied ``min_step`` steps. ``out`` (here
@@ -354,30 +321,6 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
         self.owners[replica] = attempt
 
     async def current_step(self) -> int:
-        return self.step
-
-    async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
-        """Sync: lost ``replica`` will not push for step ``at_step`` (``SyncAggregator.excuse``): if the
-        gradients in make the quorum, apply their mean (no-op unless still at ``at_step``). ``how``:
-        ``retire`` (all its data read, or it left an elastic job; never waits on a checkpoint hold: its
-        caller releases it, and under it no gradient is in) or ``rejoin`` (back). Returns the step."""
-        if how == "retire" and self.gate is not None:
-            self.gate.replica_lost(replica)
-        if self.mode != "sync":
-            return self.step
-        if how == "rejoin":
-            self.sync.rejoin(replica)
-            return self.step
-        if how != "retire":
-            await self._wait_unheld(at_step)
-        cond = self._condition()
-        async with cond:
-            if (self.sync.step != at_step and how != "retire") or self.stop or self.error is not None:
-                return self.step
-            decision = self.sync.retire(replica) if how == "retire" else self.sync.excuse(replica)
-            if isinstance(decision, Apply):
-                self._apply(self.acc, 1.0 / decision.count)
-                cond.notify_all()
         return self.step
 
     async def barrier_grace(self, seconds: float) -> None:
@@ -437,31 +380,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
             self.samples_total = int(state.get("samples", 0))
             self.acc.zero_()
             self.stop = step >= self.steps
+            self._tcond.notify_all()
             return step
-
-    async def apply_mean(self, grad_sum: torch.Tensor, count: int, version: int, loss: float | None = None,
-                         samples: int = 0) -> int:
-        """In-graph replication: apply ``grad_sum / count`` — the sum of ``count`` replicas'
-        gradients, all computed on this shard's parameters of step ``version`` and reduced by the
-        step's graph — as one sync step. Returns the shard's step afterwards (unchanged when the
-        update was refused: stopped, failed, a non-finite gradient, or ``version`` not the current
-        step). ``grad_sum`` is scaled in place. ``loss`` is the replicas' mean loss and
-        ``samples`` their total, both recorded as one report (replica 0's) on shard 0. Waits
-        while a checkpoint snapshot holds the shard, like a push."""
-        await self._wait_unheld(version)
-        cond = self._condition()
-        async with cond:
-            if self.stop or self.error is not None:
-                return self.step
-            self._observe(0, loss, samples, version + 1)
-            if self.error is not None or self._bad_grad(grad_sum, 0):
-                cond.notify_all()
-                return self.step
-            decision = self.sync.push_aggregated(version, count)
-            if isinstance(decision, Apply):
-                self._apply(grad_sum, 1.0 / count)
-                cond.notify_all()
-            return self.step
 
     # ------------------------------------------------------------------ socket data plane
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
@@ -493,7 +413,3 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, DirectPush):
         if server is not None:
             server.close()
 
-
-def _rows_bytes(sparse: Sparse) -> int:
-    """A push's table rows: ids, row gradients, next ids (the dense gradient is the shard's size)."""
-    return sum(int(getattr(t, "nbytes", 0)) for block in sparse.values() for t in block if t is not None)

@@ -18,6 +18,11 @@ Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, n
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
 
 
+def rows_bytes(sparse: Sparse) -> int:
+    """A push's table rows: ids, row gradients, next ids (the dense gradient is the shard's size)."""
+    return sum(int(getattr(t, "nbytes", 0)) for block in sparse.values() for t in block if t is not None)
+
+
 class SparseRows:
     """Mixin: ``self.tables`` (name -> TablePart), ``self.index`` and ``self.error`` come from the shard."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .replication import Apply, Drop, SyncAggregator
+from .replication import Apply, SyncAggregator
 from .sparse import Reply, Sparse
 from .tokens import TokenSync
 
@@ -36,7 +36,7 @@ class TokenPush:
     acc: torch.Tensor
     stop: bool
     error: str | None
-    meter: Any
+    lock: Any
 
     @property
     def uses_tokens(self) -> bool:
@@ -48,24 +48,13 @@ class TokenPush:
         await shard._wait_unheld(version)
         cond: asyncio.Condition = shard._condition()
         async with cond:
-            if self.stop or self.error is not None or shard._bad_ids(sparse, replica):
+            with self.lock:
+                if self.stop or self.error is not None or shard._bad_ids(sparse, replica):
+                    decision = None
+                else:
+                    decision = shard._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
+            if decision is None or isinstance(decision, Apply):  # applied (tokens_per_step new tokens), or failed
                 cond.notify_all()
-                return shard._sparse_reply(out, sparse)
-            shard._observe(replica, loss, samples, local_step)
-            if self.meter is not None:
-                self.meter.push(0)  # (no sparse tables under sync_tokens: spec/tokens.py)
-            if self.error is None and not shard._bad_grad(grad, replica):
-                decision = self.sync.push(replica, version)
-                if not isinstance(decision, Drop):
-                    if decision.count == 1:  # the first gradient of an update
-                        self.acc.copy_(grad)
-                        shard._clear_rows()
-                    else:
-                        self.acc.add_(grad)
-                    shard._add_rows(sparse)
-                if isinstance(decision, Apply):
-                    shard._apply(self.acc, 1.0 / decision.count)  # enqueued tokens_per_step new tokens
-                    cond.notify_all()
             if self.stop or self.error is not None:
                 return shard._sparse_reply(out, sparse)
             token = self.sync.take(replica)

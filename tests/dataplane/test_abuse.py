@@ -332,7 +332,9 @@ def test_requests_wait_through_the_barrier_grace(loop):  # noqa: F811
 
 def test_a_request_given_up_on_is_cancelled(loop):  # noqa: F811
     """Without a grace the server gives up after its timeout, answers an error and cancels the
-    coroutine (which would otherwise still write a snapshot into a buffer nobody reads)."""
+    coroutine (which would otherwise still write a snapshot into a buffer nobody reads). The push
+    runs on the event loop because a checkpoint hold of its step is in force (a direct sync push
+    waits on its connection thread, bounded by barrier_timeout_s: tests/dataplane/test_direct_sync.py)."""
     shard = make_shard(mode="sync", n=10, replicas=2, replicas_to_aggregate=2, barrier_timeout_s=30)
     server = ShardServer(shard, loop, SECRET, timeout=1)
     a = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=10, shared_memory=False)
@@ -341,6 +343,7 @@ def test_a_request_given_up_on_is_cancelled(loop):  # noqa: F811
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     try:
+        assert on_loop(loop, shard.hold()) == 0
         with pytest.raises(DataPlaneError, match="no result from the ps in 1 s"):
             a.push_sync(torch.ones(10), 0, 0, 1.0, 4, 1).result(5)
         time.sleep(0.1)
