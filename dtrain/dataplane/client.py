@@ -1,6 +1,8 @@
 """The replica side of the data plane: ``SocketShard``, a replica's handle on one shard, with
 the actor's methods (``push_pull``, ``push_sync``, ``pull``) returning futures; one request in
-flight at a time, run by a background thread so it overlaps compute."""
+flight at a time, run by a background thread so it overlaps compute, or, where only headers
+cross the socket (shared memory), sent on the caller's thread with its reply read when asked
+for (``InlineReply``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import ssl
 import struct
@@ -96,6 +99,13 @@ class SocketShard:
                 self.shm = offer[0]
             else:
                 offer[0].close()
+        if self.shm is not None and ssl_context is not None:
+            try:  # only headers cross this socket, on this machine: see protocol.py (TLS)
+                self._sock.unwrap()
+            except (OSError, ValueError) as exc:
+                self.shm.close()
+                self._sock.close()
+                raise DataPlaneUnavailable(f"the ps at {host}:{port} did not end TLS for shared memory: {exc}") from None
         f32 = self.wire == torch.float32
         self._wire_out = None if f32 or self.shm is not None else torch.empty(numel, dtype=self.wire)
         self._wire_in = None if f32 or self.shm is not None else torch.empty(numel, dtype=self.wire)
@@ -107,6 +117,10 @@ class SocketShard:
         self._part_error: DataPlaneError | None = None
         self._header = bytearray(REP.size)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dtrain-dp-r{replica}")
+        # Requests on the caller's thread (see _submit): no hand-off to the pool's thread and back,
+        # which cost more CPU than the round trip itself (docs: README, the data plane).
+        self._inline = self.shm is not None and f32 and not self.tables
+        self._unread: InlineReply | None = None
 
     def grad_slots(self) -> list[torch.Tensor] | None:
         """The two float32 gradient slots in shared memory, for backward to write into directly
@@ -137,6 +151,12 @@ class SocketShard:
 
     def _dense_roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
                          local_step: int, head: int | None, sparse: dict | None) -> tuple[torch.Tensor, int, bool, int]:
+        slot = self._request(op, grad, version, loss, samples, local_step, head, sparse)
+        return self._answer(slot)
+
+    def _request(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
+                 local_step: int, head: int | None, sparse: dict | None) -> int:
+        """Send one request (header, gradient bytes or slot, sparse block); returns its reply slot."""
         try:
             if self._part_error is not None:
                 raise self._part_error
@@ -154,6 +174,15 @@ class SocketShard:
             if sparse is not None:
                 for part in encode(sparse, self.wire):
                     self._sock.sendall(part)
+            return slot
+        except (TimeoutError, BlockingIOError):  # SO_SNDTIMEO expiry is EAGAIN
+            raise DataPlaneUnavailable(f"the ps took no request in {self.timeout:.0f} s") from None
+        except OSError as exc:
+            raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
+
+    def _answer(self, slot: int) -> tuple[torch.Tensor, int, bool, int]:
+        """Receive the reply of the request answered into ``slot`` (its dense part)."""
+        try:
             recv_exact(self._sock, memoryview(self._header))
             step, stop, error, _pad, generation, nbytes = REP.unpack(self._header)
             if error:
@@ -182,6 +211,21 @@ class SocketShard:
             raise DataPlaneUnavailable(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
             raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
+
+    def _submit(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
+                local_step: int, head: int | None, sparse: dict | None) -> Future | InlineReply:
+        """A request: sent on this thread with its reply read when asked for (shared memory, float32,
+        no tables: only 48- and 24-byte headers cross the socket), else run by the background thread."""
+        if not self._inline:
+            return self._pool.submit(self._roundtrip, op, grad, version, loss, samples, local_step, head, sparse)
+        if self._unread is not None:  # (one reply in flight per connection: read the last one first)
+            self._unread.done(wait=True, timeout=None)
+        reply = self._unread = InlineReply(self)
+        try:
+            reply.slot = self._request(op, grad, version, loss, samples, local_step, head, sparse)
+        except DataPlaneError as exc:
+            reply.error, self._unread = exc, None
+        return reply
 
     @property
     def sends_parts(self) -> bool:
@@ -218,18 +262,17 @@ class SocketShard:
                   local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
         """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`).
         ``sparse``: rows to push and to gather (``dtrain.ps.sparse``); the reply then has the rows."""
-        return self._pool.submit(self._roundtrip, OP_PUSH_PULL, grad, version, loss, samples, local_step, head,
-                                 sparse)
+        return self._submit(OP_PUSH_PULL, grad, version, loss, samples, local_step, head, sparse)
 
     def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
                   local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PUSH_SYNC, grad, version, loss, samples, local_step, head,
-                                 sparse)
+        return self._submit(OP_PUSH_SYNC, grad, version, loss, samples, local_step, head, sparse)
 
     def pull(self, min_step: int = 0, sparse: dict | None = None) -> Future:
-        return self._pool.submit(self._roundtrip, OP_PULL, None, min_step, None, 0, 0, None, sparse)
+        return self._submit(OP_PULL, None, min_step, None, 0, 0, None, sparse)
 
     def close(self) -> None:
+        self._unread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         try:
             self._sock.close()
@@ -237,3 +280,55 @@ class SocketShard:
             pass
         if self.shm is not None:
             self.shm.close()
+
+
+class InlineReply:
+    """The reply to a request sent on the caller's thread (``SocketShard._submit``): read from the
+    socket when ``result`` or ``done`` asks for it, meanwhile the ps works and the caller computes
+    (the parameters land in the shared reply slot; only a 24-byte header waits in the socket).
+    Quacks like the ``Future`` of the background thread's requests: ``result(timeout)``, ``done()``,
+    ``exception(timeout)``."""
+
+    __slots__ = ("shard", "slot", "value", "error")
+
+    def __init__(self, shard: SocketShard):
+        self.shard = shard
+        self.slot = 0
+        self.value: tuple | None = None
+        self.error: BaseException | None = None
+
+    def done(self, wait: bool = False, timeout: float | None = 0.0) -> bool:
+        """Whether the reply is in (read now if its first byte has arrived). ``wait``: block for it
+        (``timeout`` seconds at most; None: the connection's own timeout)."""
+        if self.value is not None or self.error is not None:
+            return True
+        sock = self.shard._sock
+        if not wait or timeout is not None:
+            ready = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+            if not ready:
+                try:
+                    ready = bool(select.select([sock], [], [], timeout or 0.0)[0])
+                except (OSError, ValueError):  # closed meanwhile: the read below says how
+                    ready = True
+            if not ready:
+                return False
+        try:
+            self.value = self.shard._answer(self.slot)
+        except DataPlaneError as exc:
+            self.error = exc
+        if self.shard._unread is self:
+            self.shard._unread = None
+        return True
+
+    def result(self, timeout: float | None = None) -> tuple:
+        if not self.done(wait=True, timeout=timeout):
+            raise TimeoutError(f"no reply from the ps in {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done(wait=True, timeout=timeout):
+            raise TimeoutError(f"no reply from the ps in {timeout} s")
+        return self.error

@@ -23,6 +23,12 @@ Protocol (little-endian):
   the client sends a u16 name length (0: no offer) + a /dev/shm file name + a 16-byte token that
   the file starts with; the server answers one byte (0: refused, 1: accepted, use the socket's
   bytes, 2: accepted and the file is mapped).
+- TLS (a TLS cluster's data plane) covers the handshake and, on a socket's bytes, every request.
+  After answer 2 both sides end the TLS session (``unwrap``: close_notify each way) and go on in
+  the clear: gradients and parameters then travel through the replica's /dev/shm file, which TLS
+  never covered, and only 48- and 24-byte headers cross the socket, between two processes of one
+  machine (the ps could map the replica's file), whose traffic only root can read or forge —
+  who can read the file too. It saves the replica and the ps a TLS record each way per step.
 - request: header ``<B op, B flags, H pad, I replica, q version, q local_step, d loss, I samples,
   Q offset, Q nbytes>`` then ``nbytes`` of gradient in the wire dtype, to be stored at byte
   ``offset`` of the shard's gradient (op push_pull / push_sync / pull / part). ``part`` has no
@@ -56,7 +62,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DTRN3"
+MAGIC = b"DTRN4"
 REQ = struct.Struct("<BBHIqqdIQQ")
 REP = struct.Struct("<qBBHIQ")
 OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4

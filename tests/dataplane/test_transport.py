@@ -120,7 +120,7 @@ def test_not_a_data_plane_is_detected():
         SocketShard("127.0.0.1", port, b"x" * 32, replica=0, numel=4, timeout=5)
     t.join(5)
     srv.close()
-    assert MAGIC == b"DTRN3"  # bumped with the attempt id in the handshake: older peers are told apart
+    assert MAGIC == b"DTRN4"  # bumped with each handshake change (the attempt id; TLS ending for shared memory)
 
 
 def test_ps_error_travels_back(loop, shm):
