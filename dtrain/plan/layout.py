@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -177,21 +178,39 @@ class BoundModel:
         # gradients can then be views into the shard buffers (DDP's gradient_as_bucket_view).
         self.zero_copy = self.device.type == "cpu" and all(
             p.start == 0 and p.numel == params[p.param].numel() for p in layout.parts)
+        self._view_cache: dict[tuple, list[Any]] = {}
 
     def grads_as_views(self, bufs: Sequence[torch.Tensor]) -> None:
         """Make every ``param.grad`` a view into ``bufs`` (zeroed): backward then writes the
         shard-shaped gradient directly, and no copy is needed before a push."""
-        for param, _start, s, off, n in self._pairs:
-            param.grad = bufs[s][off:off + n].view(param.shape)
+        for (param, *_), view in zip(self._pairs, self._views_of(-1, bufs), strict=True):
+            param.grad = view
         for b in bufs:
             b.zero_()
 
     def params_as_views(self, shard: int, buf: torch.Tensor) -> None:
         """Make the parameters of ``shard`` views into a received buffer (which the caller owns
         until the next reply): no copy into the model."""
-        for param, _start, s, off, n in self._pairs:
-            if s == shard:
-                param.data = buf[off:off + n].view(param.shape)
+        for param, view in self._views_of(shard, [buf]):
+            param.data = view
+
+    def _views_of(self, shard: int, bufs: Sequence[torch.Tensor]) -> list[Any]:
+        """The views of a buffer set, made once per set (the data plane alternates between two
+        persistent sets of each kind; a view keeps its buffer alive, so a key is never reused
+        while cached). ``shard`` -1: gradient views of every part; else (param, view) pairs of
+        that shard's parts, ``bufs`` its one buffer."""
+        key = (shard, *(b.data_ptr() for b in bufs), *(b.numel() for b in bufs))
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 16:  # (buffers that change every step: never reused)
+                self._view_cache.clear()
+            if shard < 0:
+                views = [bufs[s][off:off + n].view(param.shape) for param, _start, s, off, n in self._pairs]
+            else:
+                views = [(param, bufs[0][off:off + n].view(param.shape))
+                         for param, _start, s, off, n in self._pairs if s == shard]
+            self._view_cache[key] = views
+        return views
 
     def new_buffers(self) -> list[torch.Tensor]:
         return [torch.zeros(n, dtype=torch.float32) for n in self.layout.shard_numel]

@@ -166,3 +166,33 @@ def test_reshard_between_partitionings(src, dst):
     assert all(torch.equal(back[n], params[n]) for n in numel)
     back = new.unpack_flat([s["optimizer_state"]["momentum_buffer"] for s in out], numel)
     assert all(torch.equal(back[n], params[n] * 2) for n in numel)
+
+
+def test_zero_copy_views_follow_the_alternating_buffers():
+    """The data plane alternates two persistent buffer sets of each kind; the cached views must
+    follow them: parameters read the buffer of the last reply, and backward's gradients land in
+    the set given for this step (and only there), step after step."""
+    bound_model, layout = bound()
+    assert bound_model.zero_copy
+    model = bound_model.model
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    params = [bound_model.new_buffers(), bound_model.new_buffers()]
+    grads = [bound_model.new_buffers(), bound_model.new_buffers()]
+    for k in range(6):
+        for s in range(layout.num_shards):
+            params[k % 2][s].copy_(torch.linspace(-1, 1, params[k % 2][s].numel()) * (k + 1))
+            bound_model.params_as_views(s, params[k % 2][s])
+        want = {n: t.clone() for n, t in layout.unpack(params[k % 2], {n: p.shape for n, p in model.named_parameters()}).items()}
+        assert all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
+        for g in grads[(k + 1) % 2]:
+            g.fill_(7.0)  # the other set: must stay untouched by this step's backward
+        bound_model.grads_as_views(grads[k % 2])
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = None
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # the same step, plain autograd
+        assert all(torch.allclose(expected[n], p.grad) for n, p in model.named_parameters())
+        got = layout.unpack(grads[k % 2], {n: p.shape for n, p in model.named_parameters()})
+        assert all(torch.allclose(got[n], p.grad) for n, p in model.named_parameters())
+        assert all(torch.equal(g, torch.full_like(g, 7.0)) for g in grads[(k + 1) % 2])
