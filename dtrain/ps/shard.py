@@ -206,6 +206,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         if step >= self.steps:
             self.stop = True
 
+    def _still_held(self, version: int | None) -> bool:
+        """Re-checked under ``lock`` after ``_wait_unheld``: held, and not released by a stop or an
+        error (which end that wait too: the caller then answers at once, else it would spin)."""
+        return self._held(version) and not self.stop and self.error is None
+
     def _held(self, version: int | None) -> bool:
         if self.hold_at is None or self.step < self.hold_at:
             return False
@@ -250,7 +255,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         while True:
             await self._wait_unheld()
             with self.lock:
-                if self._held(None):  # a direct push's step paused the shard meanwhile (ps/fastpath.py)
+                if self._still_held(None):  # a direct push's step paused the shard meanwhile (ps/fastpath.py)
                     continue
                 if self.stop or self.error is not None or self._bad_ids(sparse, replica):
                     return self._sparse_reply(out, sparse)

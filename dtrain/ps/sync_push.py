@@ -57,6 +57,7 @@ class SyncPush:
     uses_tokens: bool
     step: Any
     _held: Any
+    _still_held: Any
     _observe: Any
     _bad_grad: Any
     _bad_ids: Any
@@ -117,7 +118,7 @@ class SyncPush:
             await self._wait_unheld(version)
             async with cond:
                 with self.lock:
-                    if self._held(version):  # a direct apply paused the shard meanwhile
+                    if self._still_held(version):  # a direct apply paused the shard meanwhile
                         continue
                     if self.stop or self.error is not None or self._bad_ids(sparse, replica):
                         decision = None
@@ -179,7 +180,7 @@ class SyncPush:
                 await self._wait_unheld(at_step)
             async with cond:
                 with self.lock:
-                    if how != "retire" and self._held(at_step):  # a direct apply paused the shard meanwhile
+                    if how != "retire" and self._still_held(at_step):  # a direct apply paused the shard meanwhile
                         continue
                     if (self.sync.step != at_step and how != "retire") or self.stop or self.error is not None:
                         return self.step
@@ -204,7 +205,7 @@ class SyncPush:
             await self._wait_unheld(version)
             async with cond:
                 with self.lock:
-                    if self._held(version):
+                    if self._still_held(version):
                         continue
                     if self.stop or self.error is not None:
                         return self.step

@@ -223,3 +223,23 @@ def test_concurrent_replicas_and_checkpoint_reads_lose_no_update(loop, shm):  # 
             assert torch.allclose(state["params"], torch.full((256,), 1 - LR * 2.0 * state["step"]))
     finally:
         close(server, cs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_held_shard_that_stops_answers_loop_calls_at_once(loop, mode):  # noqa: F811
+    """A checkpoint hold and then a stop (the run ends, or its chief is lost, while the chief holds
+    the shard): a push, an excuse or an in-graph apply waiting on the hold is released by the stop
+    and answered at once. The re-check after the wait once saw only the hold and went round
+    again without yielding: the event loop spun forever (its cluster could not close)."""
+    shard = make_shard(mode=mode, n=4, replicas=2)
+    assert on_loop(loop, shard.hold()) == 0
+    calls = [shard.push_sync(torch.ones(4), 0, 0)] if mode == "sync" else [shard.push_pull(torch.ones(4), 0, 0)]
+    if mode == "sync":
+        calls += [shard.excuse(1, 0), shard.apply_mean(torch.ones(4), 2, 0)]
+    waiting = [asyncio.run_coroutine_threadsafe(c, loop) for c in calls]
+    time.sleep(0.2)
+    assert not any(w.done() for w in waiting)  # held
+    on_loop(loop, shard.request_stop())
+    for w in waiting:
+        w.result(2)
+    assert shard.step == 0 and on_loop(loop, shard.current_step()) == 0  # nothing applied; the loop is free
