@@ -302,10 +302,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self._waiting += 1
         try:
             while True:
-                remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
-                if remaining <= 0:
-                    raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
-                                         f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
+                remaining = self._remaining(t0, what)
                 try:
                     await asyncio.wait_for(cond.wait_for(predicate), remaining)
                     return
@@ -313,6 +310,16 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                     continue  # a grace may have been granted meanwhile: check again
         finally:
             self._waiting -= 1
+
+    def _remaining(self, t0: float, what: str) -> float:
+        """Seconds a wait begun at ``t0`` (monotonic) may still last: barrier_timeout_s, or longer
+        while a session's grace runs; BarrierTimeout once none are left (this wait and the
+        connection threads' in ps/sync_push.py)."""
+        remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
+        if remaining <= 0:
+            raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
+                                 f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
+        return remaining
 
     @property
     def grace_until(self) -> float:

@@ -52,8 +52,6 @@ class SyncPush:
     error: str | None
     meter: Any
     gate: Any
-    barrier_timeout_s: float
-    _grace_until: float
     uses_tokens: bool
     step: Any
     _held: Any
@@ -69,6 +67,7 @@ class SyncPush:
     _condition: Any
     _wait: Any
     _wait_unheld: Any
+    _remaining: Any
     _push_token: Any
     _wake_waiters: Any
 
@@ -153,13 +152,8 @@ class SyncPush:
         barrier_timeout_s or longer while a session's grace lasts, like the loop's ``_wait``."""
         t0 = time.monotonic()
         while not self._applied(version):
-            remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
-            if remaining <= 0:
-                raise BarrierTimeout(
-                    f"replica {replica} waited for the other replicas' gradients of step {version} for "
-                    f"{time.monotonic() - t0:.0f} s (training.barrier_timeout_s: {self.barrier_timeout_s:.0f}); "
-                    "a replica is probably lost")
-            self._tcond.wait(remaining)
+            self._tcond.wait(self._remaining(t0, f"replica {replica} waited for the other replicas' gradients "
+                                                 f"of step {version}"))
 
     async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
         """Sync: lost ``replica`` will not push for step ``at_step`` (``SyncAggregator.excuse``): if the
