@@ -7,7 +7,9 @@ scheduler; a replica's worker left), and restarts it:
   from the newest checkpoint so that they agree on one step, and every replica restarts;
 - a lost **worker** task: only its replica is resubmitted once its worker is back; in sync mode
   (and with bounded staleness) the surviving replicas' barriers get a grace while it restarts,
-  and a step it left half-pushed is completed without it (``ShardGroup.excuse``);
+  and a step it left half-pushed is completed without it (``ShardGroup.excuse``); when no other
+  replica's gradients can complete it (a lone replica's step, a pipeline stage's), the shards would
+  stay a step apart, so everything restarts from the newest checkpoint, as after a lost ps;
 - in-graph replication restarts its step driver and every shard from the newest checkpoint
   after any loss (the step in flight is lost with the task);
 - a **transient error** while every process lives (:func:`is_transient`: TF's Aborted and
@@ -184,19 +186,20 @@ class Recovery:
             self._grant_barrier_grace()
             if s.spec.training.mode == "sync":
                 s.shards.excuse(lost_replicas)
-        if restart:
-            # Like MonitoredTrainingSession after a ps preemption: a new session from the latest
-            # checkpoint, so that all shards agree on one step.
-            s.shards.request_stop()
-            if s.driver is not None:
-                s.driver.abort()  # cancel steps in flight: no late apply on a restored shard
-                s.driver.join(10)
-                s.driver = None
-            s.shards.close_data_plane()
-            stale += s.shards.futures
+        else:
+            stale += self._end_generation()
         s.client.cancel([f for f in stale if f is not None], force=True)
         wait_for_tasks(s.conn, s.spec, s.spec.cluster.wait_s)
         s.plan = s.shards.plan = s.compile_plan()
+        if not restart and s.spec.training.mode == "sync" and len(set(steps := s.shards.level(lost_replicas))) > 1:
+            # The lost replicas left a step half-pushed that no other replica's gradients complete (a
+            # lone replica's; a pipeline stage's, whose shards only it pushes to): replacements would
+            # start from parameters of two steps, so the shards restart from the newest checkpoint.
+            logger.warning("the shards are at steps %s after the loss, which no replica can complete; restarting "
+                           "from the newest checkpoint", steps)
+            record["unlevel_steps"] = steps
+            restart = True
+            s.client.cancel(self._end_generation() + list(s.replica_futures) + stages.futures_of(s), force=True)
         if restart:
             s.shards.generation += 1
             latest = ckpt_io.latest(s.run_dir) if s.spec.checkpoint is not None else None
@@ -213,6 +216,19 @@ class Recovery:
                 s.submit_replicas(only=i)
             record["restored_step"] = None  # nothing restored: the ps kept its step
         record["recovered_s"] = time.time() - t_lost
+
+    def _end_generation(self) -> list[Any]:
+        """Like MonitoredTrainingSession after a ps preemption, before a new session from the newest
+        checkpoint (so that all shards agree on one step): stop every shard and the step driver, close
+        the data plane; returns the shards' futures, to cancel."""
+        s = self.session
+        s.shards.request_stop()
+        if s.driver is not None:
+            s.driver.abort()  # cancel steps in flight: no late apply on a restored shard
+            s.driver.join(10)
+            s.driver = None
+        s.shards.close_data_plane()
+        return list(s.shards.futures)
 
     def _grant_barrier_grace(self) -> None:
         """A lost replica's replacement needs a worker restart, imports and data loading before its

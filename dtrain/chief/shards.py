@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from typing import Any
 
 import torch
@@ -382,6 +383,19 @@ class ShardGroup:
         except Exception as exc:  # a shard that does not answer is handled as lost next
             logger.debug("excuse failed: %s", exc)
 
+    def level(self, lost_replicas: list[int], wait_s: float = 2.0) -> list[int]:
+        """Sync, once ``lost_replicas``' tasks are gone: complete the step they left half-pushed
+        (:meth:`excuse`, again: a push of theirs may have landed after the first excuse) and return
+        the shards' steps, as soon as they agree or after ``wait_s``. Steps that still differ are a
+        step only the lost replicas' gradients could complete: a lone replica's, or a pipeline
+        stage's, whose shards no other replica pushes to."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.excuse(lost_replicas)
+            steps = self.steps()
+            if len(set(steps)) == 1 or time.monotonic() >= deadline:
+                return steps
+            time.sleep(0.1)
 
     def retire(self, replicas: list[int], how: str = "retire") -> None:
         """``replicas`` read all their data (data.epochs) and ended, or left an elastic job: no

@@ -20,8 +20,10 @@ import torch
 
 
 class FlatOptimizer:
-    """Base class: ``step(param, grad)`` updates ``param`` in place; ``grad`` may be scaled/reused
-    by the caller afterwards (it is never kept)."""
+    """Base class: ``step(param, grad, scale)`` updates ``param`` in place with the gradient
+    ``scale * grad`` (a sync step's mean: the sum times 1/count). ``grad`` is never kept; it is
+    never written either when ``scale`` is 1, and may be scaled in place otherwise (where the scale
+    cannot be folded into the update's own multiplier, as plain SGD's and momentum's is)."""
 
     def __init__(self, numel: int, lr: float, weight_decay: float = 0.0):
         self.lr = lr
@@ -29,12 +31,16 @@ class FlatOptimizer:
         self.numel = numel
         self._tmp = torch.empty(numel, dtype=torch.float32)
 
+    @staticmethod
+    def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+        return grad if scale == 1.0 else grad.mul_(scale)
+
     def _decayed(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if self.weight_decay == 0:
             return grad
         return torch.add(grad, param, alpha=self.weight_decay, out=self._tmp)
 
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:  # pragma: no cover - abstract
+    def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -54,18 +60,21 @@ class SGD(FlatOptimizer):
         self.buf: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+        if self.weight_decay or self.nesterov:  # (the scale is folded into the multipliers below otherwise)
+            grad, scale = self._scaled(grad, scale), 1.0
         grad = self._decayed(param, grad)
         if self.momentum != 0:
             if self.buf is None:
-                self.buf = grad.detach().clone()
+                self.buf = torch.mul(grad, scale) if scale != 1.0 else grad.detach().clone()
             else:
-                self.buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
+                self.buf.mul_(self.momentum).add_(grad, alpha=(1 - self.dampening) * scale)
+            scale = 1.0
             if self.nesterov:
                 grad = torch.add(grad, self.buf, alpha=self.momentum, out=self._tmp)
             else:
                 grad = self.buf
-        param.add_(grad, alpha=-self.lr)
+        param.add_(grad, alpha=-self.lr * scale)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.buf is None else {"momentum_buffer": self.buf.clone()}
@@ -90,9 +99,9 @@ class Adam(FlatOptimizer):
         self._denom = torch.empty(numel)
 
     @torch.no_grad()
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         self.t += 1
-        grad = self._decayed(param, grad)
+        grad = self._decayed(param, self._scaled(grad, scale))
         self.exp_avg.lerp_(grad, 1 - self.beta1)
         self.exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
         bias_correction1 = 1 - self.beta1 ** self.t
@@ -135,9 +144,9 @@ class Adagrad(FlatOptimizer):
         self._std = torch.empty(numel)
 
     @torch.no_grad()
-    def step(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         self.t += 1
-        grad = self._decayed(param, grad)
+        grad = self._decayed(param, self._scaled(grad, scale))
         clr = self.lr / (1 + (self.t - 1) * self.lr_decay)
         self.sum.addcmul_(grad, grad, value=1)
         torch.sqrt(self.sum, out=self._std)

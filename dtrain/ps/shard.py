@@ -82,6 +82,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self.tables: dict[str, TablePart] = {
             t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
         self.acc = torch.zeros_like(self.param)
+        self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
         self.sync = sync_for(config, num_replicas)  # the barrier, or TF's token queue (sync_tokens)
         self.policy = AsyncPolicy(config.get("max_staleness"))
         k = config.get("max_staleness")
@@ -151,9 +152,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
     def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One update: the optimizer step, then the step's bookkeeping (records, stop at the end)."""
         t0 = time.perf_counter()
-        if scale != 1.0:
-            grad.mul_(scale)
-        self.optimizer.step(self.param, grad)
+        self.optimizer.step(self.param, grad, scale)
         if self.averages is not None:
             self.averages.update(self.param, self.step)
         for part in self.tables.values():  # every part counts the step, touched or not (as torch's table)
@@ -391,6 +390,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             self.sync.dropped_stale = int(state.get("dropped_stale", 0))
             self.samples_total = int(state.get("samples", 0))
             self.acc.zero_()
+            self._first = None
             self.stop = step >= self.steps
             self._tcond.notify_all()
             return step

@@ -46,6 +46,7 @@ class SyncPush:
     _waiting: int
     sync: Any
     acc: torch.Tensor
+    _first: torch.Tensor | None
     mode: str
     tables: dict[str, Any]
     stop: bool
@@ -77,10 +78,15 @@ class SyncPush:
         return self.mode == "sync" and not self.uses_tokens and not self.tables
 
     def _sync_accumulate(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
-                         local_step: int, sparse: Sparse | None) -> Decision | None:
+                         local_step: int, sparse: Sparse | None, borrow: bool = False) -> Decision | None:
         """The push's bookkeeping, then its gradient into the step's sum, applying the mean when it
         completes the quorum (the caller holds ``lock``). None: refused (an error, or a non-finite
-        gradient under nan_guard), nothing more will be applied."""
+        gradient under nan_guard), nothing more will be applied.
+
+        ``borrow``: the push waits for its step's apply, so a step's first gradient is read where
+        it lies (``_first``) instead of being copied into ``acc``: the second is added to it into
+        ``acc`` in one pass, and a lone one is applied from where it lies. A push that leaves
+        before the apply (its wait timed out) first copies it in (``_own_first``)."""
         self._observe(replica, loss, samples, local_step)
         if self.meter is not None:
             self.meter.push(rows_bytes(sparse) if sparse else 0)
@@ -90,17 +96,35 @@ class SyncPush:
         decision = self.sync.push(replica, version)
         if isinstance(decision, Drop):
             return decision
+        first, self._first = self._first, None
         if decision.count == 1:  # the step's (or the token update's) first gradient
-            self.acc.copy_(grad)
+            if borrow:
+                self._first = grad
+            else:
+                self.acc.copy_(grad)
             self._clear_rows()
+        elif first is not None:
+            torch.add(first, grad, out=self.acc)
         else:
             self.acc.add_(grad)
         self._add_rows(sparse)
         if isinstance(decision, Apply):
             # The optimizer reads the gradient only inside step(), so the accumulator is reused
             # and refilled next step (no fresh buffer per step).
-            self._apply(self.acc, 1.0 / decision.count)
+            self._apply(self._summed(), 1.0 / decision.count)
         return decision
+
+    def _summed(self) -> torch.Tensor:
+        """The step's gradient sum: ``acc``, or a lone borrowed gradient (applied with scale 1,
+        which the optimizers never write to)."""
+        first, self._first = self._first, None
+        return first if first is not None else self.acc
+
+    def _own_first(self, grad: torch.Tensor) -> None:
+        """A push leaving before its step's apply: its borrowed gradient is copied into ``acc``."""
+        if self._first is grad:
+            self.acc.copy_(grad)
+            self._first = None
 
     def _applied(self, version: int) -> bool:
         return self.sync.step > version or self.stop or self.error is not None
@@ -122,12 +146,17 @@ class SyncPush:
                     if self.stop or self.error is not None or self._bad_ids(sparse, replica):
                         decision = None
                     else:
-                        decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
+                        decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse,
+                                                         borrow=True)
                 if not isinstance(decision, (Accumulate, Drop)):
                     cond.notify_all()
                 elif isinstance(decision, Accumulate):
-                    await self._wait(cond, lambda: self._applied(version),
-                                     f"replica {replica} waited for the other replicas' gradients of step {version}")
+                    try:
+                        await self._wait(cond, lambda: self._applied(version),
+                                         f"replica {replica} waited for the other replicas' gradients of step {version}")
+                    finally:
+                        with self.lock:
+                            self._own_first(grad)
                 with self.lock:
                     return self._sparse_reply(out, sparse)
 
@@ -139,9 +168,12 @@ class SyncPush:
         with self.lock:
             if self._held(version) or self.stop or self.error is not None:
                 return None
-            decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, None)
+            decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, None, borrow=True)
             if isinstance(decision, Accumulate):
-                self._wait_thread(version, replica)
+                try:
+                    self._wait_thread(version, replica)
+                finally:
+                    self._own_first(grad)
             reply = self._reply(out)
         if self._waiting and not isinstance(decision, (Accumulate, Drop)):
             loop.call_soon_threadsafe(self._wake_waiters)  # the step moved (or an error): loop waiters
@@ -180,7 +212,7 @@ class SyncPush:
                         return self.step
                     decision = self.sync.retire(replica) if how == "retire" else self.sync.excuse(replica)
                     if isinstance(decision, Apply):
-                        self._apply(self.acc, 1.0 / decision.count)
+                        self._apply(self._summed(), 1.0 / decision.count)
                 if isinstance(decision, Apply):
                     cond.notify_all()
                 return self.step
@@ -191,7 +223,7 @@ class SyncPush:
         gradients, all computed on this shard's parameters of step ``version`` and reduced by the
         step's graph — as one sync step. Returns the shard's step afterwards (unchanged when the
         update was refused: stopped, failed, a non-finite gradient, or ``version`` not the current
-        step). ``grad_sum`` is scaled in place. ``loss`` is the replicas' mean loss and
+        step). ``grad_sum`` may be scaled in place. ``loss`` is the replicas' mean loss and
         ``samples`` their total, both recorded as one report (replica 0's) on shard 0. Waits
         while a checkpoint snapshot holds the shard, like a push."""
         cond = self._condition()

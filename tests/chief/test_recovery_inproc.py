@@ -145,3 +145,29 @@ def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_pa
     assert s["status"] == "completed" and s["global_step"] == 300
     assert s["recoveries"] == 2 and [r["lost"] for r in s["recovery_log"]] == [["/job:ps/task:1"]] * 2
     assert [v for e, v in read_calls(calls) if e == "on_task_lost"] == ["/job:ps/task:1"] * 2
+
+
+def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoint(cluster, tmp_path):
+    """Sync, one replica, two ps shards: the replica's worker is lost and one shard is a step ahead
+    of the other (a hook pushes that shard's half of the step, as a replica killed between its two
+    pushes does). No other replica's gradients can complete the lagging shard's step, so the
+    recovery restarts both shards from the newest checkpoint (``unlevel_steps``), within the one
+    recovery, and the run completes; resubmitting the replica onto shards of two steps would not."""
+    cluster, client = cluster
+    calls = tmp_path / "calls.jsonl"
+    text = PIPELINE.format(mode="sync", steps=300, recoveries=2, calls=calls).replace("worker: 2}", "worker: 1}")
+    text = text.replace('hooks: [', 'hooks: [{type: "tests.helpers.hooks:HalfPushOnLoss"}, ')
+    spec = dtrain.loads(text, base_dir=".")
+    thread, out = run_in_thread(spec, client, tmp_path / "run")
+    wait_for_step(tmp_path / "run", 60, thread)
+    lose(cluster, "worker-0", come_back=True)
+    thread.join(180)
+    assert "error" not in out, out.get("error")
+    s = out["result"].summary
+    assert s["status"] == "completed" and s["global_step"] == 300 and s["recoveries"] == 1
+    rec = s["recovery_log"][0]
+    assert rec["lost"] == ["/job:worker/task:0"]
+    steps = rec["unlevel_steps"]
+    assert len(steps) == 2 and steps[0] != steps[1], rec
+    assert rec["restored_step"] >= 50 and rec["restored_step"] % 50 == 0, rec
+    assert s["eval"]["accuracy"] >= 0.9

@@ -53,10 +53,10 @@ def loop():
     thread.join(5)
 
 
-def group_of(spec: dtrain.PipelineSpec, loop) -> tuple[ShardGroup, list[ParameterShard]]:
+def group_of(spec: dtrain.PipelineSpec, loop, replicas: int = 1) -> tuple[ShardGroup, list[ParameterShard]]:
     plan = dtrain.compile(spec)
     group = ShardGroup(SimpleNamespace(client=None, tasks={}), spec, plan, token="t")
-    shards = [ParameterShard({**group._config(s.index), "num_replicas": 1, "replicas_to_aggregate": 1},
+    shards = [ParameterShard({**group._config(s.index), "num_replicas": replicas, "replicas_to_aggregate": replicas},
                              torch.zeros(s.numel)) for s in plan.shards]
     group.handles = [Handle(s, loop) for s in shards]
     return group, shards
@@ -87,6 +87,37 @@ def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loo
     # stopped: the next step's pushes are refused, on every shard
     for h, g in zip(group.handles, grads, strict=True):
         assert h.push_sync(g, 0, 1, 0.5, 8, 2).result(5)[1:3] == (1, True)
+
+
+def test_level_completes_a_half_pushed_step_with_the_other_replicas_gradients(loop):
+    """Replica 1 pushed step 0 to both shards, replica 0 (then lost) to shard 1 only: shard 1 applied
+    step 1, shard 0 waits for replica 0. ``level`` excuses it there: shard 0 applies replica 1's
+    gradient alone, and both shards are at step 1 (the recovery then resubmits only replica 0)."""
+    spec = dtrain.loads(SPEC, base_dir=".")
+    group, shards = group_of(spec, loop, replicas=2)
+    grads = [torch.ones(s.numel) for s in group.plan.shards]
+    waiting = group.handles[0].push_sync(grads[0], 1, 0, 0.5, 8, 1)
+    group.handles[1].push_sync(grads[1], 1, 0, None, 0, 1)
+    assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
+    assert group.steps() == [0, 1]
+    assert group.level([0], wait_s=1.0) == [1, 1]
+    assert waiting.result(5)[1] == 1
+    # replica 1's gradient alone (mean of 1), where replica 0's never came
+    assert torch.allclose(shards[0].param, torch.full_like(shards[0].param, -0.1))
+
+
+def test_level_reports_a_step_no_other_replica_can_complete(loop):
+    """A lone replica lost between its pushes to two shards: nothing can complete shard 0's step
+    (no gradient of it is in), so ``level`` returns the two steps after its wait (the recovery then
+    restarts every shard from the newest checkpoint) and applies nothing."""
+    spec = dtrain.loads(SPEC, base_dir=".")
+    group, shards = group_of(spec, loop)
+    grads = [torch.ones(s.numel) for s in group.plan.shards]
+    assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
+    t0 = time.monotonic()
+    assert group.level([0], wait_s=0.5) == [0, 1]
+    assert time.monotonic() - t0 >= 0.5
+    assert not shards[0].param.any()
 
 
 def checkpoint_for(spec: dtrain.PipelineSpec, states: list[dict]) -> Checkpoint:

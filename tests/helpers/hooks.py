@@ -49,6 +49,31 @@ class RecordingHook(Hook):
         self._record("end", session.global_step)
 
 
+class HalfPushOnLoss(Hook):
+    """At the first lost task, pushes a zero gradient for replica 0 to the last shard only: what a
+    lone sync replica killed between its pushes to two shards leaves behind, that shard a step
+    ahead of the others, made certain. First, as a kill would, it ends the lost replica's pushes (a
+    worker closed in-process leaves its task's thread running: fenced off the data plane), and it
+    lets a checkpoint hold the replica may have reached go (the chief is busy with this hook)."""
+
+    def begin(self, session: Any) -> None:
+        self.session, self.done = session, False
+
+    def on_task_lost(self, task: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        from dtrain.chief.elastic import FENCED
+
+        shards = self.session.shards
+        shards.set_owners({0: FENCED})
+        shards.release()
+        last = len(shards.handles) - 1
+        handle = shards.handles[last]
+        step = handle.current_step().result(timeout=10)
+        handle.push_sync(torch.zeros(shards.plan.shards[last].numel), 0, step).result(timeout=10)
+
+
 class NotAHook:
     """Has the callbacks but does not subclass dtrain.Hook: must be refused."""
 

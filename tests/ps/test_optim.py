@@ -45,6 +45,28 @@ def test_matches_torch_optim(config, cls, kwargs):
     assert torch.allclose(flat, ref.detach(), rtol=0, atol=1e-6), float((flat - ref.detach()).abs().max())
 
 
+@pytest.mark.parametrize("config,cls,kwargs", CASES, ids=[f"{c[0]['name']}{i}" for i, c in enumerate(CASES)])
+def test_a_scaled_step_is_the_step_of_the_scaled_gradient(config, cls, kwargs):
+    """``step(param, grad, scale)`` (a sync step's mean: the sum and 1/count) matches torch.optim
+    on ``scale * grad``, whether the scale is folded into the update (plain SGD, momentum) or
+    applied to the gradient; with scale 1 the gradient is never written (a borrowed one is a
+    replica's own buffer)."""
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(500, generator=g)
+    ref = torch.nn.Parameter(start.clone())
+    opt = cls([ref], foreach=False, **kwargs)
+    flat, mine = start.clone(), make_optimizer(500, config)
+    for i in range(20):
+        grad, scale = torch.randn(500, generator=g), (1.0, 0.5, 1 / 3)[i % 3]
+        ref.grad = grad * scale
+        opt.step()
+        kept = grad.clone()
+        mine.step(flat, grad, scale)
+        if scale == 1.0:
+            assert torch.equal(grad, kept)
+    assert torch.allclose(flat, ref.detach(), rtol=0, atol=1e-5), float((flat - ref.detach()).abs().max())
+
+
 def test_unknown_optimizer():
     with pytest.raises(ValueError, match="sgd, momentum, adam or adagrad"):
         make_optimizer(3, {"name": "rmsprop", "lr": 0.1})

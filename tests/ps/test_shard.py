@@ -81,6 +81,39 @@ def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
     assert step == 1 and torch.equal(params, torch.full((8,), -2.0)) and excused == set()
 
 
+def test_a_timed_out_push_leaves_its_gradient_in_the_step():
+    """A step's first gradient is read where it lies (borrowed, no copy) while its push waits; a
+    push that gives up at the barrier first copies it into the step's sum, so a buffer its replica
+    reuses afterwards does not reach the apply (the step's mean is of what was pushed)."""
+    async def main():
+        shard = sync_shard(barrier_s=0.3)
+        grad = torch.full((8,), 2.0)
+        with pytest.raises(BarrierTimeout):
+            await shard.push_sync(grad, 0, 0)
+        grad.fill_(100.0)  # the replica's buffer, reused
+        return await shard.push_sync(torch.full((8,), 4.0), 1, 0)
+
+    params, step, *_ = asyncio.run(main())
+    assert step == 1 and torch.equal(params, torch.full((8,), -3.0))
+
+
+def test_a_sync_step_leaves_its_replicas_gradients_untouched():
+    """The borrowed first gradient and the second are summed into the shard's own buffer: neither
+    replica's gradient is written (replicas may read them again, e.g. a retried push)."""
+    async def main():
+        shard = sync_shard(barrier_s=5.0)
+        g0, g1 = torch.full((8,), 2.0), torch.full((8,), 4.0)
+        first = asyncio.create_task(shard.push_sync(g0, 0, 0))
+        await asyncio.sleep(0.05)
+        await shard.push_sync(g1, 1, 0)
+        await first
+        return g0, g1, shard.param
+
+    g0, g1, param = asyncio.run(main())
+    assert torch.equal(g0, torch.full((8,), 2.0)) and torch.equal(g1, torch.full((8,), 4.0))
+    assert torch.equal(param, torch.full((8,), -3.0))
+
+
 def staleness_shard(k: int, replicas: int = 2) -> ParameterShard:
     config = {"index": 0, "mode": "async", "steps": 1000, "num_replicas": replicas, "max_staleness": k,
               "optimizer": {"name": "sgd", "lr": 1.0}, "barrier_timeout_s": 5}
