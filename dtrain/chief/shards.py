@@ -14,6 +14,7 @@ shards and frees their data planes within one lease (``lease_seconds``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import secrets
 import threading
@@ -220,7 +221,7 @@ class ShardGroup:
     def loads(self, timeout: float = 5) -> dict[int, dict[str, Any]]:
         """Every shard's telemetry (``ParameterShard.load``), asked of all at once; a shard that
         does not answer in ``timeout`` is left out (recovery notices a lost ps, not telemetry)."""
-        futures = [h.load() for h in self.handles]
+        futures = _calls(self.handles, "load")
         out = {}
         for j, f in enumerate(futures):
             try:
@@ -357,7 +358,7 @@ class ShardGroup:
         """Socket data plane fencing: the submission ``attempt`` owns each replica index, so the
         ps refuses pushes from that replica's earlier attempts (a hung worker that thaws after
         its replica was resubmitted elsewhere). Set before the (re)submission."""
-        futures = [s.set_owner(replica, attempt) for s in self.handles for replica, attempt in owners.items()]
+        futures = [f for replica, attempt in owners.items() for f in _calls(self.handles, "set_owner", replica, attempt)]
         for f in futures:
             try:
                 call(f, timeout=30)
@@ -412,6 +413,21 @@ class ShardGroup:
 def call(future: Any, timeout: float = 30.0) -> Any:
     """The result of an actor call, waiting at most ``timeout`` seconds."""
     return future.result(timeout=timeout)
+
+
+def _calls(handles: list[Any], method: str, *args: Any) -> list[Any]:
+    """Start ``method(*args)`` on every handle at once, for the caller to collect one by one: a
+    lost shard's call is a failed future (a Dask actor whose worker is gone refuses the method at
+    once, RuntimeError "Worker holding Actor was lost"), like one that fails on its way."""
+    out: list[Any] = []
+    for h in handles:
+        try:
+            out.append(getattr(h, method)(*args))
+        except Exception as exc:
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(exc)
+            out.append(failed)
+    return out
 
 
 TABLE_CHUNK_ROWS = 1 << 18  # rows of a table part a snapshot reads per call (32 MiB at dim 32)

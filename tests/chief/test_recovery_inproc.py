@@ -171,3 +171,35 @@ def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoin
     assert len(steps) == 2 and steps[0] != steps[1], rec
     assert rec["restored_step"] >= 50 and rec["restored_step"] % 50 == 0, rec
     assert s["eval"]["accuracy"] >= 0.9
+
+
+def test_calls_to_every_shard_survive_a_lost_one(cluster):
+    """A lost ps's actor handle refuses every method at once (RuntimeError "Worker holding Actor
+    was lost", raised where the call is made, not by its future): the telemetry's read of every
+    shard and the fencing of replicas, which start a call on each shard before collecting any,
+    leave the lost one out instead of raising out of the chief's loop before recovery runs."""
+    import torch
+
+    from dtrain.chief.shards import ShardGroup
+    from dtrain.deploy.cluster import connect
+
+    cluster, client = cluster
+    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100, recoveries=1, calls="unused"), base_dir=".")
+    with connect(spec, client=client) as conn, conn.client.as_current():
+        plan = dtrain.compile(spec)
+        group = ShardGroup(conn, spec, plan, token=f"lost{time.monotonic_ns()}")
+        try:
+            group.create([torch.zeros(s.numel) for s in plan.shards])
+            assert sorted(group.loads()) == [0, 1]
+            lose(cluster, "ps-1", come_back=False)
+            deadline = time.monotonic() + 10
+            while group.futures[1].status != "error" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(RuntimeError, match="Worker holding Actor was lost"):
+                group.handles[1].load()
+            assert sorted(group.loads()) == [0]
+            group.set_owners({0: 2})  # a warning for the lost shard, no exception
+            assert group.handles[0].stats().result(timeout=5)["step"] == 0  # the live shard still answers
+        finally:
+            group.stop_renewing()
+            client.cancel(group.futures, force=True)
