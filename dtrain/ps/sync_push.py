@@ -83,10 +83,12 @@ class SyncPush:
         completes the quorum (the caller holds ``lock``). None: refused (an error, or a non-finite
         gradient under nan_guard), nothing more will be applied.
 
-        ``borrow``: the push waits for its step's apply, so a step's first gradient is read where
-        it lies (``_first``) instead of being copied into ``acc``: the second is added to it into
-        ``acc`` in one pass, and a lone one is applied from where it lies. A push that leaves
-        before the apply (its wait timed out) first copies it in (``_own_first``)."""
+        ``borrow`` (a direct push: its connection thread waits here for the step's apply before it
+        reads anything more into that gradient): a step's first gradient is read where it lies
+        (``_first``) instead of being copied into ``acc``; the second is added to it into ``acc``
+        in one pass, and a lone one is applied from where it lies. A push that leaves before the
+        apply (its wait timed out) first copies it in (``_own_first``). The loop's pushes copy: a
+        connection thread that gives up on one cancels it, and reads on, before the loop runs it."""
         self._observe(replica, loss, samples, local_step)
         if self.meter is not None:
             self.meter.push(rows_bytes(sparse) if sparse else 0)
@@ -146,17 +148,12 @@ class SyncPush:
                     if self.stop or self.error is not None or self._bad_ids(sparse, replica):
                         decision = None
                     else:
-                        decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse,
-                                                         borrow=True)
+                        decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
                 if not isinstance(decision, (Accumulate, Drop)):
                     cond.notify_all()
                 elif isinstance(decision, Accumulate):
-                    try:
-                        await self._wait(cond, lambda: self._applied(version),
-                                         f"replica {replica} waited for the other replicas' gradients of step {version}")
-                    finally:
-                        with self.lock:
-                            self._own_first(grad)
+                    await self._wait(cond, lambda: self._applied(version),
+                                     f"replica {replica} waited for the other replicas' gradients of step {version}")
                 with self.lock:
                     return self._sparse_reply(out, sparse)
 

@@ -81,37 +81,43 @@ def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
     assert step == 1 and torch.equal(params, torch.full((8,), -2.0)) and excused == set()
 
 
-def test_a_timed_out_push_leaves_its_gradient_in_the_step():
-    """A step's first gradient is read where it lies (borrowed, no copy) while its push waits; a
-    push that gives up at the barrier first copies it into the step's sum, so a buffer its replica
-    reuses afterwards does not reach the apply (the step's mean is of what was pushed)."""
-    async def main():
-        shard = sync_shard(barrier_s=0.3)
-        grad = torch.full((8,), 2.0)
-        with pytest.raises(BarrierTimeout):
-            await shard.push_sync(grad, 0, 0)
-        grad.fill_(100.0)  # the replica's buffer, reused
-        return await shard.push_sync(torch.full((8,), 4.0), 1, 0)
-
-    params, step, *_ = asyncio.run(main())
+def test_a_timed_out_direct_push_leaves_its_gradient_in_the_step():
+    """A direct push's gradient (its connection thread waits for the apply) is read where it lies,
+    not copied; a push that gives up at the barrier first copies it into the step's sum, so a
+    buffer its replica reuses afterwards does not reach the apply (the step's mean is of what was
+    pushed)."""
+    shard, loop = sync_shard(barrier_s=0.3), asyncio.new_event_loop()
+    grad = torch.full((8,), 2.0)
+    with pytest.raises(BarrierTimeout):
+        shard.push_sync_direct(loop, grad, 0, 0, None, 0, 0, torch.empty(8))
+    grad.fill_(100.0)  # the replica's buffer, reused
+    params, step, *_ = shard.push_sync_direct(loop, torch.full((8,), 4.0), 1, 0, None, 0, 0, torch.empty(8))
     assert step == 1 and torch.equal(params, torch.full((8,), -3.0))
+    loop.close()
 
 
-def test_a_sync_step_leaves_its_replicas_gradients_untouched():
-    """The borrowed first gradient and the second are summed into the shard's own buffer: neither
-    replica's gradient is written (replicas may read them again, e.g. a retried push)."""
-    async def main():
-        shard = sync_shard(barrier_s=5.0)
-        g0, g1 = torch.full((8,), 2.0), torch.full((8,), 4.0)
-        first = asyncio.create_task(shard.push_sync(g0, 0, 0))
-        await asyncio.sleep(0.05)
-        await shard.push_sync(g1, 1, 0)
-        await first
-        return g0, g1, shard.param
+def test_a_direct_sync_step_leaves_its_replicas_gradients_untouched():
+    """The borrowed first gradient and the second are summed into the shard's own buffer, and a lone
+    borrowed one (the other replica excused) is applied from where it lies: no replica's gradient
+    is written."""
+    import threading
 
-    g0, g1, param = asyncio.run(main())
+    shard, loop = sync_shard(barrier_s=5.0), asyncio.new_event_loop()
+    g0, g1 = torch.full((8,), 2.0), torch.full((8,), 4.0)
+    first = threading.Thread(target=shard.push_sync_direct, args=(loop, g0, 0, 0, None, 0, 0, torch.empty(8)))
+    first.start()
+    time.sleep(0.1)
+    shard.push_sync_direct(loop, g1, 1, 0, None, 0, 0, torch.empty(8))
+    first.join(5)
     assert torch.equal(g0, torch.full((8,), 2.0)) and torch.equal(g1, torch.full((8,), 4.0))
-    assert torch.equal(param, torch.full((8,), -3.0))
+    assert torch.equal(shard.param, torch.full((8,), -3.0))
+    lone = threading.Thread(target=shard.push_sync_direct, args=(loop, g0, 0, 1, None, 0, 0, torch.empty(8)))
+    lone.start()
+    time.sleep(0.1)
+    assert asyncio.run(shard.excuse(1, at_step=1)) == 2
+    lone.join(5)
+    assert torch.equal(g0, torch.full((8,), 2.0)) and torch.equal(shard.param, torch.full((8,), -5.0))
+    loop.close()
 
 
 def staleness_shard(k: int, replicas: int = 2) -> ParameterShard:
