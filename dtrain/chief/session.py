@@ -347,12 +347,7 @@ class Session:
                     stopping, self.stop_reason = True, ctx.stop_requested
                     self.recovery.guarded(self.shards.stop_consistently)
                 last_step = self.global_step
-            if self.progress is not None:
-                self.progress({"step": self.global_step, "steps": self.shards.last_step,
-                               "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
-                               "dropped_stale": self.dropped_stale, "replicas": elastic.live_count(self),
-                               "replicas_max": self.plan.num_replicas, "elastic": self.elastic is not None,
-                               **data_report.progress(self)})
+            self._report_progress(latest)
             if stats["error"] and not self._nan_stop(stats["error"]):
                 self.shards.request_stop()
                 raise RunError(stats["error"])
@@ -385,10 +380,21 @@ class Session:
         final = self.shards.stats(timeout=30)
         self.global_step, self.dropped_stale, self.samples = final["step"], final["dropped_stale"], final["samples"]
         for rec in final["records"]:
+            latest = {**latest, **{k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}}
             self._log({k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}, rec["step"])
             self.records.append(rec)
+        self._report_progress(latest)  # the last step, which the replicas may reach after the last poll
         if final["error"] and not self._nan_stop(final["error"]):  # nan_guard fired after the last poll
             raise RunError(final["error"])
+
+    def _report_progress(self, latest: dict[str, Any]) -> None:
+        """The ``progress`` callback's record (the CLI's progress line; docs/observability.md)."""
+        if self.progress is not None:
+            self.progress({"step": self.global_step, "steps": self.shards.last_step,
+                           "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
+                           "dropped_stale": self.dropped_stale, "replicas": elastic.live_count(self),
+                           "replicas_max": self.plan.num_replicas, "elastic": self.elastic is not None,
+                           **data_report.progress(self)})
 
     def _nan_stop(self, error: str) -> bool:
         """A nan_guard hook with ``mode: warn`` turns the ps's refusal into a clean stop (TF's

@@ -93,10 +93,28 @@ def warm_for_file(path: str, overrides: list[str]) -> None:
     _start(_preload(str(data.get("source", ""))), {**DASK_ENV, METHOD_KEY: "forkserver"})
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Block the signals the server ignores (quiet_signals.py) in this thread while it is spawned,
+    as multiprocessing's resource tracker does for its own: the mask passes through fork and exec,
+    so a Ctrl-C to the run's process group while the new interpreter starts and imports (before
+    quiet_signals can ignore it) waits there and is discarded once ignored, instead of killing it
+    with a traceback. Here, a signal that came meanwhile arrives once the spawn is done."""
+    held = {s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _start(preload: list[str], config: dict[str, Any]) -> bool:
     try:
         import multiprocessing
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, resource_tracker
 
         from distributed.utils import get_mp_context
 
@@ -109,7 +127,10 @@ def _start(preload: list[str], config: dict[str, Any]) -> bool:
             multiprocessing.get_context("forkserver").set_forkserver_preload(
                 [SIGNALS, *known, *(m for m in preload if m not in known)])
         with _environ(env):
-            forkserver.ensure_running()
+            # (its own spawn unblocks SIGINT and SIGTERM after it, whatever the mask was: first)
+            resource_tracker.ensure_running()
+            with _signals_held():
+                forkserver.ensure_running()
         return True
     except Exception as exc:  # no forkserver on this platform: the nannies spawn as Dask's default
         logger.debug("no forkserver for the worker processes: %s", exc)

@@ -19,7 +19,7 @@ from tests.helpers.paths import PIPELINES
 
 pytestmark = pytest.mark.processes
 
-STEPS = 8000
+STEPS = 20_000  # async digits steps are quick: room for two workers to start, join and leave before the end
 BATCH = 32  # digits_*.yaml's batch_size
 
 

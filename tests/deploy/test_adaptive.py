@@ -39,7 +39,7 @@ def test_digits_starts_with_min_replica_workers_and_dask_adds_the_rest(tmp_path)
     assert s["eval"]["accuracy"] >= 0.95, s["eval"]
     assert (s["replicas_joined"], s["replicas_left"], s["replicas_max"], s["recoveries"]) == (2, 0, 3, 0)
     assert sorted(e["replica"] for e in s["elastic_log"] if e["event"] == "join") == [1, 2]
-    assert seen[-1]["replicas"] == 3
+    assert seen[-1]["replicas"] == 3 and seen[-1]["step"] == spec.training.steps  # the last record: the last step
 
 
 def test_adaptive_retires_idle_workers_keeps_a_busy_ps_and_reuses_slot_names():

@@ -64,3 +64,29 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
         assert conn.client.run(os.getpid) and len(conn.workers()) == 2
     result = dtrain.run(spec, run_dir=tmp_path / "run")  # and a run on it trains
     assert result.summary["status"] == "completed" and result.summary["global_step"] == 5
+
+
+def test_a_ctrl_c_while_the_server_starts_does_not_kill_it():
+    """A SIGINT to the run's process group while the forkserver's interpreter starts and imports
+    torch (before quiet_signals, and multiprocessing's own handler, ignore it) is held, then
+    discarded: the server lives and prints no traceback. It used to die with a KeyboardInterrupt
+    traceback on the terminal (the chief's signal test, on a quick machine)."""
+    import subprocess
+
+    code = """
+import os, signal, sys, time
+from dtrain.deploy import forkserver
+from dtrain.deploy.cluster import DASK_ENV
+assert forkserver._start(["torch"], {**DASK_ENV, forkserver.METHOD_KEY: "forkserver"})
+from multiprocessing import forkserver as mp
+pid = mp._forkserver._forkserver_pid
+for _ in range(5):  # during the interpreter's start and the preload's imports
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.05)
+time.sleep(3)
+print("alive" if mp._forkserver._forkserver_pid and os.waitpid(pid, os.WNOHANG) == (0, 0) else "dead")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "alive", out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr[-3000:]
