@@ -21,17 +21,20 @@ data: {{source: sklearn:digits, batch_size: 32}}
 optimizer: {{name: sgd, lr: 0.05}}
 training: {{mode: async, steps: {steps}}}
 summary: {{every_steps: 20, tensorboard: false}}
-observe: {{interval_s: 0.2}}
+observe: {observe}
 """
 
 
 def digits(name: str = "obs", jobs: str = "{ps: 2, worker: 2}", hidden: int = 32, steps: int = 400,
-           extra: str = "") -> dtrain.PipelineSpec:
-    return dtrain.loads(DIGITS.format(name=name, jobs=jobs, hidden=hidden, steps=steps) + extra)
+           extra: str = "", observe: str = "{interval_s: 0.2}") -> dtrain.PipelineSpec:
+    return dtrain.loads(DIGITS.format(name=name, jobs=jobs, hidden=hidden, steps=steps, observe=observe) + extra)
 
 
 def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_client, tmp_path):
-    spec = digits()
+    # (input_bound 0.5: on an in-process cluster every task is a thread of one process, and the
+    # GIL's hand-overs put 15-20% of a replica's time into reading an in-memory batch, whatever the
+    # model's size; the slow-input test below finds a replica starved with the default 0.2)
+    spec = digits(observe="{interval_s: 0.2, input_bound: 0.5}")
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     s = result.summary
     assert s["status"] == "completed" and s["diagnosis"] == []
@@ -39,7 +42,7 @@ def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_c
     assert set(reps) == {"0", "1"} and set(shards) == {"0", "1"}
     for i, r in reps.items():
         assert r["task"] == f"/job:worker/task:{i}" and r["steps"] > 0 and r["steps_per_s"] > 0
-        assert 0 < r["compute_frac"] <= 1 and 0 <= r["data_frac"] < 0.2 and 0 < r["ps_frac"] <= 1
+        assert 0 < r["compute_frac"] <= 1 and 0 <= r["data_frac"] < 0.5 and 0 < r["ps_frac"] <= 1
         assert r["compute_frac"] + r["data_frac"] + r["ps_frac"] <= 1.0001
     # Every push carries its shard's whole gradient: the bytes in are pushes x the shard's bytes.
     for j, sh in shards.items():
