@@ -380,8 +380,9 @@ class Session:
         final = self.shards.stats(timeout=30)
         self.global_step, self.dropped_stale, self.samples = final["step"], final["dropped_stale"], final["samples"]
         for rec in final["records"]:
-            latest = {**latest, **{k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}}
-            self._log({k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}, rec["step"])
+            metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
+            latest = {**latest, **metrics}
+            self._log(metrics, rec["step"])
             self.records.append(rec)
         self._report_progress(latest)  # the last step, which the replicas may reach after the last poll
         if final["error"] and not self._nan_stop(final["error"]):  # nan_guard fired after the last poll

@@ -100,11 +100,12 @@ def _signals_held() -> Iterator[None]:
     so a Ctrl-C to the run's process group while the new interpreter starts and imports (before
     quiet_signals can ignore it) waits there and is discarded once ignored, instead of killing it
     with a traceback. Here, a signal that came meanwhile arrives once the spawn is done."""
-    held = {s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None}
+    from dtrain.deploy.preload import IGNORED
+
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
     try:
         yield
     finally:

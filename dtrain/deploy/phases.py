@@ -11,6 +11,7 @@ final evaluation and ``model.pt``, the summary, the cluster's shutdown, and the 
 
 from __future__ import annotations
 
+import os
 import time
 
 _t0: float | None = None
@@ -24,8 +25,6 @@ def process_start() -> float:
     ``create_time`` adds those ticks to the boot time in whole seconds (``btime``), up to a second
     off, which made a quick run's "last step to exit" come out negative."""
     try:
-        import os
-
         with open("/proc/self/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
         with open("/proc/uptime", encoding="ascii") as f:

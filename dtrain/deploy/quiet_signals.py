@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import signal
 
-_QUIET = {s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None}
-for _sig in _QUIET:
+from dtrain.deploy.preload import IGNORED
+
+for _sig in IGNORED:
     signal.signal(_sig, signal.SIG_IGN)
 if hasattr(signal, "pthread_sigmask"):
     # The chief spawned this server with them blocked (forkserver._signals_held): one that came
     # while it started is discarded now, being ignored.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _QUIET)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)
