@@ -289,7 +289,8 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         t0 = time.time()
         idle = {names.get(a, a): v for a, v in client.run(_worker_mem, True).items()}
         phases["worker_preload"] = round(time.time() - t0, 2)
-        sampler.pids = {n: v["pid"] for n, v in idle.items()}
+        # The chief: this process (the session, and the embedded scheduler and nannies).
+        sampler.pids = {**{n: v["pid"] for n, v in idle.items()}, "chief": os.getpid()}
         sampler.start()
         t0 = time.time()
         try:

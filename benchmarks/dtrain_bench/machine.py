@@ -52,9 +52,13 @@ def loadavg() -> list[float] | None:
 
 
 # ------------------------------------------------------------------------------------ sampling during a run
+LOOP = "/loop"  # suffix of a ps process's event-loop thread in the CPU samples
+
+
 class LoopbackSampler(threading.Thread):
     """Samples the loopback interface's byte counter (machine-wide) every 20 ms, and the CPU time
-    (user + system) of the given worker processes every 100 ms."""
+    (user + system) of the given processes every 100 ms (a ps's event-loop thread also alone:
+    name + LOOP; the rest of a ps's CPU is its data-plane connection threads')."""
 
     def __init__(self, pids: dict[str, int] | None = None) -> None:
         super().__init__(daemon=True, name="bench-lo-sampler")
@@ -81,6 +85,12 @@ class LoopbackSampler(threading.Thread):
                 for name, proc in procs.items():
                     with contextlib.suppress(psutil.Error):
                         cpu[name] = sum(proc.cpu_times()[:2])
+                        if proc.pid == os.getpid():  # the chief: not this sampling thread's own time
+                            cpu[name] -= time.thread_time()
+                        if name.startswith("ps-"):  # its main thread: the Dask worker's event loop
+                            main = [t for t in proc.threads() if t.id == proc.pid]
+                            if main:
+                                cpu[name + LOOP] = main[0].user_time + main[0].system_time
                 self.cpu_samples.append((time.time(), cpu))
             n += 1
             self._stop_event.wait(0.02)

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .configs import FIXED_COST_GOAL_MS, GOALS, Config, mlp_sizes
+from .machine import LOOP
 
 
 def median(xs: list[float]) -> float | None:
@@ -79,11 +80,21 @@ def cpu_summary(ok: list[dict[str, Any]]) -> dict[str, float | None] | None:
         return None
 
     def mean(row: dict[str, float], prefix: str) -> float | None:
-        xs = [v for n, v in row.items() if n.startswith(prefix)]
+        xs = [v for n, v in row.items() if n.startswith(prefix) and not n.endswith(LOOP)]
         return sum(xs) / len(xs) if xs else None
 
-    return {"ps_total": median([sum(v for n, v in row.items() if n.startswith("ps-")) for row in rows]),
-            "replica_mean": median([mean(row, "worker-") for row in rows])}
+    def total(row: dict[str, float], prefix: str, loop: bool = False) -> float | None:
+        xs = [v for n, v in row.items() if n.startswith(prefix) and n.endswith(LOOP) == loop]
+        return sum(xs) if xs else None
+
+    def med(xs: list[float | None]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return median(xs) if xs else None
+
+    return {"ps_total": med([total(row, "ps-") for row in rows]),
+            "ps_loop": med([total(row, "ps-", loop=True) for row in rows]),
+            "replica_mean": med([mean(row, "worker-") for row in rows]),
+            "chief": med([row.get("chief") for row in rows])}
 
 
 def memory_summary(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -167,15 +178,17 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
     if cpu_rows:
         plain_ms = results.get("plain", {}).get("step_ms")
         print()
-        ch = f"{'CPU ms per replica step':<38} {'replica':>8} {'ps':>8}"
+        ch = f"{'CPU ms per replica step':<38} {'replica':>8} {'ps':>8} {'ps loop':>8} {'chief':>8}"
         print(ch)
         print("-" * len(ch))
         for r in cpu_rows:
             c = r["cpu_ms_per_replica_step"]
-            print(f"{r['label']:<38} {fmt_num(c['replica_mean'], '.2f'):>8} {fmt_num(c['ps_total'], '.2f'):>8}")
-        print("CPU (user + system) of each worker process over the timed window, per step of one replica (replica: "
-              "the mean of the worker tasks; ps: all ps tasks together)"
-              + (f"; the plain loop's whole step takes {plain_ms:.2f} ms." if plain_ms else "."))
+            print(f"{r['label']:<38} {fmt_num(c['replica_mean'], '.2f'):>8} {fmt_num(c['ps_total'], '.2f'):>8} "
+                  f"{fmt_num(c.get('ps_loop'), '.2f'):>8} {fmt_num(c.get('chief'), '.2f'):>8}")
+        print("CPU (user + system) of each process over the timed window, per step of one replica (replica: the "
+              "mean of the worker tasks; ps: all ps tasks together, of which ps loop: their Dask event loops, the "
+              "rest being the data plane's connection threads; chief: the session with the embedded scheduler and "
+              "nannies)" + (f"; the plain loop's whole step takes {plain_ms:.2f} ms." if plain_ms else "."))
 
     mem_rows = [(n, r) for n, r in results.items() if r["kind"] == "dtrain" and r.get("memory")]
 

@@ -23,6 +23,7 @@ import errno
 import hashlib
 import hmac
 import logging
+import math
 import os
 import socket
 import ssl
@@ -31,7 +32,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import protocol as proto
@@ -303,7 +303,7 @@ class ShardServer:
         snapshot into ``out``, narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the
         header, then the parameters when ``send`` (with shared memory they are already in the
         reply slot)."""
-        loss_value = None if np.isnan(loss) and samples == 0 else loss
+        loss_value = None if math.isnan(loss) and samples == 0 else loss
         try:
             reply = None
             if direct and sparse is None and op in direct:

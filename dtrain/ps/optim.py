@@ -23,7 +23,10 @@ class FlatOptimizer:
     """Base class: ``step(param, grad, scale)`` updates ``param`` in place with the gradient
     ``scale * grad`` (a sync step's mean: the sum times 1/count). ``grad`` is never kept; it is
     never written either when ``scale`` is 1, and may be scaled in place otherwise (where the scale
-    cannot be folded into the update's own multiplier, as plain SGD's and momentum's is)."""
+    cannot be folded into the update's own multiplier, as plain SGD's and momentum's is).
+    ``param`` and ``grad`` never require grad (the shard detaches its buffer; gradients come off
+    the wire), so ``step`` runs without ``torch.no_grad()``, whose context costs more than the
+    update itself on a small shard (2 µs against 1.3 µs for SGD on 1,000 values)."""
 
     def __init__(self, numel: int, lr: float, weight_decay: float = 0.0):
         self.lr = lr
@@ -59,7 +62,6 @@ class SGD(FlatOptimizer):
         self.momentum, self.dampening, self.nesterov = momentum, dampening, nesterov
         self.buf: torch.Tensor | None = None
 
-    @torch.no_grad()
     def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         if self.weight_decay or self.nesterov:  # (the scale is folded into the multipliers below otherwise)
             grad, scale = self._scaled(grad, scale), 1.0
@@ -98,7 +100,6 @@ class Adam(FlatOptimizer):
         self.max_exp_avg_sq = torch.zeros(numel) if amsgrad else None
         self._denom = torch.empty(numel)
 
-    @torch.no_grad()
     def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         self.t += 1
         grad = self._decayed(param, self._scaled(grad, scale))
@@ -143,7 +144,6 @@ class Adagrad(FlatOptimizer):
         self.sum = torch.full((numel,), float(initial_accumulator_value))
         self._std = torch.empty(numel)
 
-    @torch.no_grad()
     def step(self, param: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         self.t += 1
         grad = self._decayed(param, self._scaled(grad, scale))
