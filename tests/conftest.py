@@ -11,6 +11,8 @@ import dask
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
+from dtrain.deploy.cluster import TICK
+
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "pipelines"
 
@@ -32,7 +34,7 @@ def inproc_client():
                                                "dashboard_address": None}}
     with dask.config.set({"distributed.worker.profile.enabled": False,
                           "distributed.scheduler.work-stealing": False,
-                          "distributed.admin.tick.limit": "60s"}):
+                          "distributed.admin.tick.limit": "60s", **TICK}):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, name="dtrain-tests")
         client = Client(cluster, direct_to_workers=True, set_as_default=False)
         try:
