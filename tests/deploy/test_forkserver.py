@@ -11,11 +11,12 @@ import signal
 import sys
 import time
 
+import dask
 import psutil
 import pytest
 
 import dtrain
-from dtrain.deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, connect
+from dtrain.deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, TICK, connect
 
 pytestmark = pytest.mark.processes
 
@@ -37,7 +38,8 @@ def _inside() -> dict:
     return {"preloaded": sorted(m for m in ("torch", "dtrain.worker.tasks", "dtrain.ps.shard", "sklearn.datasets",
                                             "sklearn.model_selection") if m in sys.modules),
             "parent": " ".join(parent.cmdline()) if parent else "",
-            "omp": os.environ.get("OMP_NUM_THREADS")}
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "tick": dask.config.get("distributed.admin.tick.interval")}
 
 
 def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
@@ -50,6 +52,7 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
             assert info["preloaded"] == ["dtrain.ps.shard", "dtrain.worker.tasks", "torch"]
             assert "forkserver" in info["parent"]
             assert info["omp"] == "2"  # the worker's own (training.torch_threads)
+            assert info["tick"] == TICK["distributed.admin.tick.interval"]  # not Dask's 20 ms (README)
         # glibc reads its malloc settings at exec, and the workers are forked from the server: the
         # server's own environment at its start must hold the nannies' pre-spawn settings.
         pid = multiprocessing.forkserver._forkserver._forkserver_pid
