@@ -17,11 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import dask
 import psutil
 import pytest
 import yaml
 from distributed import Client
 
+from dtrain.deploy.cluster import TICK
 from tests.helpers.observe import fetch
 from tests.helpers.paths import ROOT
 
@@ -238,6 +240,9 @@ def test_digits_async_on_scheduler_and_four_dtrain_worker_processes(plain, tmp_p
     # (the last report, its totals), per replica and per shard.
     with Client(plain.address, timeout=30) as c:
         metrics = fetch(c.dashboard_link.replace("/status", "/metrics"))[1]
+        # `dtrain worker` runs Dask's event-loop tick at dtrain's 500 ms, not Dask's 20 ms (README)
+        ticks = c.run(dask.config.get, "distributed.admin.tick.interval")
+    assert sorted(ticks.values()) == [TICK["distributed.admin.tick.interval"]] * 4, ticks
     for i in range(2):
         assert f'replica="{i}"' in metrics and 'run="digits-async"' in metrics
         assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{i}"[^}}]*\}} [1-9]', metrics), metrics[-3000:]
