@@ -12,7 +12,7 @@ from .configs import FIXED_COST_GOAL_MS, GOALS, Config, mlp_sizes
 from .machine import LOOP
 
 
-def median(xs: list[float]) -> float | None:
+def median(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
@@ -79,22 +79,21 @@ def cpu_summary(ok: list[dict[str, Any]]) -> dict[str, float | None] | None:
     if not rows:
         return None
 
+    def values(row: dict[str, float], prefix: str, loop: bool = False) -> list[float]:
+        return [v for n, v in row.items() if n.startswith(prefix) and n.endswith(LOOP) == loop]
+
     def mean(row: dict[str, float], prefix: str) -> float | None:
-        xs = [v for n, v in row.items() if n.startswith(prefix) and not n.endswith(LOOP)]
+        xs = values(row, prefix)
         return sum(xs) / len(xs) if xs else None
 
     def total(row: dict[str, float], prefix: str, loop: bool = False) -> float | None:
-        xs = [v for n, v in row.items() if n.startswith(prefix) and n.endswith(LOOP) == loop]
+        xs = values(row, prefix, loop)
         return sum(xs) if xs else None
 
-    def med(xs: list[float | None]) -> float | None:
-        xs = [x for x in xs if x is not None]
-        return median(xs) if xs else None
-
-    return {"ps_total": med([total(row, "ps-") for row in rows]),
-            "ps_loop": med([total(row, "ps-", loop=True) for row in rows]),
-            "replica_mean": med([mean(row, "worker-") for row in rows]),
-            "chief": med([row.get("chief") for row in rows])}
+    return {"ps_total": median([total(row, "ps-") for row in rows]),
+            "ps_loop": median([total(row, "ps-", loop=True) for row in rows]),
+            "replica_mean": median([mean(row, "worker-") for row in rows]),
+            "chief": median([row.get("chief") for row in rows])}
 
 
 def memory_summary(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
