@@ -11,7 +11,7 @@ import dask
 import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
-from dtrain.deploy.cluster import TICK
+from dtrain.deploy.cluster import HOUSEKEEPING
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "pipelines"
@@ -34,7 +34,7 @@ def inproc_client():
                                                "dashboard_address": None}}
     with dask.config.set({"distributed.worker.profile.enabled": False,
                           "distributed.scheduler.work-stealing": False,
-                          "distributed.admin.tick.limit": "60s", **TICK}):
+                          "distributed.admin.tick.limit": "60s", **HOUSEKEEPING}):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, name="dtrain-tests")
         client = Client(cluster, direct_to_workers=True, set_as_default=False)
         try:

@@ -12,12 +12,12 @@ import dask
 
 
 def main() -> None:
-    from .cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, TICK
+    from .cluster import HOUSEKEEPING, MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 
     dask.config.set({
         "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
         "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
-        **TICK,
+        **HOUSEKEEPING,
     })
     from distributed.cli.dask_worker import main as dask_worker_main
 

@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
 import dtrain
-from dtrain.deploy.cluster import TICK
+from dtrain.deploy.cluster import HOUSEKEEPING
 from dtrain.spec.errors import RunError
 from tests.helpers.hooks import read_calls
 
@@ -41,7 +41,7 @@ def cluster():
         "memory_limit": "2GiB"}} for job in ("ps", "worker") for i in range(2)}
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard": False,
                                                "dashboard_address": None}}
-    with dask.config.set({"distributed.scheduler.work-stealing": False, "distributed.admin.tick.limit": "60s", **TICK}):
+    with dask.config.set({"distributed.scheduler.work-stealing": False, "distributed.admin.tick.limit": "60s", **HOUSEKEEPING}):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, name="recovery-tests")
         client = Client(cluster, direct_to_workers=True, set_as_default=False)
         yield cluster, client

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import dtrain
-from dtrain.deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, TICK, connect
+from dtrain.deploy.cluster import HOUSEKEEPING, MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, connect
 
 pytestmark = pytest.mark.processes
 
@@ -31,7 +31,7 @@ training: {mode: async, steps: 5, torch_threads: 2}
 """
 
 
-def _inside() -> dict:
+def _inside(dask_worker) -> dict:  # (client.run passes the worker)
     import psutil
 
     parent = psutil.Process().parent()
@@ -39,7 +39,9 @@ def _inside() -> dict:
                                             "sklearn.model_selection") if m in sys.modules),
             "parent": " ".join(parent.cmdline()) if parent else "",
             "omp": os.environ.get("OMP_NUM_THREADS"),
-            "tick": dask.config.get("distributed.admin.tick.interval")}
+            "housekeeping": {key: dask.config.get(key) for key in HOUSEKEEPING},
+            # (the callback the worker process itself runs, in milliseconds)
+            "memory_monitor_ms": dask_worker.periodic_callbacks["memory_monitor"].callback_time}
 
 
 def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
@@ -52,7 +54,13 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
             assert info["preloaded"] == ["dtrain.ps.shard", "dtrain.worker.tasks", "torch"]
             assert "forkserver" in info["parent"]
             assert info["omp"] == "2"  # the worker's own (training.torch_threads)
-            assert info["tick"] == TICK["distributed.admin.tick.interval"]  # not Dask's 20 ms (README)
+            # Dask's housekeeping at dtrain's pace, not Dask's 20 ms tick and 100 ms memory
+            # monitor (README, "Dask's own housekeeping")
+            assert info["housekeeping"] == HOUSEKEEPING
+            assert info["memory_monitor_ms"] == 500
+        # ... and the nannies (in this process) read each worker's memory every 500 ms, not 100
+        nannies = conn.cluster.workers.values()
+        assert [n.periodic_callbacks["memory_monitor"].callback_time for n in nannies] == [500, 500]
         # glibc reads its malloc settings at exec, and the workers are forked from the server: the
         # server's own environment at its start must hold the nannies' pre-spawn settings.
         pid = multiprocessing.forkserver._forkserver._forkserver_pid
