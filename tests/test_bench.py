@@ -47,6 +47,13 @@ def test_bench_tiny_runs_and_writes_json(tmp_path):
         mem = r["memory"]
         assert mem["param_bytes"] == 4 * (64 * 128 + 128 + 128 * 10 + 10)
         assert mem["ps_peak_rss"] > 0 and mem["replica_peak_rss"] > 0
+    # The ps's CPU per push (applied gradient) against per step of one replica: the same with one
+    # replica; sync 1+2 applies 2 pushes per global step, during which each replica takes one step.
+    one, two = results["async_1ps_1w"]["cpu_ms_per_replica_step"], results["sync_1ps_2w"]["cpu_ms_per_replica_step"]
+    assert one["ps_total"] > 0 and one["ps_per_push"] == pytest.approx(one["ps_total"])
+    assert two["ps_total"] > 0 and two["ps_per_push"] == pytest.approx(two["ps_total"] / 2)
+    assert two["chief_per_push"] == pytest.approx(two["chief"] / 2)
+    assert "ps/push" in proc.stdout
 
     runs = doc["runs"]
     assert len(runs) == 3 and all(r["rep"] == 0 for r in runs)

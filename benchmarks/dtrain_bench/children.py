@@ -339,13 +339,15 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
         if per:
             out["lo_bytes_per_step"] = statistics.median(per)
             out["lo_bytes_per_sec"] = out["lo_bytes_per_step"] * steps / (tb - ta)  # at the run's step rate
-        # CPU per replica step in the timed window: the ps's and each replica's, in ms (a replica
-        # takes replicas / k of its own steps per global step).
+        # CPU in the timed window, in ms: per step of one replica (a replica takes k / replicas of
+        # its own steps per global step) and per push (k applied gradients per global step: with
+        # R replicas a ps serves R pushes while one replica takes a step).
         cpu = sampler.cpu_between(ta, tb)
         if cpu and steps:
             own = plan.num_replicas / k
             out["cpu_ms_per_global_step"] = {n: 1e3 * c / steps for n, c in cpu.items()}
             out["cpu_ms_per_replica_step"] = {n: 1e3 * c / steps * own for n, c in cpu.items()}
+            out["cpu_ms_per_push"] = {n: 1e3 * c / (steps * k) for n, c in cpu.items()}
     else:
         out.update(method="summary", samples_per_sec=summary.get("samples_per_sec"))
     if out.get("samples_per_sec"):

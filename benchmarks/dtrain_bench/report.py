@@ -76,6 +76,7 @@ def cpu_summary(ok: list[dict[str, Any]]) -> dict[str, float | None] | None:
     """Medians over repetitions: the ps tasks' CPU and a replica's own (mean of the worker tasks),
     in ms per replica step."""
     rows = [r["cpu_ms_per_replica_step"] for r in ok if r.get("cpu_ms_per_replica_step")]
+    pushes = [r["cpu_ms_per_push"] for r in ok if r.get("cpu_ms_per_push")]
     if not rows:
         return None
 
@@ -93,7 +94,11 @@ def cpu_summary(ok: list[dict[str, Any]]) -> dict[str, float | None] | None:
     return {"ps_total": median([total(row, "ps-") for row in rows]),
             "ps_loop": median([total(row, "ps-", loop=True) for row in rows]),
             "replica_mean": median([mean(row, "worker-") for row in rows]),
-            "chief": median([row.get("chief") for row in rows])}
+            "chief": median([row.get("chief") for row in rows]),
+            # per push (one applied gradient): the unit of issue 16's ps goal and of its floor, an
+            # SGD apply plus one snapshot; equal to the above with one replica
+            "ps_per_push": median([total(row, "ps-") for row in pushes]),
+            "chief_per_push": median([row.get("chief") for row in pushes])}
 
 
 def memory_summary(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -177,17 +182,21 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
     if cpu_rows:
         plain_ms = results.get("plain", {}).get("step_ms")
         print()
-        ch = f"{'CPU ms per replica step':<38} {'replica':>8} {'ps':>8} {'ps loop':>8} {'chief':>8}"
+        ch = (f"{'CPU ms per replica step':<38} {'replica':>8} {'ps':>8} {'ps loop':>8} {'chief':>8} "
+              f"{'ps/push':>8} {'chief/push':>10}")
         print(ch)
         print("-" * len(ch))
         for r in cpu_rows:
             c = r["cpu_ms_per_replica_step"]
             print(f"{r['label']:<38} {fmt_num(c['replica_mean'], '.2f'):>8} {fmt_num(c['ps_total'], '.2f'):>8} "
-                  f"{fmt_num(c.get('ps_loop'), '.2f'):>8} {fmt_num(c.get('chief'), '.2f'):>8}")
+                  f"{fmt_num(c.get('ps_loop'), '.2f'):>8} {fmt_num(c.get('chief'), '.2f'):>8} "
+                  f"{fmt_num(c.get('ps_per_push'), '.2f'):>8} {fmt_num(c.get('chief_per_push'), '.2f'):>10}")
         print("CPU (user + system) of each process over the timed window, per step of one replica (replica: the "
               "mean of the worker tasks; ps: all ps tasks together, of which ps loop: their Dask event loops, the "
               "rest being the data plane's connection threads; chief: the session with the embedded scheduler and "
-              "nannies)" + (f"; the plain loop's whole step takes {plain_ms:.2f} ms." if plain_ms else "."))
+              "nannies)" + (f"; the plain loop's whole step takes {plain_ms:.2f} ms" if plain_ms else "") +
+              ". ps/push and chief/push: the same CPU per applied gradient; with N replicas a ps serves N pushes "
+              "while one replica takes a step.")
 
     mem_rows = [(n, r) for n, r in results.items() if r["kind"] == "dtrain" and r.get("memory")]
 
