@@ -116,6 +116,7 @@ from dtrain_bench.configs import (
     param_count,
     progress,
 )
+from dtrain_bench.goals import one_machine, print_goals
 from dtrain_bench.link import (
     annotate,
     goals,
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             print_main(results, doc, args.tiny)
             if link is not None:
                 print_link(results, link)
+            else:
+                doc["goals"] = one_machine(results, args.tiny)
+                print_goals(doc["goals"])
             if args.observe:
                 doc["telemetry_overhead"] = print_overhead(runs)
                 doc["telemetry_ps_cost"] = print_ps_cost(model)

@@ -54,6 +54,12 @@ def test_bench_tiny_runs_and_writes_json(tmp_path):
     assert two["ps_total"] > 0 and two["ps_per_push"] == pytest.approx(two["ps_total"] / 2)
     assert two["chief_per_push"] == pytest.approx(two["chief"] / 2)
     assert "ps/push" in proc.stdout
+    # Issue 16's goal for the tiny model: the fixed cost per step of async 1+1, judged on its value.
+    (goal,) = doc["goals"]
+    fixed = results["async_1ps_1w"]["fixed_cost_ms"]
+    assert goal["value"] == fixed and goal["target"] == 0.3 and goal["at_most"]
+    assert goal["met"] is (fixed <= 0.3)
+    assert "issue 16's goals on one machine" in proc.stdout
 
     runs = doc["runs"]
     assert len(runs) == 3 and all(r["rep"] == 0 for r in runs)
@@ -191,6 +197,7 @@ def test_bench_link_shapes_the_loopback_it_measures_across(tmp_path):
     assert 0 < sync["link_fraction"] < 2.0
     assert "link: lo in a private network namespace, tbf rate 200mbit" in proc.stdout
     assert "% of link" in proc.stdout and "issue 16's goals under a link" in proc.stdout
+    assert "issue 16's goals on one machine" not in proc.stdout  # (the link's goals instead)
 
 
 def test_bench_link_refuses_a_bad_rate_and_a_missing_namespace(tmp_path):
@@ -207,3 +214,33 @@ def test_bench_link_refuses_a_bad_rate_and_a_missing_namespace(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "cannot create a private network namespace" in proc.stderr and "not found on PATH" in proc.stderr
     assert not out.exists()
+
+
+def test_one_machine_goals_judge_each_row_and_the_highest_ps_cost_per_push():
+    """Issue 16's goals on one machine from given summaries (the arithmetic, no run): a ratio
+    meets its goal at or above it, the ps's CPU per push is judged on the highest row, and a row
+    that was not run has no value."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from dtrain_bench.goals import one_machine
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+    def row(ratio, per_push):
+        return {"ratio": ratio, "cpu_ms_per_replica_step": {"ps_total": 2 * per_push, "ps_per_push": per_push}}
+
+    results = {"plain": {"ratio": 1.0}, "async_1ps_1w": row(1.0, 0.5), "async_1ps_2w": row(1.79, 0.7),
+               "sync_1ps_2w": row(1.6, 0.81)}
+    goals = {g["goal"]: g for g in one_machine(results, tiny=False)}
+    assert goals["async 1+1 (defaults) / plain"]["met"] is True  # at the goal
+    assert goals["async 1+2 (defaults) / plain"]["met"] is False
+    assert goals["sync 1+2 (defaults) / plain"]["met"] is True
+    assert goals["in-graph 1+2 (defaults) / plain"]["value"] is None
+    assert goals["in-graph 1+2 (defaults) / plain"]["met"] is None  # not run
+    ps = goals["ps CPU per push, highest row (ms)"]
+    assert (ps["value"], ps["note"], ps["met"]) == (0.81, "sync 1+2", False)
+    results["sync_1ps_2w"] = row(1.6, 0.8)
+    ps = {g["goal"]: g for g in one_machine(results, tiny=False)}["ps CPU per push, highest row (ms)"]
+    assert (ps["value"], ps["met"]) == (0.8, True)
+    (tiny,) = one_machine({"async_1ps_1w": {"fixed_cost_ms": 0.31}}, tiny=True)
+    assert tiny["met"] is False and tiny["target"] == 0.3

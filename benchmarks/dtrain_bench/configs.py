@@ -27,9 +27,12 @@ SCALING_SHARDS = (1, 2)
 SCALING_STEPS = {256: (20, 300), 512: (20, 200), 1024: (20, 80), 2048: (10, 40)}
 LOOPBACK_EXTRA = 16 * 1024 * 1024  # the issue's "16 MB shard"
 
-# Targets from issue 7, printed beside the figures (never asserted).
-GOALS = {"async_1ps_1w": 0.9, "async_1ps_2w": 1.2, "sync_1ps_2w": 0.9}
-FIXED_COST_GOAL_MS = 2.0
+# Issue 16's targets on one machine, printed beside the figures (never asserted; goals.py):
+# ratios to plain PyTorch with default settings, the tiny model's fixed cost per step, and the
+# ps's CPU per push. They replace issue 7's (0.9, 1.2, 0.9; 2 ms), which they all exceed.
+GOALS = {"async_1ps_1w": 1.0, "async_1ps_2w": 1.8, "sync_1ps_2w": 1.5, "ingraph_1ps_2w": 0.8}
+FIXED_COST_GOAL_MS = 0.3
+PS_PUSH_GOAL_MS = 0.8
 
 
 # ------------------------------------------------------------------------------------ configs

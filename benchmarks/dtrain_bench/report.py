@@ -163,10 +163,10 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
         goal = ""
         if r.get("goal_ratio") is not None and not tiny:
             met = r["ratio"] is not None and r["ratio"] >= r["goal_ratio"]
-            goal = f">= {r['goal_ratio']:.2f} {'met' if met else 'missed'}"
+            goal = f">= {r['goal_ratio']:.2f} {'met' if met else 'MISSED'}"
         if tiny and r["kind"] == "dtrain" and r["config"]["workers"] == 1 and r.get("fixed_cost_ms") is not None:
             met = r["fixed_cost_ms"] <= FIXED_COST_GOAL_MS
-            goal = f"<= {FIXED_COST_GOAL_MS:.0f} ms {'met' if met else 'missed'}"
+            goal = f"<= {FIXED_COST_GOAL_MS:g} ms {'met' if met else 'MISSED'}"
         fixed = "–" if r["kind"] in ("plain", "plain_x2") else fmt_num(r.get("fixed_cost_ms"), ".2f")
         step = fmt_num(r.get("step_ms"), ".2f")
         print(f"{r['label']:<38} {fmt_num(r['samples_per_sec']):>10}  {ratio:<23} {step:>8} {fixed:>9}  {goal:<14} "
