@@ -3,7 +3,7 @@
 The ratio goals hold for the benchmark MLP with default settings; the ps's CPU goal is per push
 (one applied gradient: the unit of its floor, an SGD apply plus one snapshot of the shard), judged
 on the highest of the rows measured; the fixed cost per step is the tiny model's (``--tiny``).
-A goal whose row was not run has no value. The link goals are in link.py.
+A goal whose row was not run, or failed, has no value. The link goals are in link.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def print_goals(goals: list[dict[str, Any]]) -> None:
     print()
     print("issue 16's goals on one machine (default settings; nothing is asserted):")
     for g in goals:
-        state = "– (not run)" if g["met"] is None else ("met" if g["met"] else "MISSED")
+        state = "– (not run, or failed)" if g["met"] is None else ("met" if g["met"] else "MISSED")
         note = f"  [{g['note']}]" if g["note"] else ""
         print(f"  {g['goal']:<40} {fmt_num(g['value'], '.2f'):>6}  {'<=' if g['at_most'] else '>='} "
               f"{g['target']:.2f}  {state}{note}")
