@@ -118,7 +118,7 @@ class SocketShard:
         self._header = bytearray(REP.size)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dtrain-dp-r{replica}")
         # Requests on the caller's thread (see _submit): no hand-off to the pool's thread and back,
-        # which cost more CPU than the round trip itself (docs: README, the data plane).
+        # which cost more CPU than the round trip itself (docs/performance.md, "What made the difference").
         self._inline = self.shm is not None and f32 and not self.tables
         self._unread: InlineReply | None = None
 

@@ -60,7 +60,7 @@ def dask_config(spec: PipelineSpec, embedded: bool = True) -> dict[str, Any]:
     return config
 
 
-# Dask's periodic housekeeping, at dtrain's pace (README, "Dask's own housekeeping"):
+# Dask's periodic housekeeping, at dtrain's pace (docs/performance.md, "Dask's own housekeeping"):
 # - every Dask server (scheduler, nannies, workers) measures its event loop's latency with a
 #   callback every tick: at Dask's 20 ms an idle embedded cluster of 1 ps + 2 workers burnt 130 ms
 #   of CPU per second (6.5% of 2 cores, taken from the replicas), 55 ms at 500 ms (the value Dask's
