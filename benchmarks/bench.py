@@ -288,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             if link is not None:
                 print_link(results, link)
             else:
-                doc["goals"] = one_machine(results, args.tiny)
-                print_goals(doc["goals"])
+                changed = [f"--set {kv}" for kv in args.set] + ([f"--optimizer {args.optimizer}"]
+                                                               if args.optimizer != "sgd" else [])
+                doc["goals"] = one_machine(results, args.tiny, changed)
+                print_goals(doc["goals"], changed)
             if args.observe:
                 doc["telemetry_overhead"] = print_overhead(runs)
                 doc["telemetry_ps_cost"] = print_ps_cost(model)
