@@ -241,7 +241,7 @@ def test_digits_async_on_scheduler_and_four_dtrain_worker_processes(plain, tmp_p
     with Client(plain.address, timeout=30) as c:
         metrics = fetch(c.dashboard_link.replace("/status", "/metrics"))[1]
         # `dtrain worker` runs Dask's housekeeping at dtrain's pace (the event-loop tick at 500 ms,
-        # not Dask's 20 ms...: README, "Dask's own housekeeping")
+        # not Dask's 20 ms...: docs/performance.md, "Dask's own housekeeping")
         settings = c.run(lambda: {key: dask.config.get(key) for key in HOUSEKEEPING})
     assert list(settings.values()) == [HOUSEKEEPING] * 4, settings
     for i in range(2):

@@ -55,7 +55,7 @@ def test_worker_processes_fork_from_a_preloaded_server(tmp_path):
             assert "forkserver" in info["parent"]
             assert info["omp"] == "2"  # the worker's own (training.torch_threads)
             # Dask's housekeeping at dtrain's pace, not Dask's 20 ms tick and 100 ms memory
-            # monitor (README, "Dask's own housekeeping")
+            # monitor (docs/performance.md, "Dask's own housekeeping")
             assert info["housekeeping"] == HOUSEKEEPING
             assert info["memory_monitor_ms"] == 500
         # ... and the nannies (in this process) read each worker's memory every 500 ms, not 100
