@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,15 @@ def test_one_machine_goals_judge_each_row_and_the_highest_ps_cost_per_push():
     # A run with other settings than the defaults: the same values, for reference only.
     (tiny,) = one_machine({"async_1ps_1w": {"fixed_cost_ms": 0.2}}, tiny=True, changed=["--set training.overlap=false"])
     assert tiny["met"] is True and tiny["applies"] is False
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_sync_step_compares_snapshots_with_replies_read_in_place():
+    """benchmarks/sync_step.py runs both ways (it exits if a run did not read in place when it
+    should, or did when it should not) and prints one row per replica count."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sync_step.py"), "--replicas", "2", "3",
+                           "--steps", "20", "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["2", "3"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)

@@ -62,7 +62,7 @@ class ShardGroup:
         self._secret = secrets.token_bytes(32)
         self.last_step = spec.training.steps  # lowered by a stop_at_step hook (stop_at)
         # Replica connections the ps data planes served (all generations), and through shared memory.
-        self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0}
+        self.data_plane_counts = {"connections": 0, "shared_memory_connections": 0, "in_place_connections": 0}
         self.lease_s = lease_s or lease_seconds(spec)
         # A TLS cluster (cluster.security, a TLS client, the embedded cluster) never gets a
         # plaintext data plane (review M2).
@@ -117,7 +117,9 @@ class ShardGroup:
         certificate (``WorkerShard``): no private key leaves its machine."""
         tls = True if self.tls else None  # each process uses its own worker's certificate
         wire = self.spec.training.wire_dtype
-        endpoints = [tuple(call(handle.open_data_plane(self._secret, task_host(self.conn.tasks[shard.task]), tls, wire)))
+        share = self.spec.training.shared_memory
+        endpoints = [tuple(call(handle.open_data_plane(self._secret, task_host(self.conn.tasks[shard.task]), tls, wire,
+                                                       share)))
                      for shard, handle in zip(self.plan.shards, self.handles, strict=True)]
         return {"endpoints": endpoints, "secret": self._secret, "tls": tls, "wire_dtype": wire,
                 "shared_memory": self.spec.training.shared_memory}
@@ -131,6 +133,7 @@ class ShardGroup:
                 served = call(s.close_data_plane(), timeout=5)
                 counts["connections"] += served["connections"]
                 counts["shared_memory_connections"] += served["shared_memory"]
+                counts["in_place_connections"] += served.get("in_place", 0)
             except Exception as exc:  # a lost shard's listener died with its process
                 logger.debug("close_data_plane failed: %s", exc)
         self.data_plane = None

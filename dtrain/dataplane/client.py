@@ -37,7 +37,7 @@ from .protocol import (
     tune,
 )
 from .rows import F_SPARSE, encode, read_rows
-from .shm import F_SHM, SHM_DIR, SharedSlots, unlink
+from .shm import F_SHM, SHM_DIR, SharedParams, SharedSlots, unlink
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,16 @@ class SocketShard:
 
     With ``shared_memory`` (the default) the replica offers the ps a shared-memory file in the
     handshake; when the ps is on the same machine and can map it, the buffers stay in that file
-    and only the headers cross the socket (no kernel copies); otherwise the socket carries them."""
+    and only the headers cross the socket (no kernel copies); otherwise the socket carries them.
+    Where the ps also offers its parameters to read in place (sync without backup replicas:
+    ``SharedParams``), the replies point there; ``in_place_views``: the model may compute on that
+    read-only memory directly (a model that never writes its parameters: dtrain's layers), else
+    each reply is copied into the replica's own buffer, on its own core."""
 
     def __init__(self, host: str, port: int, secret: bytes, replica: int, numel: int, timeout: float = 60.0,
                  ssl_context: ssl.SSLContext | None = None, wire_dtype: str = "float32",
-                 shared_memory: bool = True, attempt: int = 0, tables: dict[str, int] | None = None):
+                 shared_memory: bool = True, attempt: int = 0, tables: dict[str, int] | None = None,
+                 in_place_views: bool = True):
         self.replica = replica
         self.tables = dict(tables or {})  # sparse tables on this shard: name -> row width
         self.wire = WIRE_DTYPES[wire_dtype]
@@ -74,19 +79,26 @@ class SocketShard:
             raise DataPlaneError(f"{host}:{port} is not a dtrain ps data plane (or another dtrain version)")
         digest = hmac.new(secret, nonce, hashlib.sha256).digest()
         self.shm: SharedSlots | None = None
+        self.params: SharedParams | None = None  # the ps's parameters, read in place (sync)
         offer = SharedSlots.create(numel, self.wire) if shared_memory else None
         name = offer[1] if offer else ""
         try:
             self._sock.sendall(digest + struct.pack("<IIH", replica, attempt, len(name)) + name.encode()
                                + (offer[2] if offer else b""))
             answer = recv_bytes(self._sock, 1)
+            if answer == b"\x03":  # and the ps's parameters to read in place: pid, fd, token
+                pid, fd = struct.unpack("<II", recv_bytes(self._sock, 8))
+                self.params = SharedParams.attach(pid, fd, recv_bytes(self._sock, 16), numel)
+                self._sock.sendall(b"\x01" if self.params is not None else b"\x00")
         except (OSError, DataPlaneError) as exc:
             answer = b"timeout" if isinstance(exc, (TimeoutError, BlockingIOError)) else b""
             logger.info("data-plane handshake with %s:%d failed: %s", host, port, exc)
         finally:
             if offer:
                 unlink(os.path.join(SHM_DIR, name))
-        if answer not in (b"\x01", b"\x02"):
+        if answer not in (b"\x01", b"\x02", b"\x03"):
+            if self.params is not None:
+                self.params.close()
             if offer:
                 offer[0].close()
             self._sock.close()
@@ -95,7 +107,7 @@ class SocketShard:
             raise DataPlaneError(f"the ps at {host}:{port} refused the data-plane handshake (a wrong per-run "
                                  "secret: is this replica from another run?)")
         if offer:
-            if answer == b"\x02":
+            if answer in (b"\x02", b"\x03"):
                 self.shm = offer[0]
             else:
                 offer[0].close()
@@ -104,6 +116,8 @@ class SocketShard:
                 self._sock.unwrap()
             except (OSError, ValueError) as exc:
                 self.shm.close()
+                if self.params is not None:
+                    self.params.close()
                 self._sock.close()
                 raise DataPlaneUnavailable(f"the ps at {host}:{port} did not end TLS for shared memory: {exc}") from None
         f32 = self.wire == torch.float32
@@ -111,8 +125,8 @@ class SocketShard:
         self._wire_in = None if f32 or self.shm is not None else torch.empty(numel, dtype=self.wire)
         # Two persistent reply buffers (or shared slots): the replica computes on one while the
         # next reply may already be arriving in the other.
-        self._bufs = [] if self.shm is not None and f32 else [torch.empty(numel, dtype=torch.float32)
-                                                              for _ in range(2)]
+        self._bufs = [] if self.shm is not None and f32 and (self.params is None or in_place_views) else [
+            torch.empty(numel, dtype=torch.float32) for _ in range(2)]
         self._next = 0
         self._part_error: DataPlaneError | None = None
         self._header = bytearray(REP.size)
@@ -193,10 +207,11 @@ class SocketShard:
             if self.shm is not None:
                 if nbytes:
                     raise DataPlaneError(f"{nbytes} bytes of parameters on a shared-memory connection")
+                src = self.shm.param[slot] if self.params is None else self.params.tensor
                 if not self._bufs:
-                    return self.shm.param[slot], step, bool(stop), generation
+                    return src, step, bool(stop), generation
                 buf = self._bufs[slot]
-                buf.copy_(self.shm.param[slot])  # widened from bfloat16
+                buf.copy_(src)  # widened from bfloat16, or the ps's parameters for a model that writes its own
                 return buf, step, bool(stop), generation
             buf = self._bufs[slot]
             target = buf if self._wire_in is None else self._wire_in
@@ -280,6 +295,8 @@ class SocketShard:
             pass
         if self.shm is not None:
             self.shm.close()
+        if self.params is not None:
+            self.params.close()
 
 
 class InlineReply:

@@ -22,7 +22,12 @@ Protocol (little-endian):
   connection: only processes that got the per-run secret through Dask can push gradients. Then
   the client sends a u16 name length (0: no offer) + a /dev/shm file name + a 16-byte token that
   the file starts with; the server answers one byte (0: refused, 1: accepted, use the socket's
-  bytes, 2: accepted and the file is mapped).
+  bytes, 2: accepted and the file is mapped, 3: that, and the shard's parameters may be read in
+  place). After 3 come the ps's pid (u32), the number of its parameters' memfd (u32) and that
+  file's 16-byte token; the client maps ``/proc/<pid>/fd/<fd>`` read-only and answers one byte
+  (1: mapped, and every reply's parameters are then in that file, not in a reply slot; 0: not,
+  replies use the slots). The ps offers 3 only for sync replication without backup replicas
+  (``ParameterShard.shares_params``; dataplane/shm.py, ``SharedParams``).
 - TLS (a TLS cluster's data plane) covers the handshake and, on a socket's bytes, every request.
   After answer 2 both sides end the TLS session (``unwrap``: close_notify each way) and go on in
   the clear: gradients and parameters then travel through the replica's /dev/shm file, which TLS
@@ -62,7 +67,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DTRN4"
+MAGIC = b"DTRN5"
 REQ = struct.Struct("<BBHIqqdIQQ")
 REP = struct.Struct("<qBBHIQ")
 OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4

@@ -36,7 +36,7 @@ import torch
 
 from . import protocol as proto
 from .rows import F_SPARSE, encode_rows, read_request
-from .shm import F_SHM, SharedSlots
+from .shm import F_SHM, SharedParams, SharedSlots
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,13 @@ class ShardServer:
 
     ``timeout``: the per-request wait on the ps (extended while the shard grants a barrier
     grace) and the socket send timeout; ``handshake_timeout``: the absolute deadline of a
-    connection's handshake (default ``min(timeout, 10)``)."""
+    connection's handshake (default ``min(timeout, 10)``); ``share_params``: offer the replicas on
+    this machine the shard's parameters to read in place where the shard allows it
+    (``shares_params``: sync without backup replicas; dataplane/shm.py, ``SharedParams``)."""
 
     def __init__(self, shard: Any, loop: asyncio.AbstractEventLoop, secret: bytes, host: str = "127.0.0.1",
                  ssl_context: ssl.SSLContext | None = None, timeout: float = 120.0, wire_dtype: str = "float32",
-                 handshake_timeout: float | None = None):
+                 handshake_timeout: float | None = None, share_params: bool = False):
         self.shard = shard
         self.wire = proto.WIRE_DTYPES[wire_dtype]
         self.loop = loop
@@ -76,6 +78,13 @@ class ShardServer:
         self._refusal_logged = 0.0
         self.connections = 0  # replica connections that passed the handshake
         self.shared_connections = 0  # ... of which use shared memory
+        self.in_place_connections = 0  # ... of which read the parameters in place
+        # The shard's parameters in a memfd that replicas on this machine map read-only.
+        self.params: SharedParams | None = None
+        if share_params and self.wire == torch.float32 and shard.shares_params:
+            self.params = SharedParams.create(shard.param.numel())
+            if self.params is not None:
+                shard.adopt_params(self.params.tensor)
         self._thread = threading.Thread(target=self._accept, name=f"dtrain-ps{shard.index}-accept", daemon=True)
         self._thread.start()
 
@@ -143,10 +152,12 @@ class ShardServer:
                            self._refusals, why)
             self._refusals, self._refusal_logged = 0, now
 
-    def _handshake(self, conn: socket.socket, numel: int) -> tuple[int, SharedSlots | None] | None:
+    def _handshake(self, conn: socket.socket, numel: int) -> tuple[int, SharedSlots | None, bool] | None:
         """HMAC challenge, the replica's attempt id and shared-memory offer (a file name and a
         token); the answer is one byte: 0 refused (wrong secret), 1 accepted, 2 accepted with
-        shared memory. Returns (attempt, slots), or None when refused."""
+        shared memory, 3 that and the parameters to read in place (the ps's pid, the memfd's
+        number and its token follow; the replica answers one byte, 1 if it mapped them).
+        Returns (attempt, slots, in place), or None when refused."""
         nonce = os.urandom(16)
         conn.sendall(proto.MAGIC + nonce)
         answer = proto.recv_bytes(conn, 32 + 4 + 4)
@@ -162,10 +173,16 @@ class ShardServer:
         # Counted before the answer: once the replica reads it, the counts include it.
         self.connections += 1
         self.shared_connections += shm is not None
-        conn.sendall(b"\x02" if shm is not None else b"\x01")
+        in_place = False
+        if shm is not None and self.params is not None and self.params.fd >= 0:
+            conn.sendall(b"\x03" + struct.pack("<II", os.getpid(), self.params.fd) + self.params.token)
+            in_place = proto.recv_bytes(conn, 1) == b"\x01"
+            self.in_place_connections += in_place
+        else:
+            conn.sendall(b"\x02" if shm is not None else b"\x01")
         if shm is not None and isinstance(conn, ssl.SSLSocket):
             conn.unwrap()  # only headers cross this socket, on this machine: see protocol.py (TLS)
-        return attempt, shm
+        return attempt, shm, in_place
 
     # ------------------------------------------------------------------ serving
     def _serve(self, conn: socket.socket) -> None:
@@ -189,12 +206,12 @@ class ShardServer:
                 in_time = self._pending.pop(conn, None) is not None
             if accepted is None or not in_time:
                 return
-            attempt, shm = accepted
+            attempt, shm, in_place = accepted
             authenticated = True
             # Authenticated: no idle timeout (the replica may load data, build its model or run a
             # long step before its next request); keepalive finds a dead peer.
             proto.authenticated(conn)
-            self._requests(conn, numel, shm, attempt)
+            self._requests(conn, numel, shm, attempt, in_place)
         except Exception as exc:  # one replica's broken connection must not take the ps down
             if self._closed.is_set():
                 pass
@@ -209,9 +226,11 @@ class ShardServer:
                 shm.close()
             _close(conn)
 
-    def _requests(self, conn: socket.socket, numel: int, shm: SharedSlots | None, attempt: int) -> None:
+    def _requests(self, conn: socket.socket, numel: int, shm: SharedSlots | None, attempt: int,
+                  in_place: bool = False) -> None:
         """The request loop of one authenticated connection. Every header field is checked with
-        integer tests (no allocation); a bad one is answered with an error reply and ends it."""
+        integer tests (no allocation); a bad one is answered with an error reply and ends it.
+        ``in_place``: the replica reads the shard's parameters where they lie (no snapshot)."""
         f32 = self.wire == torch.float32
         # Per-connection buffers: the received gradient (float32) and the reply's snapshot,
         # each only where the wire or the shared slots cannot serve directly.
@@ -254,7 +273,8 @@ class ShardServer:
                         raise _Refused(f"a shared-memory request (op {op}, {nbytes} bytes) on a connection "
                                        f"{'without' if shm is None else 'with'} shared memory")
                     sparse = self._sparse(conn, flags, dims)
-                    src, out = shm.grad[(flags >> 1) & 1], shm.param[(flags >> 2) & 1]
+                    src = shm.grad[(flags >> 1) & 1]
+                    out = self.shard.param if in_place else shm.param[(flags >> 2) & 1]
                     if f32:
                         g, target = src, out  # the apply reads the slot, the snapshot lands in one
                     else:
@@ -354,6 +374,8 @@ class ShardServer:
 
     def close(self) -> None:
         self._closed.set()
+        if self.params is not None:
+            self.params.close()  # no more replicas attach; the shard keeps its parameters there
         with self._lock:
             conns = list(self._conns)
         try:  # wakes the accept thread now: close() alone leaves a listener accepting until it returns

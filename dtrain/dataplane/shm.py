@@ -1,8 +1,13 @@
-"""Shared-memory slots for a replica and a ps on the same machine (``training.shared_memory``).
+"""Shared memory for a replica and a ps on the same machine (``training.shared_memory``).
 
-Four buffers in one /dev/shm file: two gradient slots (the replica writes, the ps reads) and two
-parameter slots (the ps writes a reply's snapshot, the replica computes on it). Only the request
-and reply headers then cross the socket, which orders every access.
+- ``SharedSlots``: four buffers in one /dev/shm file that the replica creates: two gradient slots
+  (the replica writes, the ps reads) and two parameter slots (the ps writes a reply's snapshot, the
+  replica computes on it). Only the request and reply headers then cross the socket, which orders
+  every access.
+- ``SharedParams``: the ps's own parameters in an anonymous memory file (memfd) that replicas on
+  its machine map read-only, for sync replication without backup replicas: every replica has
+  pushed its gradient of step t before step t+1 is applied, so nobody reads while the ps writes,
+  and a reply needs no snapshot at all (docs/performance.md, "Sync replicas read the ps's parameters in place").
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import re
 import secrets
 import time
+import warnings
 
 import torch
 
@@ -118,6 +124,80 @@ class SharedSlots:
             self._mm.close()
         except BufferError:  # a model still views a slot: the mapping goes when the views do
             pass
+
+
+class SharedParams:
+    """The ps's parameters of one shard in an anonymous memory file (``memfd_create``: no name in
+    /dev/shm, gone with the last process that maps it). The ps maps it read-write and makes it the
+    shard's ``param``; a replica on the same machine opens ``/proc/<ps pid>/fd/<fd>`` read-only
+    (the same user's process: the kernel's ptrace read check) and checks the token the ps sent
+    over the authenticated socket, then computes on the ps's parameters in place. A replica that
+    cannot open or map it (another machine, another pid namespace, ``hidepid``) says so in the
+    handshake, and gets snapshots in its own slots."""
+
+    def __init__(self, mm: mmap.mmap, numel: int, fd: int = -1, token: bytes = b""):
+        self._mm = mm
+        self.fd, self.token = fd, token
+        with warnings.catch_warnings():  # a read-only mapping: torch warns it cannot mark the tensor so
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(mm, dtype=torch.uint8)
+        self.tensor = base[_SHM_HEADER:_SHM_HEADER + numel * 4].view(torch.float32)
+
+    @staticmethod
+    def nbytes(numel: int) -> int:
+        return _SHM_HEADER + _align(numel * 4)
+
+    @classmethod
+    def create(cls, numel: int) -> SharedParams | None:
+        """The ps's side: a new memfd of the shard's size, its pages reserved up front (None where
+        the platform has no memfd or /proc, or memory is short: replies then copy as before)."""
+        if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+            return None
+        try:
+            fd = os.memfd_create("dtrain-params", getattr(os, "MFD_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, cls.nbytes(numel))
+            os.posix_fallocate(fd, 0, cls.nbytes(numel))
+            mm = mmap.mmap(fd, cls.nbytes(numel))
+        except (OSError, ValueError) as exc:
+            logger.info("shared parameters unavailable (%s): sync replies copy a snapshot", exc)
+            os.close(fd)
+            return None
+        token = secrets.token_bytes(16)
+        mm[:16] = token
+        return cls(mm, numel, fd, token)
+
+    @classmethod
+    def attach(cls, pid: int, fd: int, token: bytes, numel: int) -> SharedParams | None:
+        """The replica's side: map the ps's file read-only, if it is the one the ps named (size and
+        token); else None."""
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if os.fstat(f).st_size != cls.nbytes(numel):
+                return None
+            mm = mmap.mmap(f, cls.nbytes(numel), prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(f)
+        if not hmac.compare_digest(bytes(mm[:16]), token):
+            mm.close()
+            return None
+        return cls(mm, numel)
+
+    def close(self) -> None:
+        """Close the file (the ps: no replica can attach any more). The mapping is never closed
+        here: tensors made by ``torch.frombuffer`` do not pin it (``mmap.close`` would unmap
+        memory that the shard's ``param`` or a replica's model still views); it goes when the
+        last of them does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def unlink(path: str) -> None:

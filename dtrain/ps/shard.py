@@ -139,12 +139,34 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 self._ring.append(torch.empty_like(self.param))
             out = self._ring[self._ring_next]
             self._ring_next = (self._ring_next + 1) % self._ring_size
+        elif out is self.param:  # replicas read the parameters in place (shares_params): no copy
+            if self.meter is not None:
+                self.meter.bytes_out += self.meter.dense_bytes
+            return out
         t0 = time.perf_counter()
         out.copy_(self.param)
         if self.meter is not None:
             self.meter.busy_s += time.perf_counter() - t0
             self.meter.bytes_out += self.meter.dense_bytes
         return out
+
+    @property
+    def shares_params(self) -> bool:
+        """Whether replicas on this machine may read the parameters in place instead of a snapshot
+        (dataplane/shm.py, ``SharedParams``): sync pushes on the connection thread (no token queue,
+        no sparse tables) and a quorum of every replica (no backup replicas, not elastic). Then no
+        step is applied before every replica has pushed its gradient of the step before, so no
+        replica reads while the ps writes; a replica that reads anyway (excused as lost, fenced
+        off) pushes a stale gradient, which is dropped."""
+        sync = self.sync
+        return (self.direct_sync and getattr(sync, "fraction", 0) is None
+                and getattr(sync, "replicas_to_aggregate", 0) == self.num_replicas)
+
+    def adopt_params(self, buffer: torch.Tensor) -> None:
+        """Move the parameters into ``buffer`` (shared memory) and keep them there."""
+        with self.lock:
+            buffer.copy_(self.param)
+            self.param = buffer
 
     def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
         return self._snapshot(out), self.step, self.stop or self.error is not None, self.generation
@@ -397,8 +419,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
 
     # ------------------------------------------------------------------ socket data plane
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
-                              tls: dict[str, str | None] | None = None, wire_dtype: str = "float32") -> tuple[str, int]:
+                              tls: dict[str, str | None] | None = None, wire_dtype: str = "float32",
+                              share_params: bool = False) -> tuple[str, int]:
         """Start serving this shard over TCP (``training.transport: socket``); returns (host, port).
+        ``share_params``: replicas on this machine may read the parameters in place where the
+        shard allows it (``shares_params``; ``training.shared_memory``).
 
         Requests still run here, on this worker's event loop, through the methods above."""
         from dtrain.dataplane.protocol import server_ssl_context
@@ -407,18 +432,20 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         if getattr(self, "_server", None) is None:
             ctx = server_ssl_context(tls) if tls else None
             self._server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
-                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype)
+                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype,
+                                       share_params=share_params)
         return self._server.host, self._server.port
 
     async def close_data_plane(self) -> dict[str, int]:
-        """Stop serving; returns how many replica connections it served, and how many of them
-        through shared memory."""
+        """Stop serving; returns how many replica connections it served, how many of them through
+        shared memory, and how many of those read the parameters in place."""
         server = getattr(self, "_server", None)
         if server is None:
-            return {"connections": 0, "shared_memory": 0}
+            return {"connections": 0, "shared_memory": 0, "in_place": 0}
         server.close()
         self._server = None
-        return {"connections": server.connections, "shared_memory": server.shared_connections}
+        return {"connections": server.connections, "shared_memory": server.shared_connections,
+                "in_place": server.in_place_connections}
 
     def __del__(self) -> None:
         server = getattr(self, "_server", None)

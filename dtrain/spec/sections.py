@@ -452,7 +452,8 @@ class TrainingSpec(Strict):
         True, description="transport: socket: when a replica and its ps run on the same machine, keep the "
         "buffers in shared memory (/dev/shm, unlinked once both map it) and send only headers over the socket; "
         "falls back to the socket per connection when the ps cannot map the file (another machine or container, "
-        "a full /dev/shm).")
+        "a full /dev/shm). In sync mode without backup replicas the replicas also read the ps's parameters in "
+        "place (a read-only mapping of its memory: no snapshot per reply).")
 
     def overlaps(self, tables: bool = False) -> bool:
         """Whether a between_graph replica overlaps its push with its next step: ``overlap`` when set,

@@ -78,8 +78,9 @@ class WorkerShard(ParameterShard):
         self._tls = own_tls() if config.get("tls") else None  # read here: get_worker() is this task's
 
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1", tls: Any = None,
-                              wire_dtype: str = "float32") -> tuple[str, int]:
-        return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype)
+                              wire_dtype: str = "float32", share_params: bool = False) -> tuple[str, int]:
+        return await super().open_data_plane(secret, host, self._tls if tls is True else tls, wire_dtype,
+                                             share_params)
 
     async def push_counted(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
                            local_step: int, out: torch.Tensor) -> bool:
@@ -109,6 +110,7 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
                         shared_memory=data_plane.get("shared_memory", True), attempt=attempt,
+                        in_place_views=spec.model.module is None,
                         tables={t.name: t.dim for t in plan.tables if s.index < len(t.parts)})
             for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)
             if only is None or s.index in only]

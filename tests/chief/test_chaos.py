@@ -95,6 +95,9 @@ def test_five_random_kills_during_a_run(inproc_client, tmp_path, mode):
     steps = int(SETTINGS[mode][1].split("=")[1])
     assert summary["status"] == "completed" and summary["global_step"] >= steps
     assert summary["recoveries"] == KILLS == len(summary["recovery_log"])
+    dp = summary["data_plane"]  # separate processes: a sync replica maps its ps's memfd through /proc
+    assert dp["in_place_connections"] == (dp["shared_memory_connections"] if mode == "sync" else 0), dp
+    assert dp["shared_memory_connections"] >= (4 if os.path.isdir("/dev/shm") else 0), dp
     for (task, _pid, seen), rec in zip(killed, summary["recovery_log"], strict=True):
         assert rec["lost"] == [task], (killed, summary["recovery_log"])
         if task.startswith("/job:ps/"):  # restored from the newest checkpoint (that of the multiple of

@@ -181,6 +181,9 @@ def test_every_data_plane_trains_identically(inproc_client, tmp_path):
         assert dp["transport"] == "socket" and dp["connections"] == 4  # 2 replicas x 2 shards
         shared = name == "shm" and os.path.isdir("/dev/shm")
         assert dp["shared_memory_connections"] == (4 if shared else 0)
+        # sync without backup replicas: the shm replicas read the ps's parameters in place (no
+        # snapshot), and still end bit for bit where the socket's and Dask's replicas do
+        assert dp["in_place_connections"] == (4 if shared else 0)
         parts = [st["extra"].get("parts_sent", 0) for st in result.replica_stats]
         # 0.0005 MB = 131 floats: the 32x10 and 64x32 weights are buckets of their own
         assert all(p >= 60 for p in parts) if name == "tcp-buckets" else parts == [0, 0]

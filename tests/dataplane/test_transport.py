@@ -120,7 +120,8 @@ def test_not_a_data_plane_is_detected():
         SocketShard("127.0.0.1", port, b"x" * 32, replica=0, numel=4, timeout=5)
     t.join(5)
     srv.close()
-    assert MAGIC == b"DTRN4"  # bumped with each handshake change (the attempt id; TLS ending for shared memory)
+    assert MAGIC == b"DTRN5"  # bumped with each handshake change (the attempt id; TLS ending for shared memory;
+    # answer 3, the parameters read in place)
 
 
 def test_ps_error_travels_back(loop, shm):
