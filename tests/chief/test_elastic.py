@@ -110,12 +110,13 @@ def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
     events = summary["elastic_log"]
     assert [e["event"] for e in events] == ["join", "leave", "leave"]
     # Every step aggregated the replicas live then: 2, then 3 after the join, 2 and 1 after the leaves.
-    # (Event steps are the chief's polls, so allow a little slack.) A quorum stuck at the first two
-    # would count 2 per step in the 800 steps between the join and the leaves (800 fewer); one that
-    # never shrank would hang.
+    # (Event steps are the chief's polls, every 0.25 s: with digits' 1-2 ms sync steps the count
+    # the events give can be off by a hundred gradients or more on a loaded machine, 156-177 fewer
+    # in a CI run and two runs right after it, so allow 10% of the steps.) A quorum stuck at the first two would count 2 per step in the 800 steps
+    # between the join and the leaves (800 fewer); one that never shrank would hang.
     bounds = [0, events[0]["step"], events[1]["step"], events[2]["step"], steps]
     expected = sum(n * (b - a) for n, a, b in zip((2, 3, 2, 1), bounds[:-1], bounds[1:], strict=True))
-    assert abs(summary["samples"] / BATCH - expected) <= 0.05 * steps, (summary["samples"] / BATCH, expected, bounds)
+    assert abs(summary["samples"] / BATCH - expected) <= 0.1 * steps, (summary["samples"] / BATCH, expected, bounds)
     assert bounds[2] - bounds[1] >= 800
 
 
