@@ -167,6 +167,7 @@ class SharedParams:
             return None
         token = secrets.token_bytes(16)
         mm[:16] = token
+        mm[16:24] = numel.to_bytes(8, "little")  # checked by attach: the size alone is page-rounded
         return cls(mm, numel, fd, token)
 
     @classmethod
@@ -185,7 +186,7 @@ class SharedParams:
             return None
         finally:
             os.close(f)
-        if not hmac.compare_digest(bytes(mm[:16]), token):
+        if not hmac.compare_digest(bytes(mm[:16]), token) or int.from_bytes(mm[16:24], "little") != numel:
             mm.close()
             return None
         return cls(mm, numel)

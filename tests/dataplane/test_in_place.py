@@ -6,6 +6,7 @@ writes (sync, no backup replicas). Real ParameterShards, real ShardServers, real
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -148,3 +149,18 @@ def test_the_ps_keeps_its_parameters_after_the_server_closes(loop):  # noqa: F81
         assert asyncio.run_coroutine_threadsafe(shard.current_step(), loop).result(5) == 1
     finally:
         close(again, cs)
+
+
+def test_attach_checks_the_token_and_the_shard_size():
+    """The replica maps the file only if it is the one the ps named: its token, and the shard's
+    number of floats (the file's size alone is rounded up to a page)."""
+    ps = transport.SharedParams.create(1000)
+    try:
+        ps.tensor.fill_(2.0)
+        ok = transport.SharedParams.attach(os.getpid(), ps.fd, ps.token, 1000)
+        assert ok is not None and torch.equal(ok.tensor, torch.full((1000,), 2.0))
+        assert transport.SharedParams.attach(os.getpid(), ps.fd, b"x" * 16, 1000) is None
+        assert transport.SharedParams.attach(os.getpid(), ps.fd, ps.token, 999) is None
+        assert transport.SharedParams.attach(os.getpid(), 10**6, ps.token, 1000) is None  # no such fd
+    finally:
+        ps.close()
