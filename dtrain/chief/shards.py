@@ -122,7 +122,7 @@ class ShardGroup:
                                                        share)))
                      for shard, handle in zip(self.plan.shards, self.handles, strict=True)]
         return {"endpoints": endpoints, "secret": self._secret, "tls": tls, "wire_dtype": wire,
-                "shared_memory": self.spec.training.shared_memory}
+                "shared_memory": share}
 
     def close_data_plane(self) -> None:
         if self.data_plane is None:
@@ -133,7 +133,7 @@ class ShardGroup:
                 served = call(s.close_data_plane(), timeout=5)
                 counts["connections"] += served["connections"]
                 counts["shared_memory_connections"] += served["shared_memory"]
-                counts["in_place_connections"] += served.get("in_place", 0)
+                counts["in_place_connections"] += served["in_place"]
             except Exception as exc:  # a lost shard's listener died with its process
                 logger.debug("close_data_plane failed: %s", exc)
         self.data_plane = None

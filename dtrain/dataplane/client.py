@@ -97,8 +97,6 @@ class SocketShard:
             if offer:
                 unlink(os.path.join(SHM_DIR, name))
         if answer not in (b"\x01", b"\x02", b"\x03"):
-            if self.params is not None:
-                self.params.close()
             if offer:
                 offer[0].close()
             self._sock.close()
@@ -116,8 +114,6 @@ class SocketShard:
                 self._sock.unwrap()
             except (OSError, ValueError) as exc:
                 self.shm.close()
-                if self.params is not None:
-                    self.params.close()
                 self._sock.close()
                 raise DataPlaneUnavailable(f"the ps at {host}:{port} did not end TLS for shared memory: {exc}") from None
         f32 = self.wire == torch.float32
@@ -295,8 +291,7 @@ class SocketShard:
             pass
         if self.shm is not None:
             self.shm.close()
-        if self.params is not None:
-            self.params.close()
+        self.params = None  # (no file to close on this side; the mapping goes with the model's views)
 
 
 class InlineReply:

@@ -157,10 +157,11 @@ class SharedParams:
             fd = os.memfd_create("dtrain-params", getattr(os, "MFD_CLOEXEC", 0))
         except OSError:
             return None
+        size = cls.nbytes(numel)
         try:
-            os.ftruncate(fd, cls.nbytes(numel))
-            os.posix_fallocate(fd, 0, cls.nbytes(numel))
-            mm = mmap.mmap(fd, cls.nbytes(numel))
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
         except (OSError, ValueError) as exc:
             logger.info("shared parameters unavailable (%s): sync replies copy a snapshot", exc)
             os.close(fd)
@@ -172,8 +173,8 @@ class SharedParams:
 
     @classmethod
     def attach(cls, pid: int, fd: int, token: bytes, numel: int) -> SharedParams | None:
-        """The replica's side: map the ps's file read-only, if it is the one the ps named (size and
-        token); else None."""
+        """The replica's side: map the ps's file read-only, if it is the one the ps named (its token
+        and the shard's float count); else None."""
         try:
             f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
         except OSError:
@@ -192,7 +193,7 @@ class SharedParams:
         return cls(mm, numel)
 
     def close(self) -> None:
-        """Close the file (the ps: no replica can attach any more). The mapping is never closed
+        """Close the file (the ps's side: no replica can attach any more). The mapping is never closed
         here: tensors made by ``torch.frombuffer`` do not pin it (``mmap.close`` would unmap
         memory that the shard's ``param`` or a replica's model still views); it goes when the
         last of them does."""
