@@ -202,6 +202,46 @@ def test_bench_link_shapes_the_loopback_it_measures_across(tmp_path):
     assert "issue 16's goals on one machine" not in proc.stdout  # (the link's goals instead)
 
 
+def test_link_ceiling_is_the_rate_over_each_rows_bytes_per_sample(capsys):
+    """``--link``: each row's link ceiling is the ratio to plain PyTorch the link alone allows at
+    the bytes per sample that row moved (no figure measured: the arithmetic on given ones). The
+    numbers are issue 16's 10 Gbit/s case: 2.68 MB each way per replica step of 128 samples
+    (41.9 KB per sample) on a 1,250 MB/s link caps dtrain at 29,860 samples/s, 1.36x a 22,000
+    samples/s plain loop, below the 1.5x goal; DDP's ring moves half those bytes, so the best
+    dtrain row can reach at most half DDP. Fails if the ceiling uses bits, a rep's plain figure from
+    another rep, or the link fraction instead of bytes per sample."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from dtrain_bench.link import annotate, goals, print_link
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    per_step = 2 * 2_678_824  # bytes across lo per replica step (push and reply)
+    runs = []
+    for rep, plain in enumerate((22_000.0, 11_000.0)):  # a slow second rep: its ceiling doubles
+        runs += [{"config": "plain", "rep": rep, "status": "ok", "samples_per_sec": plain},
+                 {"config": "async_1ps_2w_default", "rep": rep, "status": "ok", "samples_per_sec": 20_000.0,
+                  "lo_bytes_per_sec": 20_000.0 / 128 * per_step},
+                 {"config": "ddp_gloo_2", "rep": rep, "status": "ok", "samples_per_sec": 18_000.0,
+                  "lo_bytes_per_sec": 18_000.0 / 128 * per_step / 2}]
+    results = {"plain": {"label": "plain", "samples_per_sec": 16_500.0},
+               "async_1ps_2w_default": {"label": "async", "samples_per_sec": 20_000.0, "ratio": 20_000.0 / 16_500},
+               "ddp_gloo_2": {"label": "ddp", "samples_per_sec": 18_000.0}}
+    link = {"rate": "10gbit", "rate_bits": 10e9, "bytes_per_s": 1.25e9}
+    annotate(results, runs, link)
+    a, d = results["async_1ps_2w_default"], results["ddp_gloo_2"]
+    assert abs(a["lo_bytes_per_sample"] - per_step / 128) < 1e-6
+    cap = 1.25e9 / (per_step / 128)  # 29,866 samples/s
+    assert abs(a["link_ceiling"] - (cap / 22_000 + cap / 11_000) / 2) < 1e-9  # per rep, then the median
+    assert abs(d["link_ceiling"] / a["link_ceiling"] - 2.0) < 1e-9
+    link["goals"] = goals(results, runs, link["rate_bits"])
+    notes = {g["goal"]: g["note"] for g in link["goals"]}
+    assert f"allows at most {a['link_ceiling']:.2f}" in notes["async 1+2 (defaults) / plain"]
+    assert "the link allows at most 0.50" in notes["best default dtrain / DDP gloo"]
+    print_link(results, link)
+    out = capsys.readouterr().out
+    assert "link ceiling" in out and f"{per_step / 128 / 1e3:,.1f}" in out
+
+
 def test_bench_link_refuses_a_bad_rate_and_a_missing_namespace(tmp_path):
     """A rate tc would not take exits 2 with a message; so does a machine without unshare/tc (an empty
     PATH stands in for it), before anything is measured (fails if the probe is skipped: the run would

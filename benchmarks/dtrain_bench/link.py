@@ -140,13 +140,22 @@ def link_configs(tiny: bool) -> list[Config]:
 
 # ------------------------------------------------------------------------------------ summary and printing
 def annotate(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]], link: dict[str, Any]) -> None:
-    """Per row: lo's bytes/s over the timed window (median over reps) and that over the link's
-    measured rate (``link_fraction``)."""
+    """Per row: lo's bytes/s over the timed window (median over reps), that over the link's
+    measured rate (``link_fraction``), the bytes each trained sample moved across lo
+    (``lo_bytes_per_sample``) and the ratio to plain PyTorch that the link alone allows at those
+    bytes per sample (``link_ceiling``: the measured rate / bytes per sample / the plain loop's
+    samples/s of the same repetition; the medians over repetitions). A goal above its row's
+    ceiling cannot be met on this link, whatever the CPUs do."""
     rate = link.get("bytes_per_s")
+    plain = {x["rep"]: x["samples_per_sec"] for x in runs if x["config"] == "plain" and x.get("status") == "ok"}
     for name, r in results.items():
-        per = [x.get("lo_bytes_per_sec") for x in runs if x["config"] == name and x.get("status") == "ok"]
-        r["lo_bytes_per_sec"] = median(per)
+        ok = [x for x in runs if x["config"] == name and x.get("status") == "ok" and x.get("lo_bytes_per_sec")]
+        r["lo_bytes_per_sec"] = median([x["lo_bytes_per_sec"] for x in ok])
         r["link_fraction"] = r["lo_bytes_per_sec"] / rate if rate and r["lo_bytes_per_sec"] else None
+        per_sample = [x["lo_bytes_per_sec"] / x["samples_per_sec"] for x in ok if x.get("samples_per_sec")]
+        r["lo_bytes_per_sample"] = median(per_sample)
+        r["link_ceiling"] = median([rate / (x["lo_bytes_per_sec"] / x["samples_per_sec"]) / plain[x["rep"]]
+                                    for x in ok if rate and x.get("samples_per_sec") and x["rep"] in plain])
 
 
 def _pair_ratio(runs: list[dict[str, Any]], a: str, b: str) -> float | None:
@@ -164,14 +173,23 @@ def goals(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]], rate_b
     frac = max(((results[n].get("link_fraction") or 0, n) for n in defaults), default=(None, None))
     best = max(((results[n]["samples_per_sec"], n) for n in defaults), default=(None, None))
     ddp = (results.get("ddp_gloo_2") or {}).get("samples_per_sec")
+    def ceiling(name: str) -> str:
+        c = (results.get(name) or {}).get("link_ceiling")
+        return "" if c is None else f"this link allows at most {c:.2f} at this row's bytes per sample"
+
+    ddp_ceiling = (results.get("ddp_gloo_2") or {}).get("link_ceiling")
+    best_ceiling = (results.get(best[1]) or {}).get("link_ceiling") if best[1] else None
     rows = [
-        ("async 1+2 (defaults) / plain", 10e9, ratio("async_1ps_2w_default"), GOAL_ASYNC_10G, ""),
-        ("sync 1+2 (defaults) / plain", 10e9, ratio("sync_1ps_2w_default"), GOAL_SYNC_10G, ""),
+        ("async 1+2 (defaults) / plain", 10e9, ratio("async_1ps_2w_default"), GOAL_ASYNC_10G,
+         ceiling("async_1ps_2w_default")),
+        ("sync 1+2 (defaults) / plain", 10e9, ratio("sync_1ps_2w_default"), GOAL_SYNC_10G,
+         ceiling("sync_1ps_2w_default")),
         ("data plane's rate / link's measured rate", 1e9, frac[0] or None, GOAL_LINK_1G, f"best default row: {frac[1]}"),
         ("sync 1+2 bf16 / sync 1+2 float32 (defaults)", 1e9, _pair_ratio(runs, "sync_1ps_2w_bf16", "sync_1ps_2w_default"),
          GOAL_BF16_1G, "same repetition"),
         ("best default dtrain / DDP gloo", None, best[0] / ddp if best[0] and ddp else None, 1.0,
-         f"{best[1]}" if best[1] else ""),
+         (f"{best[1]}" if best[1] else "") + (f"; the link allows at most {best_ceiling / ddp_ceiling:.2f} "
+                                               "(the two rows' link ceilings)" if best_ceiling and ddp_ceiling else "")),
     ]
     out = []
     for what, at, value, goal, note in rows:
@@ -183,17 +201,21 @@ def goals(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]], rate_b
 
 def print_link(results: dict[str, dict[str, Any]], link: dict[str, Any]) -> None:
     print()
-    h = f"{'bytes on the shaped lo':<38} {'MB/s':>9} {'% of link':>10}"
+    h = f"{'bytes on the shaped lo':<38} {'MB/s':>9} {'% of link':>10} {'KB/sample':>10} {'link ceiling':>13}"
     print(h)
     print("-" * len(h))
     for r in results.values():
         if r.get("lo_bytes_per_sec"):
             pct = "–" if r.get("link_fraction") is None else f"{100 * r['link_fraction']:.0f}%"
-            print(f"{r['label']:<38} {fmt_num(r['lo_bytes_per_sec'] / 1e6, ',.1f'):>9} {pct:>10}")
+            per = "–" if r.get("lo_bytes_per_sample") is None else f"{r['lo_bytes_per_sample'] / 1e3:,.1f}"
+            cap = "–" if r.get("link_ceiling") is None else f"{r['link_ceiling']:.2f}"
+            print(f"{r['label']:<38} {fmt_num(r['lo_bytes_per_sec'] / 1e6, ',.1f'):>9} {pct:>10} {per:>10} {cap:>13}")
     print(f"MB/s: lo's byte counter (inside the namespace only this benchmark's traffic; both directions, as tbf "
           f"shapes them together): dtrain, the median bytes per global step over the summary intervals after the "
           f"warm-up x the run's global steps/s; DDP, between its barriers. % of link: that over the link's measured rate "
-          f"({link['bytes_per_s'] / 1e6:,.1f} MB/s).")
+          f"({link['bytes_per_s'] / 1e6:,.1f} MB/s). KB/sample: those bytes per trained sample. link ceiling: the "
+          f"ratio to plain PyTorch that the link alone allows at those bytes per sample (its measured rate / bytes "
+          f"per sample / the plain loop's samples/s): a row cannot go faster on this link, whatever the CPUs do.")
     print()
     print(f"issue 16's goals under a link (this run: {link['rate']}; nothing is asserted):")
     for g in link["goals"]:

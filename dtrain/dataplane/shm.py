@@ -47,7 +47,7 @@ class SharedSlots:
     /dev/shm even when a process is killed."""
 
     def __init__(self, mm: mmap.mmap, numel: int, dtype: torch.dtype):
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm
         itemsize = torch.empty((), dtype=dtype).element_size()
         n, stride = numel * itemsize, _align(numel * itemsize)
         base = torch.frombuffer(mm, dtype=torch.uint8)
@@ -119,11 +119,12 @@ class SharedSlots:
         return cls(mm, numel, dtype)
 
     def close(self) -> None:
+        """Drop this side's views. The mapping is never closed here: tensors made by
+        ``torch.frombuffer`` hold the ``mmap`` object but not an export of it, so ``mmap.close``
+        would unmap memory that a model's parameters or gradients still view (a crash on their
+        next use); the file goes when the last of those views does."""
         self.grad = self.param = []
-        try:
-            self._mm.close()
-        except BufferError:  # a model still views a slot: the mapping goes when the views do
-            pass
+        self._mm = None
 
 
 class SharedParams:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -17,6 +19,7 @@ from dtrain.dataplane.protocol import MAGIC, DataPlaneError
 from dtrain.dataplane.server import ShardServer
 from dtrain.dataplane.shm import SharedSlots
 from dtrain.ps.shard import ParameterShard
+from tests.helpers.paths import ROOT
 
 HAS_SHM = os.path.isdir(transport.SHM_DIR)
 
@@ -215,6 +218,25 @@ def test_attach_checks_name_size_and_token():
     finally:
         slots.close()
         transport.unlink(path)
+
+
+@pytest.mark.skipif(not HAS_SHM, reason="no /dev/shm on this machine")
+def test_closing_the_slots_keeps_the_memory_a_model_still_views():
+    """``SharedSlots.close`` on a side whose model still views a slot (the replica's parameters and
+    gradients are views into them) must not unmap that memory: a later use would crash the process.
+    Run in a child, where that crash is an exit status instead of the test run's end (fails with
+    -11, SIGSEGV, if close unmaps, as it did with ``mmap.close``: torch's views do not pin it)."""
+    code = ("import gc, os, torch\n"
+            "from dtrain.dataplane.shm import SHM_DIR, SharedSlots, unlink\n"
+            "slots, name, _ = SharedSlots.create(1 << 20, torch.float32)\n"
+            "unlink(os.path.join(SHM_DIR, name))\n"
+            "grad, param = slots.grad[0].view(1024, 1024), slots.param[1]\n"
+            "slots.close(); gc.collect()\n"
+            "grad.fill_(2.0); param.fill_(3.0)\n"
+            "print(float(grad.sum() + param.sum()), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert float(proc.stdout) == 5.0 * (1 << 20)
 
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
