@@ -49,6 +49,11 @@ def test_bench_tiny_runs_and_writes_json(tmp_path):
         mem = r["memory"]
         assert mem["param_bytes"] == 4 * (64 * 128 + 128 + 128 * 10 + 10)
         assert mem["ps_peak_rss"] > 0 and mem["replica_peak_rss"] > 0
+        assert set(mem["ps_settled_by_kind"]) == {"RssAnon", "RssFile", "RssShmem"}
+    # A sync shard's parameters live in a shared-memory file (read in place), counted as such.
+    sync_mem = results["sync_1ps_2w"]["memory"]
+    assert sync_mem["ps_settled_by_kind"]["RssShmem"] >= sync_mem["param_bytes"]
+    assert "ps settled + by kind: private" in proc.stdout
     # The ps's CPU per push (applied gradient) against per step of one replica: the same with one
     # replica; sync 1+2 applies 2 pushes per global step, during which each replica takes one step.
     one, two = results["async_1ps_1w"]["cpu_ms_per_replica_step"], results["sync_1ps_2w"]["cpu_ms_per_replica_step"]

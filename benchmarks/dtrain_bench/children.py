@@ -213,7 +213,16 @@ def _worker_mem(preload: bool = False) -> dict[str, Any]:
         import dtrain.worker.tasks  # noqa: F401
 
         gc.collect()
-    return {"pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "fresh_rss": fresh_rss,
+    status = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                    status[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return {"pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "fresh_rss": fresh_rss, "status": status,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "packages": sorted({m.split(".")[0] for m in list(sys.modules) if not m.startswith("_")})}
 
@@ -307,6 +316,7 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
             out["memory"] = {n: {"fresh_rss": idle[n]["fresh_rss"], "idle_rss": idle[n]["rss"],
                                  "idle_peak_rss": idle[n]["peak_rss"],
                                  "peak_rss": after[n]["peak_rss"], "end_rss": after[n]["rss"],
+                                 "idle_status": idle[n]["status"], "end_status": after[n]["status"],
                                  "pid": after[n]["pid"],
                                  "packages_loaded_by_run": sorted(set(after[n]["packages"]) - set(idle[n]["packages"]))}
                              for n in after if n in idle}

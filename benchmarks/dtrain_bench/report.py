@@ -122,6 +122,13 @@ def memory_summary(ok: list[dict[str, Any]]) -> dict[str, Any] | None:
         "replica_idle_rss": med("worker-", "idle_peak_rss"), "replica_peak_rss": med("worker-", "peak_rss"),
         "per_worker": rows[-1]["memory"],
     }
+    kinds = {}
+    for kind in ("RssAnon", "RssFile", "RssShmem"):
+        vals = [v["end_status"][kind] - v["idle_status"][kind] for r in rows for n, v in r["memory"].items()
+                if n.startswith("ps-") and kind in v.get("end_status", {}) and kind in v.get("idle_status", {})]
+        if vals:
+            kinds[kind] = median(vals)
+    out["ps_settled_by_kind"] = kinds  # /proc's RssAnon, RssFile, RssShmem: after the run minus before
     if ps_idle is not None and ps_peak is not None and state:
         out["ps_excess_over_state"] = (ps_peak - ps_idle) / state
         out["ps_goal_bytes"] = 1.5 * state + ps_idle  # issue 7: ps peak <= 1.5 x state + idle worker (peak) RSS
@@ -217,6 +224,11 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
             print(f"{r['label']:<38} {mb(mm['state_bytes']):>7} {mb(mm['ps_idle_rss']):>8} {mb(mm['ps_peak_rss']):>8} "
                   f"{fmt_num(ex, '.2f'):>18} {mb(mm['replica_idle_rss']):>13} {mb(mm['replica_peak_rss']):>13} "
                   f"{settled(mm):>13}  {goal}")
+        for _, r in mem_rows:
+            k = r["memory"].get("ps_settled_by_kind") or {}
+            if len(k) == 3:
+                print(f"{r['label']}: ps settled + by kind: private {mb(k['RssAnon'])}, library pages "
+                      f"{mb(k['RssFile'])}, shared memory {mb(k['RssShmem'])}")
         plain_mem = (results.get("plain", {}).get("memory") or {}).get("process_peak_rss")
         per_worker = mem_rows[0][1]["memory"].get("per_worker") or {}
         for role in ("ps-0", "worker-0"):
@@ -226,5 +238,8 @@ def print_main(results: dict[str, dict[str, Any]], meta: dict[str, Any], tiny: b
         print("state = parameters + optimizer state (bytes the ps must hold); idle = peak RSS (ru_maxrss) of the "
               "worker with torch and dtrain loaded, before the run (its start-up transient included, like the peak's); "
               "peak = ru_maxrss after the run; ps settled + = the ps's current RSS after the run minus before it; "
-              "ps goal (issue 7): peak <= 1.5 x state + idle." + (f" Plain PyTorch process peak RSS: {mb(plain_mem)} MB." if plain_mem else ""))
+              "ps goal (issue 7): peak <= 1.5 x state + idle. By kind (/proc's RssAnon, RssFile, RssShmem): private "
+              "memory (heap, tensors, stacks), pages of shared libraries first touched during the run (page cache "
+              "shared with every process using them), and shared-memory files still mapped (the sync shard's "
+              "parameters)." + (f" Plain PyTorch process peak RSS: {mb(plain_mem)} MB." if plain_mem else ""))
 

@@ -81,7 +81,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
         self.tables: dict[str, TablePart] = {
             t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
-        self.acc = torch.zeros_like(self.param)
+        # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
+        self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
         self.sync = sync_for(config, num_replicas)  # the barrier, or TF's token queue (sync_tokens)
         self.policy = AsyncPolicy(config.get("max_staleness"))

@@ -63,6 +63,24 @@ def test_replies_go_into_the_callers_buffer_else_a_lazy_ring():
     asyncio.run(main())
 
 
+def test_only_a_sync_shard_holds_a_gradient_accumulator():
+    """A sync step sums its replicas' gradients into a shard-sized buffer; async applies every push
+    alone, so an async shard holds none (it held one, 1x the parameters of memory, unused). The
+    sync sum still comes out right (fails if the buffer went for sync too)."""
+    async def main():
+        config = {"index": 0, "mode": "async", "steps": 100, "num_replicas": 2,
+                  "optimizer": {"name": "sgd", "lr": 1.0}}
+        shard = ParameterShard(config, torch.zeros(1000))
+        await shard.push_pull(torch.ones(1000), 0, 0, out=torch.empty(1000))
+        assert shard.acc.numel() == 0 and torch.equal(shard.param, -torch.ones(1000))
+        sync = sync_shard(n=1000)
+        assert sync.acc.numel() == 1000
+        both = await asyncio.gather(sync.push_sync(torch.ones(1000), 0, 0), sync.push_sync(torch.full((1000,), 3.0), 1, 0))
+        assert all(step == 1 for _, step, *_ in both) and torch.equal(sync.param, torch.full((1000,), -2.0))
+
+    asyncio.run(main())
+
+
 def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
     """The session excuses a lost replica on a shard that is behind the others: the survivor's
     waiting push completes with its own gradient as the step's mean."""
