@@ -202,6 +202,9 @@ def test_bench_link_shapes_the_loopback_it_measures_across(tmp_path):
     assert sync["config"]["sets"][0] == "training.shared_memory=false"
     assert sync["lo_bytes_per_step"] > 0.5 * sync["bytes_per_step_protocol"]  # the gradients crossed lo
     assert 0 < sync["link_fraction"] < 2.0
+    # One repetition: the row's ratio is its link ceiling times the share of the link it used.
+    assert sync["ratio"] == pytest.approx(sync["link_ceiling"] * sync["link_fraction"], rel=1e-6)
+    assert "link ceiling" in proc.stdout
     assert "link: lo in a private network namespace, tbf rate 200mbit" in proc.stdout
     assert "% of link" in proc.stdout and "issue 16's goals under a link" in proc.stdout
     assert "issue 16's goals on one machine" not in proc.stdout  # (the link's goals instead)
