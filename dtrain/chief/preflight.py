@@ -29,10 +29,10 @@ from dtrain.spec.pipeline import PipelineSpec
 
 from .hooks import Hook, build_hooks
 
-# Float32 buffers a ParameterShard keeps per parameter, besides the parameter itself: the sync
-# accumulator and the optimizer's scratch buffer, plus the optimizer's state (dtrain.ps.optim).
-# tests/chief/test_preflight.py counts them on a real shard.
-PS_BUFFERS = 2
+# Float32 buffers a ParameterShard keeps per parameter, besides the parameter itself: the
+# optimizer's scratch buffer and, in sync mode, the step's gradient sum, plus the optimizer's
+# state (dtrain.ps.optim). tests/chief/test_preflight.py counts them on a real shard.
+PS_BUFFERS = 1
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 3, "adagrad": 2}  # adam: +1 with amsgrad
 
 
@@ -100,16 +100,18 @@ def collection_data(spec: PipelineSpec, client: Any, data: Any) -> Any:
     return data_input
 
 
-def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0, averages: bool = False) -> int:
+def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0, averages: bool = False,
+                   sync: bool = True) -> int:
     """Bytes a ps task holds for ``param_bytes`` of dense parameters (the parameters, their
-    accumulator and scratch buffer, the optimizer's state, and with ``averages`` their moving
-    averages: training.moving_average) and ``table_bytes`` of sparse table
-    rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
+    scratch buffer, with ``sync`` a step's gradient sum, the optimizer's state, and with
+    ``averages`` their moving averages: training.moving_average) and ``table_bytes`` of sparse
+    table rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
     buffers and a step's pushed rows come on top."""
     state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False))) + int(averages)
     from dtrain.ps.rows import ROW_STATE
 
-    return param_bytes * (1 + PS_BUFFERS + state) + table_bytes * (1 + ROW_STATE.get(optimizer.name, 0))
+    return (param_bytes * (1 + PS_BUFFERS + int(sync) + state)
+            + table_bytes * (1 + ROW_STATE.get(optimizer.name, 0)))
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -262,13 +264,15 @@ def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
     tables = {s.task: s.table_bytes for s in plan.shards}
     for task, nbytes in plan.ps_bytes.items():
         rows = tables.get(task, 0)
-        need = ps_state_bytes(nbytes - rows, spec.optimizer, rows, averages=spec.training.moving_average is not None)
+        sync = spec.training.mode == "sync"
+        need = ps_state_bytes(nbytes - rows, spec.optimizer, rows, averages=spec.training.moving_average is not None,
+                              sync=sync)
         if need > limit:
             what = (f"{nbytes} bytes of parameters" if not rows else
                     f"{nbytes} bytes of parameters, {rows} of them sparse table rows")
             problems.append(Problem(
-                f"ps task {task} needs at least {need} bytes ({what}, with their accumulator, "
-                f"scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
+                f"ps task {task} needs at least {need} bytes ({what}, with their "
+                f"{'gradient sum, ' if sync else ''}scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
                 f"{spec.cluster.memory_limit!r} ({limit} bytes): raise cluster.memory_limit, add ps tasks, or split "
                 "large variables over the ps tasks with placement.partitioner (e.g. {type: min_max, "
                 "max_partitions: 8})", path="cluster.memory_limit"))

@@ -190,8 +190,13 @@ optimizer: {name: adam}
     assert code == 2 and len(err) == 1, err  # round robin: both weights on ps task 0, the biases on task 1
     weights = (64 * 2_000_000 + 2_000_000 * 10) * 4
     assert err[0].startswith(f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least "
-                             f"{6 * weights} bytes ({weights} bytes of parameters, with their accumulator, scratch "
+                             f"{5 * weights} bytes ({weights} bytes of parameters, with their scratch "
                              "buffer and adam state), more than its worker's memory_limit '1GiB' (1073741824 bytes)")
+    # Sync: a step's gradient sum on top.
+    path.write_text(text + "training: {mode: sync}\n")
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and f"needs at least {6 * weights} bytes" in err[0] and "with their gradient sum, scratch" in err[0]
+    path.write_text(text)
     # Not on a running cluster (its workers have their own limits), nor without a limit.
     path.write_text(text.replace("memory_limit: 1GiB", "memory_limit: 1GiB, scheduler: tcp://127.0.0.1:1"))
     assert cmd(capsys, "plan", str(path))[0] == 0
@@ -202,20 +207,24 @@ optimizer: {name: adam}
 @pytest.mark.parametrize("optimizer", [
     {"name": "sgd", "lr": 0.1}, {"name": "momentum", "lr": 0.1, "momentum": 0.9}, {"name": "adam"},
     {"name": "adam", "amsgrad": True}, {"name": "adagrad"}])
-def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer, mode):
+    """Sync shards hold a step's gradient sum that async ones do not (fails if either count drifts
+    from what a real shard allocates)."""
     numel = 1000
     spec = dtrain.PipelineSpec.model_validate({"model": {"input_shape": [4], "layers": [{"type": "linear", "out": 2}]},
                                                "optimizer": optimizer}).optimizer
-    config = {"index": 0, "mode": "async", "steps": 10, "optimizer": spec.model_dump()}  # as ShardGroup passes it
+    config = {"index": 0, "mode": mode, "steps": 10, "optimizer": spec.model_dump()}  # as ShardGroup passes it
     shard = ParameterShard(config, torch.zeros(numel))
     shard.optimizer.step(shard.param, torch.ones(numel))  # momentum's buffer is made by the first step
     tensors = [v for obj in (shard, shard.optimizer) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
-    assert ps_state_bytes(numel * 4, spec) == allocated
+    sync = mode == "sync"
+    assert ps_state_bytes(numel * 4, spec, sync=sync) == allocated
     config["moving_average"] = {"decay": 0.99}  # training.moving_average: one more buffer
     averaged = ParameterShard(config, torch.zeros(numel))
     assert averaged.averages is not None
-    assert ps_state_bytes(numel * 4, spec, averages=True) == allocated + averaged.averages.shadow.nbytes
+    assert ps_state_bytes(numel * 4, spec, averages=True, sync=sync) == allocated + averaged.averages.shadow.nbytes
 
 
 def test_compile_errors_get_their_file_and_line(tmp_path, capsys):
@@ -306,9 +315,9 @@ def test_ps_memory_counts_table_rows_with_their_row_state(tmp_path, capsys):
     rows = 4_000_000 * 4 * 4  # each ps task holds half the rows; adagrad keeps one accumulator per row
     assert code == 2 and len(err) == 2, err  # ps 0 also holds the linear weight (12 floats), ps 1 its bias
     assert err[0].startswith(f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least "
-                             f"{2 * rows + 5 * 48} bytes ({rows + 48} bytes of parameters, {rows} of them sparse "
-                             "table rows, with their accumulator, scratch buffer and adagrad state)"), err
-    # 200 MiB holds the rows and their accumulators (the dense buffers' 5x would need 320 MB)
+                             f"{2 * rows + 4 * 48} bytes ({rows + 48} bytes of parameters, {rows} of them sparse "
+                             "table rows, with their scratch buffer and adagrad state)"), err
+    # 200 MiB holds the rows and their accumulators (the dense buffers' 4x would need 256 MB)
     path.write_text(path.read_text().replace("100MiB", "200MiB"))
     assert cmd(capsys, "plan", str(path))[0] == 0
 
