@@ -218,7 +218,7 @@ def _worker_mem(preload: bool = False) -> dict[str, Any]:
         with open("/proc/self/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
-                if k in ("RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                if k in ("RssAnon", "RssFile", "RssShmem"):
                     status[k] = int(v.split()[0]) * 1024
     except OSError:
         pass

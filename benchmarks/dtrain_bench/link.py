@@ -152,10 +152,9 @@ def annotate(results: dict[str, dict[str, Any]], runs: list[dict[str, Any]], lin
         ok = [x for x in runs if x["config"] == name and x.get("status") == "ok" and x.get("lo_bytes_per_sec")]
         r["lo_bytes_per_sec"] = median([x["lo_bytes_per_sec"] for x in ok])
         r["link_fraction"] = r["lo_bytes_per_sec"] / rate if rate and r["lo_bytes_per_sec"] else None
-        per_sample = [x["lo_bytes_per_sec"] / x["samples_per_sec"] for x in ok if x.get("samples_per_sec")]
-        r["lo_bytes_per_sample"] = median(per_sample)
-        r["link_ceiling"] = median([rate / (x["lo_bytes_per_sec"] / x["samples_per_sec"]) / plain[x["rep"]]
-                                    for x in ok if rate and x.get("samples_per_sec") and x["rep"] in plain])
+        per_sample = [(x["rep"], x["lo_bytes_per_sec"] / x["samples_per_sec"]) for x in ok if x.get("samples_per_sec")]
+        r["lo_bytes_per_sample"] = median([b for _, b in per_sample])
+        r["link_ceiling"] = median([rate / b / plain[rep] for rep, b in per_sample if rate and rep in plain])
 
 
 def _pair_ratio(runs: list[dict[str, Any]], a: str, b: str) -> float | None:

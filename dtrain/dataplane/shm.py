@@ -47,7 +47,6 @@ class SharedSlots:
     /dev/shm even when a process is killed."""
 
     def __init__(self, mm: mmap.mmap, numel: int, dtype: torch.dtype):
-        self._mm: mmap.mmap | None = mm
         itemsize = torch.empty((), dtype=dtype).element_size()
         n, stride = numel * itemsize, _align(numel * itemsize)
         base = torch.frombuffer(mm, dtype=torch.uint8)
@@ -122,9 +121,8 @@ class SharedSlots:
         """Drop this side's views. The mapping is never closed here: tensors made by
         ``torch.frombuffer`` hold the ``mmap`` object but not an export of it, so ``mmap.close``
         would unmap memory that a model's parameters or gradients still view (a crash on their
-        next use); the file goes when the last of those views does."""
+        next use); the file goes when the last of those views does (they keep the object)."""
         self.grad = self.param = []
-        self._mm = None
 
 
 class SharedParams:
