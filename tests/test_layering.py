@@ -56,7 +56,7 @@ def planes(names: set[str]) -> set[str]:
 NO_DASK = ["spec", "model", "data", "plan", "ps", "dataplane"]
 ALLOWED = {  # plane -> the dtrain planes it may import
     "spec": {"spec", "model", "data"},  # shape inference and data checks at validation
-    "model": {"model"},
+    "model": {"model", "data"},  # a recommendation model unpacks the records the data plane packs
     "data": {"data"},
     "plan": {"plan", "spec", "model", "data"},  # the input plan assigns a sharded dataset's shards
     "ps": {"ps", "dataplane", "model", "observe"},  # observe.meters: the shard's load counters  # the ps initialises its table rows as the model does

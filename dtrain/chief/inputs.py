@@ -49,9 +49,10 @@ def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest
     ``with_stats``, the statistics pass (ValueError naming the problem)."""
     d = spec.data
     base = str(spec.base_dir)
-    manifest = _as_ids(manifest_for(d.source, base, d.target), spec)
+    layout = record_layout_of(spec)
+    manifest = _as_ids(manifest_for(d.source, base, d.target, layout=layout), spec)
     if d.eval_source is not None:
-        test = _as_ids(manifest_for(d.eval_source, base, d.target), spec)
+        test = _as_ids(manifest_for(d.eval_source, base, d.target, layout=layout), spec)
         if (test.fmt, test.features, test.target) != (manifest.fmt, manifest.features, manifest.target):
             raise ShardError(f"data.eval_source {d.eval_source!r} ({test.fmt}: {', '.join(test.features)}) does not "
                              f"match data.source ({manifest.fmt}: {', '.join(manifest.features)})")
@@ -61,6 +62,16 @@ def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest
     if not with_stats:
         return train, test
     return DataInput(train, test, file_stats(train, d.standardize, d.task, d.readers))
+
+
+def record_layout_of(spec: Any) -> Any:
+    """The packed record of a model with ``model.features`` (``dtrain.data.features.RecordLayout``), or None."""
+    features = spec.model.features if spec.model is not None else None
+    if features is None:
+        return None
+    from dtrain.model.recommendation import record_layout
+
+    return record_layout(features.model_dump())
 
 
 def _as_ids(manifest: Manifest, spec: Any) -> Manifest:

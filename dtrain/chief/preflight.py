@@ -193,6 +193,8 @@ def _fits(spec: PipelineSpec, skeleton: Any, data: Any, problems: list[Problem])
                                     f"but model.input_shape is {list(want)}: {fix}", path="data.source"))
             return
         out = infer_shapes(want, [layer.model_dump() for layer in model.layers])[-1]
+    elif model.dlrm is not None:  # its records are packed by model.features' own layout
+        out = (model.dlrm.top[-1],)
     else:
         try:
             import torch

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .layers import NotAModuleError, build_layers, init_parameters
+from .recommendation import build_dlrm
 from .tables import swap_embeddings
 
 
@@ -86,6 +87,12 @@ def _model_section(spec: Any) -> Any:
     return model
 
 
+def _recommendation(model: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """A ``model`` section's features, tables and dlrm, as the builder's plain dicts."""
+    return (model.features.model_dump(), {name: t.model_dump() for name, t in model.tables.items()},
+            model.dlrm.model_dump())
+
+
 def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None = None,
                 gathered_tables: bool = False) -> nn.Module:
     """The pipeline's model (a ``dtrain.PipelineSpec``), initialised with ``training.seed`` unless
@@ -94,6 +101,8 @@ def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None 
     ``dtrain.model.tables``); by default they are built whole (the initial table the ps holds)."""
     model = _model_section(spec)
     seed = spec.training.seed if seed is None else seed
+    if model.dlrm is not None:
+        return build_dlrm(*_recommendation(model), device, seed=seed, gathered_tables=gathered_tables)
     if model.layers is not None:
         return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed,
                             gathered_tables=gathered_tables)
@@ -105,6 +114,8 @@ def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None 
 def build_model_skeleton(spec: Any) -> nn.Module:
     """The model on torch's meta device: names and shapes of parameters, no storage."""
     model = _model_section(spec)
+    if model.dlrm is not None:
+        return build_dlrm(*_recommendation(model), "meta")
     if model.layers is not None:
         return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], "meta")
     module = build_custom(model.module, model.kwargs, "meta")

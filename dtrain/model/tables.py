@@ -158,21 +158,31 @@ class Table(nn.Module):
             raise RuntimeError(f"table {self.name}: the batch has ids that were not gathered")
         return pos, self.rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``embedding``: ids (B, F) -> (B, F, D). ``embedding_bag``: ids (B, F) -> (B, D), or, with
+        ``offsets`` (B,), flat ids pooled per example (``nn.EmbeddingBag``'s convention, optionally
+        weighted by ``per_sample_weights``, which needs mode sum)."""
+        if offsets is not None and self.kind != "embedding_bag":
+            raise ValueError(f"table {self.name}: offsets apply to an embedding_bag table")
         if x.device.type == "meta":  # shape inference
-            shape = (*x.shape, self.dim) if self.kind == "embedding" else (x.shape[0], self.dim)
-            return torch.empty(shape, device="meta")
+            return torch.empty(self._out_shape(x, offsets), device="meta")
         if x.dtype.is_floating_point:
             raise TypeError(f"table {self.name or self.kind} takes integer ids, got {x.dtype} features")
         if self.recording is not None:  # which ids this batch needs, before any row is here
             self.recording.append(x.detach().reshape(-1).to(torch.int64))
-            shape = (*x.shape, self.dim) if self.kind == "embedding" else (x.shape[0], self.dim)
-            return torch.zeros(shape, device=x.device)
+            return torch.zeros(self._out_shape(x, offsets), device=x.device)
         index, weight = self.lookup(x.long())
         sparse = self.sparse and not self.gathered
         if self.kind == "embedding":
             return F.embedding(index, weight, sparse=sparse)
-        return F.embedding_bag(index, weight, mode=self.mode, sparse=sparse)
+        return F.embedding_bag(index, weight, offsets, mode=self.mode, sparse=sparse,
+                               per_sample_weights=per_sample_weights)
+
+    def _out_shape(self, x: torch.Tensor, offsets: torch.Tensor | None) -> tuple[int, ...]:
+        if self.kind == "embedding":
+            return (*x.shape, self.dim)
+        return (len(offsets) if offsets is not None else x.shape[0], self.dim)
 
     def extra_repr(self) -> str:
         return (f"{self.kind} {self.num_embeddings}x{self.dim}" + (f", mode={self.mode}" if self.kind != "embedding"

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .errors import CrossFieldErrors
+from .features import DlrmSpec, FeaturesSpec, TableSpec
 from .sections import Strict, check_device_string
 
 TABLE_LAYERS = ("embedding", "embedding_bag")  # sparse embedding tables: the first layer, integer ids
@@ -107,7 +108,8 @@ LAYER_NAMES = (
 
 
 class ModelSpec(Strict):
-    """The model: a stack of layers, or a torch.nn.Module factory by import path."""
+    """The model: a stack of layers, a torch.nn.Module factory by import path, or a DLRM over
+    declared features and tables."""
 
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, description="Shape of one example without the batch dimension, e.g. [64] or [1, 28, 28]."
@@ -117,6 +119,12 @@ class ModelSpec(Strict):
         None, description="Import path of an nn.Module class or factory, 'package.module:Name' (instead of layers)."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for `module`.")
+    features: FeaturesSpec | None = Field(None, description="A recommendation model's input: dense columns and "
+                                          "categorical (id list) columns, each looking up a table of model.tables.")
+    tables: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], TableSpec] | None = Field(
+        None, description="Embedding tables by name, each on the ps tasks (with model.features).")
+    dlrm: DlrmSpec | None = Field(None, description="A DLRM over model.features and model.tables (instead of "
+                                  "layers or module).")
     loss: Literal["cross_entropy", "mse", "bce_with_logits"] = Field(
         "cross_entropy", description="Training loss; cross_entropy makes it a classification task."
     )
@@ -131,6 +139,9 @@ class ModelSpec(Strict):
 
     @model_validator(mode="after")
     def _layers_or_module(self) -> ModelSpec:
+        if self.dlrm is not None or self.features is not None or self.tables is not None:
+            _check_recommendation(self)
+            return self
         if self.layers is not None and self.module is not None:
             raise CrossFieldErrors([(("module",), "give either 'layers' (with 'input_shape') or 'module', not both; "
                                                   "remove one of them")])
@@ -156,3 +167,54 @@ class ModelSpec(Strict):
             raise CrossFieldErrors([(("input_shape",), "'input_shape' is empty; give the shape of one example, "
                                                        "e.g. [64] or [1, 28, 28]")])
         return self
+
+
+def _check_recommendation(model: ModelSpec) -> None:
+    """``model.dlrm`` with ``model.features`` and ``model.tables``: one problem per key."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for key in ("layers", "module", "input_shape"):
+        if getattr(model, key) is not None:
+            problems.append(((key,), f"a model with dlrm, features and tables is built from them: remove '{key}'"))
+    for key in ("dlrm", "features", "tables"):
+        if getattr(model, key) is None:
+            problems.append(((key,), f"a recommendation model needs 'dlrm', 'features' and 'tables': add '{key}' "
+                                     "(docs/recommendation.md)"))
+    if problems:
+        raise CrossFieldErrors(problems)
+    assert model.features is not None and model.tables is not None and model.dlrm is not None
+    used = set()
+    for i, f in enumerate(model.features.categorical):
+        used.add(f.table_name)
+        if f.table_name not in model.tables:
+            problems.append((("features", "categorical", i, "table" if f.table else "name"),
+                             f"feature {f.name!r} looks up table {f.table_name!r}, which model.tables does not have "
+                             f"(tables: {', '.join(model.tables) or 'none'}): add it, or set table: to one of them"))
+    for name in model.tables:
+        if name not in used:
+            problems.append((("tables", name), f"no feature looks up table {name!r}: remove it, or name it in a "
+                                               "feature's table:"))
+    if not model.features.dense:
+        problems.append((("features", "dense"), "a DLRM's bottom MLP reads the dense columns: list at least one "
+                                                "(e.g. dense: [I1, I2])"))
+    for i, f in enumerate(model.features.categorical):
+        table = model.tables.get(f.table_name)
+        if f.weighted and table is not None and table.pooling != "sum":
+            problems.append((("features", "categorical", i, "weighted"), f"weights pool by sum "
+                             f"(nn.EmbeddingBag's per_sample_weights): table {f.table_name!r} pools by "
+                             f"{table.pooling}; set its pooling: sum, or weighted: false"))
+    width = model.dlrm.bottom[-1]
+    if model.dlrm.interaction == "dot":
+        for name, t in model.tables.items():
+            if t.dim != width:
+                problems.append((("tables", name, "dim"), f"interaction dot crosses the bottom MLP's output "
+                                 f"({width} wide) with every pooled row: dim must be {width}, got {t.dim} (or use "
+                                 "interaction: cat)"))
+    outputs = model.dlrm.top[-1]
+    if model.loss == "bce_with_logits" and outputs != 1:
+        problems.append((("dlrm", "top"), f"bce_with_logits takes one logit per example: end top with 1, got "
+                                          f"{outputs}"))
+    if model.loss == "cross_entropy" and outputs < 2:
+        problems.append((("dlrm", "top"), f"cross_entropy needs one logit per class (2 or more): top ends with "
+                                          f"{outputs}; for clicks use loss: bce_with_logits"))
+    if problems:
+        raise CrossFieldErrors(problems)

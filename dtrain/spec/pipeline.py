@@ -222,7 +222,9 @@ class PipelineSpec(Strict):
         return self
 
     def has_sparse_tables(self) -> bool:
-        """Whether the layers hold a sparse embedding table (``model.module``: known once built)."""
+        """Whether the model holds a sparse embedding table (``model.module``: known once built)."""
+        if self.model is not None and self.model.tables:
+            return True
         layers = self.model.layers if self.model is not None else None
         return bool(layers) and layers[0].type in TABLE_LAYERS and layers[0].sparse
 
@@ -252,6 +254,11 @@ class PipelineSpec(Strict):
         source = data.source
         kind = data_source_kind(source)
         layers = self.model.layers or []
+        if self.model.features is not None and not (kind == "file" and is_sharded(source, base_dir)):
+            problems.append((("data", "source"), f"{source!r} is not a sharded source: a model with "
+                             "model.features reads Criteo-layout .tsv/.tsv.gz files or .parquet files (a file, a "
+                             "glob or a directory), or arrays packed by dtrain.data.features.RecordLayout through "
+                             "dtrain.run(spec, data=(x, y))"))
         if kind != "file" and layers and layers[0].type in TABLE_LAYERS:
             problems.append((("data", "source"), f"{source!r} has float features, but model.layers[0] is an "
                              f"{layers[0].type} table, which takes integer ids: give an .npz file with an integer "
@@ -337,13 +344,16 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
     out: list[tuple[tuple[str | int, ...], str]] = []
     opt, t = spec.optimizer, spec.training
     fix = "sparse tables take sgd, adagrad or adam (lazy Adam, torch.optim.SparseAdam)"
-    if opt.name == "momentum":
+    tables = spec.model.tables if spec.model is not None else None
+    if tables and all(table.optimizer is not None for table in tables.values()):
+        opt = None  # every table has its own optimizer: the pipeline's applies to dense parameters only
+    if opt is not None and opt.name == "momentum":
         out.append((("optimizer", "name"), f"momentum does not apply to sparse gradients (torch neither); {fix}, or "
                                            "set sparse: false on the embedding layer"))
-    if opt.weight_decay:
+    if opt is not None and opt.weight_decay:
         out.append((("optimizer", "weight_decay"), "weight_decay does not apply to sparse gradients (torch neither): "
                                                    "remove it, or set sparse: false on the embedding layer"))
-    if getattr(opt, "amsgrad", False):
+    if opt is not None and getattr(opt, "amsgrad", False):
         out.append((("optimizer", "amsgrad"), "amsgrad does not apply to sparse gradients (torch.optim.SparseAdam "
                                               "has none): remove it, or set sparse: false on the embedding layer"))
     if t.replication == "in_graph":

@@ -96,6 +96,8 @@ def id_rows_of(spec: Any) -> int | None:
     """The model takes integer ids: the rows of its first layer's table, or 0 for a ``model.module``
     with sparse embeddings (what it computes from them is its own: the ps checks them); None when
     its features are numbers."""
+    if spec.model.features is not None:
+        return 0  # packed records: each table folds (or checks) its ids itself
     layers = spec.model.layers or []
     if layers and layers[0].type in TABLE_TYPES:
         return layers[0].num_embeddings

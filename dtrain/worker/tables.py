@@ -100,9 +100,13 @@ class SparseRouter:
 
 
 def table_ids(model: torch.nn.Module, inputs: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:
-    """The sorted unique ids (on the CPU) each table of ``model`` needs for ``inputs``: the inputs
+    """The sorted unique ids (on the CPU) each table of ``model`` needs for ``inputs``: what the
+    model reads from its records for a recommendation model (its ``table_ids``), the inputs
     themselves for a ``model.layers`` table (the first layer), a record pass for a custom
     module's (``record``: :func:`ids_of`)."""
+    own = getattr(model, "table_ids", None)
+    if callable(own):
+        return own(inputs)
     if record:
         return ids_of(model, inputs)
     ids = torch.unique(inputs.detach().to("cpu", torch.int64))

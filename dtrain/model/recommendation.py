@@ -1,0 +1,150 @@
+"""Recommendation models over packed records: ``model.features`` + ``model.tables`` +
+``model.dlrm`` (docs/recommendation.md).
+
+A batch is one int64 matrix of records packed by :class:`dtrain.data.features.RecordLayout`
+(dense values, then each categorical column's id slots, then its weights); the model unpacks it
+into the dense tensor and, per feature, torch's ``nn.EmbeddingBag`` convention (ids, offsets,
+per-sample weights). Each feature looks up a named table, a sparse :class:`~dtrain.model.tables.Table`
+that lives on the ps tasks (the replica holds it *gathered*: only this batch's rows). The ids a
+table needs are read straight from the records (:meth:`FeatureTables.table_ids`), so a step costs
+no record pass.
+
+Pure torch: no Dask, no spec objects (the builders take the spec's dumped sections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.data.features import CategoricalColumn, Records, RecordLayout
+
+from .tables import Table
+
+
+def record_layout(features: Mapping[str, Any]) -> RecordLayout:
+    """The packed record of a ``model.features`` section (a dumped dict)."""
+    return RecordLayout(
+        dense=tuple(features.get("dense") or ()),
+        categorical=tuple(CategoricalColumn(f["name"], int(f.get("max_ids", 1)), bool(f.get("weighted", False)))
+                          for f in features["categorical"]))
+
+
+def _table_name(feature: Mapping[str, Any]) -> str:
+    return feature.get("table") or feature["name"]
+
+
+class FeatureTables(nn.Module):
+    """The tables of ``model.tables`` (a ``ModuleDict`` named ``tables``: weights ``tables.<name>.weight``)
+    and the features that look them up, pooled per example."""
+
+    def __init__(self, features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], seed: int = 0,
+                 gathered: bool = False, device: torch.device | str | None = None):
+        super().__init__()
+        self.layout = record_layout(features)
+        self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
+        self.tables = nn.ModuleDict({
+            name: Table(int(t["num_embeddings"]), int(t["dim"]), kind="embedding_bag", mode=t.get("pooling", "sum"),
+                        init_std=float(t.get("init_std", 0.01)), name=f"tables.{name}.weight", seed=seed,
+                        gathered=gathered, device=device, **_row_settings(t))
+            for name, t in tables.items()})
+        self._modulo = {name: int(t["num_embeddings"]) for name, t in tables.items()
+                        if t.get("fold", "modulo") == "modulo"}
+
+    def fold(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``table`` that ``ids`` (non-negative int64) look up."""
+        n = self._modulo.get(table)
+        return ids if n is None else torch.remainder(ids, n)
+
+    def table_ids(self, records: Records) -> dict[str, torch.Tensor]:
+        """Per table weight name: the sorted unique rows (on the CPU) the records look up."""
+        found: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
+        for feature, table in self.features:
+            found[table].append(self.fold(table, records.features[feature][0]))
+        return {f"tables.{name}.weight": torch.unique(torch.cat(ids).cpu()) if ids else
+                torch.empty(0, dtype=torch.int64) for name, ids in found.items()}
+
+    def forward(self, records: Records) -> list[torch.Tensor]:
+        """The pooled rows of every feature, in ``model.features`` order: each (batch, dim)."""
+        out = []
+        for feature, table in self.features:
+            ids, offsets, weights = records.features[feature]
+            out.append(self.tables[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
+        return out
+
+
+def _row_settings(table: Mapping[str, Any]) -> dict[str, Any]:
+    """What a ps task needs beyond the shape: row storage and the table's own optimizer, when set."""
+    settings: dict[str, Any] = {}
+    if table.get("storage", "float32") != "float32":
+        settings["storage"] = table["storage"]
+    if table.get("optimizer") is not None:
+        settings["optimizer"] = dict(table["optimizer"])
+    return settings
+
+
+def _mlp(widths: Sequence[int], first: int, last_activation: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, width in enumerate(widths):
+        layers.append(nn.Linear(first if i == 0 else widths[i - 1], width))
+        if last_activation or i < len(widths) - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """DLRM (Naumov et al., 2019): ``bottom`` MLP over the dense features; its output and every
+    feature's pooled rows crossed by ``interaction`` (``dot``: each pair's dot product once, the
+    strictly lower triangle, after the bottom output; ``cat``: all concatenated); ``top`` MLP to the
+    logits. Input: records packed by :func:`record_layout`."""
+
+    def __init__(self, features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]],
+                 dlrm: Mapping[str, Any], seed: int = 0, gathered: bool = False,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.sparse = FeatureTables(features, tables, seed=seed, gathered=gathered, device=device)
+        self.layout = self.sparse.layout
+        bottom, top = list(dlrm["bottom"]), list(dlrm["top"])
+        self.interaction = dlrm.get("interaction", "dot")
+        self.bottom = _mlp(bottom, len(self.layout.dense), last_activation=True)
+        dims = [int(tables[t]["dim"]) for _, t in self.sparse.features]
+        if self.interaction == "dot":
+            n = len(dims) + 1
+            crossed = bottom[-1] + n * (n - 1) // 2
+            rows, cols = torch.tril_indices(n, n, offset=-1, device="cpu")
+            self.register_buffer("_pairs", torch.stack([rows, cols]), persistent=False)
+        else:
+            crossed = bottom[-1] + sum(dims)
+        self.top = _mlp(top, crossed, last_activation=False)
+
+    def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass)."""
+        return self.sparse.table_ids(self.layout.unpack(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        records = self.layout.unpack(x)
+        dense = self.bottom(records.dense)
+        pooled = self.sparse(records)
+        if self.interaction == "dot":
+            stacked = torch.stack([dense, *pooled], dim=1)  # (batch, features + 1, dim)
+            products = torch.bmm(stacked, stacked.transpose(1, 2))
+            crossed = torch.cat([dense, products[:, self._pairs[0], self._pairs[1]]], dim=1)
+        else:
+            crossed = torch.cat([dense, *pooled], dim=1)
+        return self.top(crossed)
+
+
+def build_dlrm(features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], dlrm: Mapping[str, Any],
+               device: str | torch.device = "cpu", seed: int | None = None, gathered_tables: bool = False) -> DLRM:
+    """The DLRM of a pipeline's ``model`` section (dumped dicts), initialised from ``seed`` like
+    ``model.layers`` (``"meta"``: a skeleton without storage)."""
+    from .layers import init_parameters
+
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        model = DLRM(features, tables, dlrm, seed=seed or 0, gathered=gathered_tables, device=device)
+    if seed is not None and torch.device(device).type != "meta":
+        init_parameters(model, seed)
+    return model
