@@ -1,0 +1,287 @@
+"""Recommendation records packed into one fixed-width int64 row: the codec.
+
+A recommendation example has a few dense features (floats) and tens of categorical features, each
+a list of 64-bit ids (one id: *single-id*; several: *multi-hot*), optionally with one float weight
+per id. The data path (shards, the stream, the shuffle window, batches, resumable positions,
+in-memory index_select) moves a batch as one 2-D ``x``, so a :class:`RecordLayout` packs every
+example into a row of ``layout.width`` int64 values:
+
+- the dense values, in ``layout.dense`` order, as float32 bit patterns (float32 -> int32 bits ->
+  int64, sign-extended);
+- for each categorical column, in ``layout.categorical`` order, ``max_ids`` id slots: the
+  example's ids, then :data:`PAD` (-1) up to ``max_ids``; valid ids are ``0 .. 2**63 - 1``;
+- for each *weighted* categorical column, in the same order, ``max_ids`` weight slots (float32
+  bits as for dense; 0.0 after the example's weights).
+
+:meth:`RecordLayout.unpack` turns a batch back into what ``torch.nn.EmbeddingBag`` takes per
+column: flat ``ids``, ``offsets`` (the start of each example's ids) and ``per_sample_weights``
+(``include_last_offset=False``), vectorised over the batch, on the batch's device.
+
+Conventions shared by every reader: a missing categorical value is the id :data:`MISSING_ID`
+(as MLPerf's Criteo preprocessing maps an empty field to 0); a string id is :func:`hash64` of
+it; a dense value goes through :func:`dense_transform` (``log(1 + max(x, 0))``, missing -> 0).
+Pure numpy and torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MISSING_ID = 0
+"""The id a missing (empty) categorical value reads as (MLPerf's Criteo preprocessing maps '' to 0)."""
+
+PAD = -1
+"""An unused id slot. Valid ids are non-negative int64 (0 .. 2**63 - 1)."""
+
+MAX_ID = 2**63 - 1
+
+
+class LayoutError(ValueError):
+    """A record that does not fit its layout: names the column and the first offending row (0-based)."""
+
+    def __init__(self, column: str, row: int | None, reason: str):
+        self.column, self.row, self.reason = column, row, reason
+        super().__init__(f"{column}: " + (f"row {row}: " if row is not None else "") + reason)
+
+
+@dataclass(frozen=True)
+class CategoricalColumn:
+    """One categorical feature: its column name, the most ids an example may hold, and whether each
+    id carries a float32 weight (``per_sample_weights``)."""
+
+    name: str
+    max_ids: int = 1
+    weighted: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a categorical column needs a name, got {self.name!r}")
+        if isinstance(self.max_ids, bool) or not isinstance(self.max_ids, int) or self.max_ids < 1:
+            raise ValueError(f"{self.name}: max_ids must be an integer >= 1 (1 = single-id), got {self.max_ids!r}")
+
+
+@dataclass
+class Records:
+    """A batch unpacked: ``dense`` float32 (B, len(layout.dense)); per categorical column name
+    ``(ids int64 flat, offsets int64 (B,), weights float32 flat or None)``, exactly
+    ``nn.EmbeddingBag(ids, offsets, per_sample_weights=weights)`` (include_last_offset=False)."""
+
+    dense: torch.Tensor
+    features: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as int64 (their int32 bit pattern, sign-extended)."""
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
+
+
+def _floats(bits: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(bits).astype(np.int32).view(np.float32)  # astype keeps the low 32 bits
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Which columns an example holds and where each sits in the packed int64 row (module docstring)."""
+
+    dense: tuple[str, ...]
+    categorical: tuple[CategoricalColumn, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense", tuple(self.dense))  # lists accepted; the layout stays hashable
+        object.__setattr__(self, "categorical", tuple(self.categorical))
+        names = [*self.dense, *(c.name for c in self.categorical)]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"a record layout names each column once; repeated: {', '.join(dup)}")
+        if not names:
+            raise ValueError("a record layout needs at least one dense or categorical column")
+        if any(not isinstance(n, str) or not n for n in self.dense):
+            raise ValueError(f"dense column names must be non-empty strings, got {list(self.dense)}")
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def width(self) -> int:
+        """int64 values per packed row."""
+        return len(self.dense) + sum(c.max_ids for c in self.categorical) + \
+            sum(c.max_ids for c in self.categorical if c.weighted)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every column the layout reads: the dense ones, then the categorical ones."""
+        return (*self.dense, *(c.name for c in self.categorical))
+
+    def slots(self) -> dict[str, tuple[int, int, int | None]]:
+        """Per categorical column: (first id slot, max_ids, first weight slot or None)."""
+        out: dict[str, tuple[int, int, int | None]] = {}
+        at = len(self.dense)
+        wat = at + sum(c.max_ids for c in self.categorical)
+        for c in self.categorical:
+            out[c.name] = (at, c.max_ids, wat if c.weighted else None)
+            at += c.max_ids
+            wat += c.max_ids if c.weighted else 0
+        return out
+
+    # ------------------------------------------------------------------ packing
+    def pack(self, dense: np.ndarray, ids: Sequence[tuple[np.ndarray, np.ndarray]],
+             weights: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+        """int64 (N, width) rows from ``dense`` float32 (N, len(dense)) and, per categorical column,
+        ``ids[i] = (values int64 flat, lengths (N,))`` (the example's ids, CSR by lengths) and
+        ``weights[i]`` float32 flat aligned with the values (required iff the column is weighted).
+        :class:`LayoutError` (a ValueError) naming the column and the first offending row when a
+        list is longer than ``max_ids`` or an id is negative."""
+        cats = self.categorical
+        dense = np.asarray(dense)
+        if dense.ndim == 1 and not self.dense:
+            dense = dense.reshape(-1, 0)
+        if dense.ndim != 2 or dense.shape[1] != len(self.dense):
+            raise ValueError(f"dense values must be (N, {len(self.dense)}) for columns {list(self.dense)}, "
+                             f"got shape {dense.shape}")
+        if len(ids) != len(cats):
+            raise ValueError(f"pack needs one (values, lengths) pair per categorical column ({len(cats)}: "
+                             f"{', '.join(c.name for c in cats)}), got {len(ids)}")
+        weights = [None] * len(cats) if weights is None else list(weights)
+        if len(weights) != len(cats):
+            raise ValueError(f"weights: one entry (or None) per categorical column ({len(cats)}), got {len(weights)}")
+        n = len(dense)
+        out = np.empty((n, self.width), dtype=np.int64)
+        out[:, :len(self.dense)] = _bits(dense)
+        rows = np.arange(n)
+        slots = self.slots()
+        for col, (values, lengths), w in zip(cats, ids, weights, strict=True):
+            at, m, wat = slots[col.name]
+            values = np.asarray(values)
+            lengths = np.asarray(lengths)
+            if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+                raise LayoutError(col.name, None, f"ids must be a flat integer array, got {values.dtype} "
+                                                  f"{values.shape}")
+            if lengths.shape != (n,) or (lengths.size and lengths.dtype.kind not in "iu"):
+                raise LayoutError(col.name, None, f"lengths must be {n} integers (one per example), got "
+                                                  f"{lengths.dtype} {lengths.shape}")
+            lengths = lengths.astype(np.int64, copy=False)
+            if (bad := np.flatnonzero((lengths > m) | (lengths < 0))).size:
+                r = int(bad[0])
+                raise LayoutError(col.name, r, f"{int(lengths[r])} ids, more than the column's max_ids {m}"
+                                  if lengths[r] > m else f"negative length {int(lengths[r])}")
+            if int(lengths.sum()) != len(values):
+                raise LayoutError(col.name, None, f"lengths add up to {int(lengths.sum())}, but {len(values)} "
+                                                  "ids were given")
+            if values.dtype.kind == "u" and values.size and values.max() > MAX_ID:
+                first = int(np.argmax(values > MAX_ID))
+                raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
+                                  f"id {int(values[first])} is above 2**63 - 1")
+            values = values.astype(np.int64, copy=False)
+            if (neg := np.flatnonzero(values < 0)).size:
+                first = int(neg[0])
+                raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
+                                  f"id {int(values[first])} is negative (ids are 0 .. 2**63 - 1)")
+            if col.weighted:
+                if w is None:
+                    raise LayoutError(col.name, None, "the column is weighted: give its weights")
+                w = np.asarray(w, dtype=np.float32)
+                if w.shape != values.shape:
+                    raise LayoutError(col.name, None, f"{len(values)} ids but weights of shape {w.shape}")
+            elif w is not None:
+                raise LayoutError(col.name, None, "weights given for a column that is not weighted "
+                                                  "(set weighted=True)")
+            block = out[:, at:at + m]
+            wblock = out[:, wat:wat + m] if wat is not None else None
+            if (lengths == m).all():  # every list full (the single-id case): a reshape, no scatter
+                block[:] = values.reshape(n, m)
+                if wblock is not None:
+                    wblock[:] = _bits(w).reshape(n, m)
+                continue
+            block[:] = PAD
+            if wblock is not None:
+                wblock[:] = 0
+            starts = np.cumsum(lengths) - lengths
+            r = np.repeat(rows, lengths)
+            j = np.arange(len(values)) - np.repeat(starts, lengths)
+            block[r, j] = values
+            if wblock is not None:
+                wblock[r, j] = _bits(w)
+        return out
+
+    # ------------------------------------------------------------------ unpacking
+    def unpack(self, x: torch.Tensor) -> Records:
+        """A batch of packed rows (int64 (B, width), any device) as :class:`Records`, vectorised over
+        the rows (two host synchronisations in all: the mask's nonzero and the per-column counts)."""
+        if x.dim() != 2 or x.shape[1] != self.width or x.dtype != torch.int64:
+            raise ValueError(f"packed records are int64 (B, {self.width}) for this layout, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        b, d = x.shape[0], len(self.dense)
+        dense = x[:, :d].to(torch.int32).view(torch.float32)
+        cats = self.categorical
+        if not cats:
+            return Records(dense, {})
+        slots = self.slots()
+        s = sum(c.max_ids for c in cats)
+        # Column by column, each column's slots row-major: the ids of column c, in row order, are
+        # a contiguous run of ``flat``, so one mask and one nonzero serve every column.
+        flat = torch.cat([x[:, a:a + m].reshape(-1) for a, m, _ in slots.values()]) if len(cats) > 1 \
+            else x[:, d:d + s].reshape(-1)
+        mask = flat >= 0  # PAD and nothing else is negative (pack refuses negative ids)
+        where = mask.nonzero().squeeze(1)
+        ids_all = flat.index_select(0, where)
+        weighted = any(c.weighted for c in cats)
+        if weighted:
+            zeros = torch.zeros((), dtype=torch.int64, device=x.device)
+            wflat = torch.cat([x[:, wa:wa + m].reshape(-1) if wa is not None else zeros.expand(b * m)
+                               for _a, m, wa in slots.values()])
+            w_all = wflat.index_select(0, where).to(torch.int32).view(torch.float32)
+        counts = []
+        start = 0
+        for c in cats:  # per-example counts, per column (no sync)
+            counts.append(mask[start:start + b * c.max_ids].view(b, c.max_ids).sum(1))
+            start += b * c.max_ids
+        lengths = torch.stack(counts)  # (C, B)
+        totals = lengths.sum(1).tolist()
+        offsets = torch.cumsum(lengths, 1) - lengths
+        ids = torch.split(ids_all, totals)
+        ws = torch.split(w_all, totals) if weighted else [None] * len(cats)
+        features = {c.name: (ids[i], offsets[i], ws[i] if c.weighted else None) for i, c in enumerate(cats)}
+        return Records(dense, features)
+
+    def unpack_numpy(self, x: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]],
+                                                    list[np.ndarray | None]]:
+        """The inverse of :meth:`pack`: ``(dense, ids, weights)`` such that ``pack(*unpack_numpy(x))``
+        equals ``x`` (for evaluation and tests)."""
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.width or x.dtype != np.int64:
+            raise ValueError(f"packed records are int64 (N, {self.width}) for this layout, got {x.dtype} {x.shape}")
+        dense = _floats(x[:, :len(self.dense)])
+        ids: list[tuple[np.ndarray, np.ndarray]] = []
+        weights: list[np.ndarray | None] = []
+        for _name, (a, m, wa) in self.slots().items():
+            block = x[:, a:a + m]
+            mask = block >= 0
+            ids.append((block[mask], mask.sum(1).astype(np.int64)))
+            weights.append(_floats(x[:, wa:wa + m])[mask] if wa is not None else None)
+        return dense, ids, weights
+
+
+def hash64(strings: Iterable[str] | np.ndarray) -> np.ndarray:
+    """Stable 64-bit ids for strings: blake2b (digest_size=8) of each string's UTF-8 bytes, read
+    little-endian, masked to non-negative (``& (2**63 - 1)``). The same string gives the same id
+    on every machine and in every run (unlike Python's ``hash``). Each distinct string is hashed
+    once."""
+    values = np.asarray(list(strings) if not isinstance(strings, np.ndarray) else strings, dtype=object)
+    if values.ndim != 1:
+        values = values.reshape(-1)
+    if not len(values):
+        return np.empty(0, dtype=np.int64)
+    uniq, inverse = np.unique(values.astype(str), return_inverse=True)
+    digests = b"".join(hashlib.blake2b(str(s).encode("utf-8"), digest_size=8).digest() for s in uniq)
+    hashed = np.frombuffer(digests, dtype="<u8") & np.uint64(MAX_ID)
+    return hashed.astype(np.int64)[inverse.reshape(-1)]
+
+
+def dense_transform(values: np.ndarray | Sequence[float]) -> np.ndarray:
+    """The dense features' transform: ``log(1 + max(x, 0))`` as float32, a missing value (NaN) -> 0
+    (what DLRM applies to Criteo's integer counts)."""
+    x = np.asarray(values, dtype=np.float64)
+    return np.log1p(np.maximum(np.where(np.isnan(x), 0.0, x), 0.0)).astype(np.float32)
