@@ -28,6 +28,7 @@ from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 from .hooks import Hook, build_hooks
+from .inputs import sharded
 
 # Float32 buffers a ParameterShard keeps per parameter, besides the parameter itself: the
 # optimizer's scratch buffer and, in sync mode, the step's gradient sum, plus the optimizer's
@@ -59,13 +60,19 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool =
         _module_tables(spec, skeleton, problems)
         if problems:
             raise SpecError(problems)
+    if spec.model is not None and spec.model.features is not None and not collection and not sharded(spec):
+        problems.append(Problem(f"{spec.data.source!r} is not a sharded source: a model with model.features reads "
+                                "Criteo-layout .tsv/.tsv.gz files or .parquet files (a file, a glob or a directory), "
+                                "or (x, y) dask arrays packed by dtrain.data.features.RecordLayout given to "
+                                "dtrain.run(spec, data=...)", path="data.source"))
+        raise SpecError(problems)
     data = None if collection else _dataset(spec, problems)
     if skeleton is not None and data is not None:
         _fits(spec, skeleton, data, problems)
     if skeleton is not None and not problems:
         from dtrain.plan.compiler import compile
 
-        from .inputs import file_input, sharded
+        from .inputs import file_input
 
         try:
             plan = compile(spec, data=file_input(spec, with_stats=False) if sharded(spec) and not collection else None)

@@ -37,20 +37,19 @@ def _table_name(feature: Mapping[str, Any]) -> str:
     return feature.get("table") or feature["name"]
 
 
-class FeatureTables(nn.Module):
-    """The tables of ``model.tables`` (a ``ModuleDict`` named ``tables``: weights ``tables.<name>.weight``)
-    and the features that look them up, pooled per example."""
+class FeatureTables(nn.ModuleDict):
+    """The tables of ``model.tables`` by name, and the features that look them up, pooled per
+    example. A model holds it as ``tables``: its weights are ``tables.<name>.weight``."""
 
     def __init__(self, features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], seed: int = 0,
                  gathered: bool = False, device: torch.device | str | None = None):
-        super().__init__()
-        self.layout = record_layout(features)
-        self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
-        self.tables = nn.ModuleDict({
+        super().__init__({
             name: Table(int(t["num_embeddings"]), int(t["dim"]), kind="embedding_bag", mode=t.get("pooling", "sum"),
                         init_std=float(t.get("init_std", 0.01)), name=f"tables.{name}.weight", seed=seed,
                         gathered=gathered, device=device, **_row_settings(t))
             for name, t in tables.items()})
+        self.layout = record_layout(features)
+        self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
         self._modulo = {name: int(t["num_embeddings"]) for name, t in tables.items()
                         if t.get("fold", "modulo") == "modulo"}
 
@@ -61,7 +60,7 @@ class FeatureTables(nn.Module):
 
     def table_ids(self, records: Records) -> dict[str, torch.Tensor]:
         """Per table weight name: the sorted unique rows (on the CPU) the records look up."""
-        found: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
+        found: dict[str, list[torch.Tensor]] = {name: [] for name in self}
         for feature, table in self.features:
             found[table].append(self.fold(table, records.features[feature][0]))
         return {f"tables.{name}.weight": torch.unique(torch.cat(ids).cpu()) if ids else
@@ -72,7 +71,7 @@ class FeatureTables(nn.Module):
         out = []
         for feature, table in self.features:
             ids, offsets, weights = records.features[feature]
-            out.append(self.tables[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
+            out.append(self[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
         return out
 
 
@@ -105,32 +104,34 @@ class DLRM(nn.Module):
                  dlrm: Mapping[str, Any], seed: int = 0, gathered: bool = False,
                  device: torch.device | str | None = None):
         super().__init__()
-        self.sparse = FeatureTables(features, tables, seed=seed, gathered=gathered, device=device)
-        self.layout = self.sparse.layout
+        self.tables = FeatureTables(features, tables, seed=seed, gathered=gathered, device=device)
+        self.layout = self.tables.layout
         bottom, top = list(dlrm["bottom"]), list(dlrm["top"])
         self.interaction = dlrm.get("interaction", "dot")
         self.bottom = _mlp(bottom, len(self.layout.dense), last_activation=True)
-        dims = [int(tables[t]["dim"]) for _, t in self.sparse.features]
+        dims = [int(tables[t]["dim"]) for _, t in self.tables.features]
         if self.interaction == "dot":
             n = len(dims) + 1
             crossed = bottom[-1] + n * (n - 1) // 2
-            rows, cols = torch.tril_indices(n, n, offset=-1, device="cpu")
-            self.register_buffer("_pairs", torch.stack([rows, cols]), persistent=False)
+            # Not a buffer: no state to save or ship, recomputed where the model is built.
+            self._pairs = torch.tril_indices(n, n, offset=-1, device="cpu")
         else:
             crossed = bottom[-1] + sum(dims)
         self.top = _mlp(top, crossed, last_activation=False)
 
     def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass)."""
-        return self.sparse.table_ids(self.layout.unpack(x))
+        return self.tables.table_ids(self.layout.unpack(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         records = self.layout.unpack(x)
         dense = self.bottom(records.dense)
-        pooled = self.sparse(records)
+        pooled = self.tables(records)
         if self.interaction == "dot":
             stacked = torch.stack([dense, *pooled], dim=1)  # (batch, features + 1, dim)
             products = torch.bmm(stacked, stacked.transpose(1, 2))
+            if self._pairs.device != products.device:
+                self._pairs = self._pairs.to(products.device)
             crossed = torch.cat([dense, products[:, self._pairs[0], self._pairs[1]]], dim=1)
         else:
             crossed = torch.cat([dense, *pooled], dim=1)

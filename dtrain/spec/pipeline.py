@@ -254,11 +254,6 @@ class PipelineSpec(Strict):
         source = data.source
         kind = data_source_kind(source)
         layers = self.model.layers or []
-        if self.model.features is not None and not (kind == "file" and is_sharded(source, base_dir)):
-            problems.append((("data", "source"), f"{source!r} is not a sharded source: a model with "
-                             "model.features reads Criteo-layout .tsv/.tsv.gz files or .parquet files (a file, a "
-                             "glob or a directory), or arrays packed by dtrain.data.features.RecordLayout through "
-                             "dtrain.run(spec, data=(x, y))"))
         if kind != "file" and layers and layers[0].type in TABLE_LAYERS:
             problems.append((("data", "source"), f"{source!r} has float features, but model.layers[0] is an "
                              f"{layers[0].type} table, which takes integer ids: give an .npz file with an integer "

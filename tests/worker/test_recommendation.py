@@ -1,0 +1,165 @@
+"""A DLRM over multi-hot, weighted features end to end on the in-process cluster: sync replication
+with 2 replicas over 1 or 2 ps tasks equals single-process torch with batch 2b, written here with
+torch's own ``nn.EmbeddingBag(ids, offsets, per_sample_weights)`` (sparse gradients) and
+``torch.optim.Adagrad``, from the raw id lists (not through dtrain's codec)."""
+
+from __future__ import annotations
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dtrain
+from dtrain.model.recommendation import record_layout
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+TOLERANCE = 1e-5
+ROWS, BATCH, STEPS = 2400, 16, 50
+FEATURES = [("C1", "A", 1, False), ("C2", "B", 3, True), ("C3", "A", 2, False), ("C4", "C", 4, True)]
+TABLE_ROWS = {"A": 300, "B": 97, "C": 50}
+
+
+def rec_spec(num_ps: int, optimizer: str = "{name: adagrad, lr: 0.1}", tables: str = "") -> dtrain.PipelineSpec:
+    cats = ", ".join(f"{{name: {n}, table: {t}, max_ids: {m}, weighted: {str(w).lower()}}}"
+                     for n, t, m, w in FEATURES)
+    table_lines = "\n".join(f"    {t}: {{num_embeddings: {r}, dim: 4, init_std: 0.5{tables}}}"
+                            for t, r in TABLE_ROWS.items())
+    return dtrain.loads(f"""
+name: dlrm-fidelity
+cluster: {{jobs: {{ps: {num_ps}, worker: 2}}}}
+model:
+  features:
+    dense: [I1, I2, I3]
+    categorical: [{cats}]
+  tables:
+{table_lines}
+  dlrm: {{bottom: [8, 4], interaction: dot, top: [8, 1]}}
+  loss: bce_with_logits
+data: {{batch_size: {BATCH}, shuffle: false, test_fraction: 0.1}}
+optimizer: {optimizer}
+training: {{mode: sync, steps: {STEPS}, seed: 3}}
+summary: {{every_steps: 25, tensorboard: false}}
+""", base_dir=".")
+
+
+@pytest.fixture(scope="module")
+def raw():
+    """Dense values and, per feature, CSR id lists (lengths 0..max_ids, Zipf ids beyond the tables'
+    rows, so the modulo fold matters) with weights; a label learnable from them."""
+    rng = np.random.default_rng(7)
+    dense = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    cats = []
+    for _, table, max_ids, weighted in FEATURES:
+        lengths = rng.integers(0, max_ids + 1, ROWS) if max_ids > 1 else np.ones(ROWS, np.int64)
+        ids = (rng.zipf(1.4, int(lengths.sum())) * 7919).astype(np.int64)
+        weights = rng.random(int(lengths.sum())).astype(np.float32) + 0.5 if weighted else None
+        cats.append((ids, lengths, weights))
+    y = ((cats[0][0] % 5) < 2).astype(np.float32)
+    return dense, cats, y
+
+
+def pack(spec, raw):
+    dense, cats, y = raw
+    layout = record_layout(spec.model.features.model_dump())
+    return layout.pack(dense, [(ids, lengths) for ids, lengths, _ in cats], [w for _, _, w in cats]), y
+
+
+class ReferenceDLRM(nn.Module):
+    """The DLRM in plain torch: one nn.EmbeddingBag(sparse=True) per table."""
+
+    def __init__(self, trained: nn.Module):
+        super().__init__()
+        self.bags = nn.ModuleDict({t: nn.EmbeddingBag(r, 4, mode="sum", sparse=True) for t, r in TABLE_ROWS.items()})
+        self.bottom = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU())
+        self.top = nn.Sequential(nn.Linear(4 + 10, 8), nn.ReLU(), nn.Linear(8, 1))
+        with torch.no_grad():  # the same initial values as dtrain's (its seeded tables and layers)
+            for t in TABLE_ROWS:
+                self.bags[t].weight.copy_(trained.tables[t].weight)
+            for mine, theirs in ((self.bottom, trained.bottom), (self.top, trained.top)):
+                mine.load_state_dict(theirs.state_dict())
+
+    def forward(self, dense, features):
+        bottom = self.bottom(dense)
+        pooled = [self.bags[t](ids % TABLE_ROWS[t], offsets, per_sample_weights=w)
+                  for (_, t, _, _), (ids, offsets, w) in zip(FEATURES, features, strict=True)]
+        t = torch.stack([bottom, *pooled], dim=1)
+        z = torch.bmm(t, t.transpose(1, 2))
+        i, j = torch.tril_indices(5, 5, offset=-1)
+        return self.top(torch.cat([bottom, z[:, i, j]], dim=1))
+
+
+def reference_run(spec, raw, order: np.ndarray) -> ReferenceDLRM:
+    """50 steps of batch 2b over the training rows in ``order`` (each replica's rows, interleaved
+    by step as sync replication aggregates them)."""
+    dense, cats, y = raw
+    starts = [np.concatenate([[0], np.cumsum(lengths)]) for _, lengths, _ in cats]
+    model = ReferenceDLRM(dtrain.build_model(spec))
+    tables = [p for n, p in model.named_parameters() if n.startswith("bags.")]
+    others = [p for n, p in model.named_parameters() if not n.startswith("bags.")]
+    opts = [torch.optim.Adagrad(tables, lr=0.1), torch.optim.Adagrad(others, lr=0.1)]
+    loss_fn = nn.BCEWithLogitsLoss()
+    for step in range(STEPS):
+        rows = order[step]
+        features = []
+        for (ids, lengths, weights), start in zip(cats, starts, strict=True):
+            pieces = [np.arange(start[r], start[r + 1]) for r in rows]
+            flat = np.concatenate(pieces).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])[:-1]])
+            features.append((torch.from_numpy(ids[flat]), torch.from_numpy(offsets).long(),
+                             None if weights is None else torch.from_numpy(weights[flat])))
+        for opt in opts:
+            opt.zero_grad()
+        loss_fn(model(torch.from_numpy(dense[rows]), features).reshape(-1), torch.from_numpy(y[rows])).backward()
+        for opt in opts:
+            opt.step()
+    return model
+
+
+def replica_rows(plan, chunk: int) -> list[np.ndarray]:
+    """The rows each replica reads, in order (shuffle off: its partitions in assignment order)."""
+    out = []
+    for rep in plan.data.replicas:
+        out.append(np.concatenate([np.arange(int(p.path.split(":")[1]) * chunk, int(p.path.split(":")[1]) * chunk
+                                             + p.rows) for p in rep.parts]))
+    return out
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_sync_dlrm_matches_single_process_embedding_bags(inproc_client, tmp_path, raw, num_ps):
+    spec = rec_spec(num_ps)
+    x, y = pack(spec, raw)
+    chunk = 200
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run",
+                        data=(da.from_array(x, chunks=(chunk, x.shape[1])), da.from_array(y, chunks=chunk)))
+    assert result.summary["status"] == "completed" and result.summary["global_step"] == STEPS
+    assert sorted(t.name for t in result.plan.tables) == [f"tables.{t}.weight" for t in sorted(TABLE_ROWS)]
+    mine = replica_rows(result.plan, chunk)
+    order = np.stack([np.concatenate([r[s * BATCH:(s + 1) * BATCH] for r in mine]) for s in range(STEPS)])
+    reference = reference_run(spec, raw, order)
+    assert reference.bags["A"].weight.grad.is_sparse  # the yardstick is torch's sparse path
+    trained = result.model
+    diffs = {t: float((trained.tables[t].weight - reference.bags[t].weight).detach().abs().max()) for t in TABLE_ROWS}
+    diffs["bottom"] = max(float((a - b).detach().abs().max()) for a, b in zip(trained.bottom.parameters(),
+                                                                      reference.bottom.parameters(), strict=True))
+    diffs["top"] = max(float((a - b).detach().abs().max()) for a, b in zip(trained.top.parameters(),
+                                                                   reference.top.parameters(), strict=True))
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # teeth: training moved every table and the MLPs away from their initial values
+    init = dtrain.build_model(spec)
+    for t in TABLE_ROWS:
+        assert float((trained.tables[t].weight - init.tables[t].weight).detach().abs().max()) > 1e-3, t
+
+
+def test_the_dlrm_fidelity_check_has_teeth(inproc_client, tmp_path, raw):
+    """The same reference fed the replicas' rows in another order is far off."""
+    spec = rec_spec(1)
+    x, y = pack(spec, raw)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run",
+                        data=(da.from_array(x, chunks=(200, x.shape[1])), da.from_array(y, chunks=200)))
+    mine = replica_rows(result.plan, 200)
+    swapped = np.stack([np.concatenate([r[(s + 1) * BATCH:(s + 2) * BATCH] for r in mine]) for s in range(STEPS)])
+    reference = reference_run(spec, raw, swapped)
+    assert max(float((result.model.tables[t].weight - reference.bags[t].weight).detach().abs().max())
+               for t in TABLE_ROWS) > 1e-3
