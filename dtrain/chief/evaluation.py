@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dtrain.model.build import build_model
+from dtrain.model.metrics import AucHistogram
 from dtrain.model.tables import tables_of
 from dtrain.worker.inputs import evaluate_stream
 from dtrain.worker.replica import dataset_for
@@ -31,19 +32,27 @@ def evaluate_now(session: Any, step: int) -> dict[str, Any]:
 
 
 def evaluate(session: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """Mean loss (and accuracy) of ``model`` on the test data."""
+    """Mean loss (and accuracy) of ``model`` on the test data; for binary labels (bce_with_logits)
+    also ``log_loss`` (the mean loss, by its usual name) and ``auc``."""
     loss = session.spec.model.loss
+    auc = AucHistogram() if loss == "bce_with_logits" else None
     if any(getattr(t, "gathered", False) for _, t in tables_of(model)):
         def run(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
             return evaluate_gathered(model, x, y, loss, session.shards.gather_rows,
-                                     record=session.spec.model.module is not None)
+                                     record=session.spec.model.module is not None, auc=auc)
     else:
         def run(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-            return evaluate_on(model, x, y, loss)
+            return evaluate_on(model, x, y, loss, auc=auc)
     if session.plan.data is not None:  # streamed from the evaluation shards, one at a time
-        return evaluate_stream(session.plan, run, data_report.chief_reader(session))
-    data = dataset_for(session.spec)
-    return run(torch.as_tensor(data.x_test), torch.as_tensor(data.y_test))
+        result = evaluate_stream(session.plan, run, data_report.chief_reader(session))
+    else:
+        data = dataset_for(session.spec)
+        result = run(torch.as_tensor(data.x_test), torch.as_tensor(data.y_test))
+    if auc is not None and result:
+        result["log_loss"] = result["loss"]
+        if (value := auc.value()) is not None:
+            result["auc"] = value
+    return result
 
 
 def assemble(session: Any, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.data.features import CategoricalColumn, Records, RecordLayout
+from dtrain.data.features import CategoricalColumn, RecordLayout, Records
 
 from .tables import Table
 

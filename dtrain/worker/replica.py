@@ -25,6 +25,7 @@ from dtrain.data.sources import Dataset, load_dataset, to_tensors
 from dtrain.data.stream import OutOfRange
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
+from dtrain.model.metrics import AucHistogram
 from dtrain.model.tables import TABLE_TYPES
 from dtrain.observe.meters import Every
 from dtrain.plan.layout import BoundModel, ShardLayout
@@ -448,8 +449,9 @@ def _consistent(replies: list[tuple[Any, ...]], shards: list[Any], wait: Any,
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
-             batch_size: int = 1024) -> dict[str, float]:
-    """Mean loss (and accuracy for classification) of ``model`` on (x, y), in eval mode."""
+             batch_size: int = 1024, auc: AucHistogram | None = None) -> dict[str, float]:
+    """Mean loss (and accuracy for classification) of ``model`` on (x, y), in eval mode; ``auc``
+    (binary labels) accumulates the logits' ROC curve."""
     from dtrain.model.layers import accuracy, is_classification
 
     if len(x) == 0:
@@ -465,6 +467,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name
             total += float(loss_fn(out, yb)) * len(yb)
             if is_classification(loss_name):
                 correct += accuracy(out, yb, loss_name) * len(yb)
+            if auc is not None:
+                auc.add(out, yb)
     finally:
         model.train(was_training)
     result = {"loss": total / len(x)}

@@ -136,7 +136,8 @@ def ids_of(model: torch.nn.Module, inputs: torch.Tensor) -> dict[str, torch.Tens
 
 @torch.no_grad()
 def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name: str,
-                      gather: Any, batch_size: int = 1024, record: bool = False) -> dict[str, float]:
+                      gather: Any, batch_size: int = 1024, record: bool = False, auc: Any = None
+                      ) -> dict[str, float]:
     """Like ``dtrain.worker.replica.evaluate`` for a model with gathered tables: each batch's rows
     come from ``gather(table name, unique ids)`` (the ps), so only the touched rows move."""
     from dtrain.model.layers import accuracy, get_loss, is_classification
@@ -157,6 +158,8 @@ def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
             total += float(loss_fn(out, yb)) * len(yb)
             if is_classification(loss_name):
                 correct += accuracy(out, yb, loss_name) * len(yb)
+            if auc is not None:  # a dtrain.model.metrics.AucHistogram
+                auc.add(out, yb)
     finally:
         model.train(was_training)
     result = {"loss": total / len(x)}

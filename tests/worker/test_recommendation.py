@@ -51,7 +51,7 @@ def raw():
     rng = np.random.default_rng(7)
     dense = rng.normal(size=(ROWS, 3)).astype(np.float32)
     cats = []
-    for _, table, max_ids, weighted in FEATURES:
+    for _, _, max_ids, weighted in FEATURES:
         lengths = rng.integers(0, max_ids + 1, ROWS) if max_ids > 1 else np.ones(ROWS, np.int64)
         ids = (rng.zipf(1.4, int(lengths.sum())) * 7919).astype(np.int64)
         weights = rng.random(int(lengths.sum())).astype(np.float32) + 0.5 if weighted else None
@@ -103,7 +103,7 @@ def reference_run(spec, raw, order: np.ndarray) -> ReferenceDLRM:
     for step in range(STEPS):
         rows = order[step]
         features = []
-        for (ids, lengths, weights), start in zip(cats, starts, strict=True):
+        for (ids, _, weights), start in zip(cats, starts, strict=True):
             pieces = [np.arange(start[r], start[r + 1]) for r in rows]
             flat = np.concatenate(pieces).astype(np.int64)
             offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])[:-1]])
@@ -134,6 +134,8 @@ def test_sync_dlrm_matches_single_process_embedding_bags(inproc_client, tmp_path
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run",
                         data=(da.from_array(x, chunks=(chunk, x.shape[1])), da.from_array(y, chunks=chunk)))
     assert result.summary["status"] == "completed" and result.summary["global_step"] == STEPS
+    evaluation = result.summary["eval"]  # a binary label: log loss and AUC beside the loss
+    assert evaluation["log_loss"] == evaluation["loss"] and 0.5 < evaluation["auc"] <= 1.0
     assert sorted(t.name for t in result.plan.tables) == [f"tables.{t}.weight" for t in sorted(TABLE_ROWS)]
     mine = replica_rows(result.plan, chunk)
     order = np.stack([np.concatenate([r[s * BATCH:(s + 1) * BATCH] for r in mine]) for s in range(STEPS)])
