@@ -95,10 +95,12 @@ TableOptimizerSpec = Annotated[TableSgd | TableAdagrad | TableRowwiseAdagrad | T
 
 
 class TableSpec(Strict):
-    """One embedding table, held on the ps tasks and partitioned by rows."""
+    """One embedding table, held on the ps tasks and partitioned by rows: a fixed number of rows, or
+    none (a table without a vocabulary: any 64-bit id, rows created as ids are admitted)."""
 
-    num_embeddings: int = Field(ge=1, le=MAX_TABLE_ROWS, description="Rows of the table. Ids are folded into "
-                                "them by `fold`.")
+    num_embeddings: int | None = Field(None, ge=1, le=MAX_TABLE_ROWS, description="Rows of the table; ids are "
+                                       "folded into them by `fold`. Leave it out for a table without a vocabulary "
+                                       "(then max_rows is required).")
     dim: int = Field(ge=1, le=4096, description="Width of each row.")
     pooling: Literal["sum", "mean"] = Field("sum", description="How an example's rows are pooled (weighted by the "
                                             "feature's weights when it has them).")
@@ -112,6 +114,40 @@ class TableSpec(Strict):
         "with stochastic rounding. Replicas compute in float32.")
     optimizer: TableOptimizerSpec | None = Field(None, description="This table's optimizer (default: the "
                                                  "pipeline's optimizer section).")
+    max_rows: int | None = Field(None, ge=1, le=MAX_TABLE_ROWS, description="Without num_embeddings: the most "
+                                 "rows the table holds (split evenly over the ps tasks); past it the least recently "
+                                 "(or frequently) used rows are evicted. Bounds the table's memory.")
+    min_count: int = Field(1, ge=1, le=1_000_000, description="Without num_embeddings: how many requests must name "
+                           "an id before it gets a trainable row; until then it reads zeros and its gradient is "
+                           "dropped.")
+    ttl_steps: int | None = Field(None, ge=1, le=2**40, description="Without num_embeddings: rows untouched for "
+                                  "this many steps are evicted.")
+    eviction: Literal["lru", "lfu"] = Field("lru", description="Without num_embeddings: which rows go when "
+                                            "max_rows is reached: least recently (lru) or least frequently (lfu) "
+                                            "used.")
+
+    @property
+    def dynamic(self) -> bool:
+        return self.num_embeddings is None
+
+    @model_validator(mode="after")
+    def _fixed_or_dynamic(self) -> TableSpec:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.dynamic:
+            if self.max_rows is None:
+                problems.append((("max_rows",), "a table without num_embeddings needs max_rows, the most rows it "
+                                                "may hold (it bounds the ps's memory), e.g. max_rows: 1000000"))
+            if "fold" in self.model_fields_set:
+                problems.append((("fold",), "fold maps ids into a fixed number of rows; a table without "
+                                            "num_embeddings keeps every id: remove fold"))
+        else:
+            for key in ("max_rows", "min_count", "ttl_steps", "eviction"):
+                if key in self.model_fields_set:
+                    problems.append(((key,), f"{key} applies to a table without num_embeddings (a fixed table "
+                                             f"holds every row): remove {key}, or num_embeddings"))
+        if problems:
+            raise CrossFieldErrors(problems)
+        return self
 
 
 class DlrmSpec(Strict):
