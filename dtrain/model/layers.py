@@ -364,7 +364,8 @@ def check_output(output: Sequence[int], loss_name: str, num_classes: int | None 
     """Check that a model output shape (without batch dim) fits ``loss_name`` and 1-d targets.
 
     ``cross_entropy`` needs ``(C,)`` with C >= 2 and C >= ``num_classes`` when given;
-    ``mse`` and ``bce_with_logits`` need ``(1,)``.  Raises ``ValueError`` saying what to change.
+    ``mse`` and ``bce_with_logits`` need ``(1,)`` or ``()`` (a module may return ``(batch,)``).
+    Raises ``ValueError`` saying what to change.
     """
     shape = tuple(output)
     get_loss(loss_name)
@@ -381,10 +382,11 @@ def check_output(output: Sequence[int], loss_name: str, num_classes: int | None 
                 + (f" for {num_classes} classes" if num_classes else "")
                 + f" but the model outputs {shape}; set the last linear layer's out to {need}"
             )
-    elif shape != (1,):
+    elif shape not in ((1,), ()):
         raise ValueError(
-            f"{loss_name} needs the model to output (1,) per sample but it outputs {shape}; "
-            "end with {type: linear, out: 1}"
+            f"{loss_name} needs the model to output one value per sample, (batch,) or (batch, 1), but it outputs "
+            f"(batch, {', '.join(map(str, shape))}); end the layers with {{type: linear, out: 1}}, or return one "
+            "value per sample from the module"
         )
 
 

@@ -342,3 +342,22 @@ def test_a_modules_tables_get_the_sparse_checks_before_start(tmp_path, capsys, n
     path.write_text(module)
     assert cmd(capsys, "plan", str(path))[0] == 0
     assert not (tmp_path / "run").exists()
+
+
+def test_a_regression_module_may_return_one_value_per_sample(tmp_path, capsys, inproc_client):
+    """(batch,) is accepted for mse like (batch, 1), and it trains; (batch, 3) is refused naming the fix."""
+    x, _ = xy()
+    path = write(tmp_path, "name: flat\ncluster: {jobs: {ps: 1, worker: 1}}\nmodel:\n  module: tests.helpers.models:Flat\n"
+                 "  loss: mse\ndata: {source: d.npz, task: regression}\ntraining: {steps: 20}\n"
+                 "optimizer: {name: sgd, lr: 0.05}\nsummary: {tensorboard: false}\n",
+                 x, (x @ np.arange(4.0)).astype(np.float32))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 0, err
+    result = dtrain.run(dtrain.load(path), client=inproc_client, run_dir=tmp_path / "run")
+    # trained: far below the targets' variance (about 14), which a constant prediction would score
+    assert result.summary["status"] == "completed" and result.summary["eval"]["loss"] < 7.0
+    path.write_text(path.read_text().replace("Flat", "TinyMLP").replace("  loss: mse", "  kwargs: {features: 4, "
+                                                                             "classes: 3}\n  loss: mse"))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "mse needs the model to output one value per sample, (batch,) or (batch, 1), but it " \
+                         "outputs (batch, 3)" in err[0], err

@@ -31,6 +31,17 @@ class TinyMLP(nn.Module):
         return self.net(x)
 
 
+class Flat(nn.Module):
+    """A regression module that returns (batch,), not (batch, 1)."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).squeeze(-1)
+
+
 class TinyEmbedding(nn.Module):
     """A module with its own sparse nn.Embedding (a ps table; with ``padding_idx``, refused)."""
 

@@ -189,6 +189,8 @@ def test_output_shape_and_check_output() -> None:
     assert output_shape(build_layers([64], MLP, device="meta"), [64]) == (10,)
     check_output((10,), "cross_entropy", num_classes=10)
     check_output((1,), "mse")
+    check_output((), "mse")  # a module returning (batch,): one value per sample, as (batch, 1)
+    check_output((), "bce_with_logits")
     with pytest.raises(ValueError, match="at least 10 outputs"):
         check_output((3,), "cross_entropy", num_classes=10)
     with pytest.raises(ValueError, match="flatten"):
