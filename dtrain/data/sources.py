@@ -306,6 +306,7 @@ def load_dataset(
     num_classes: int = 10,
     feature_shape: Sequence[int] | None = None,
     id_rows: int | None = None,
+    eval_source: str | None = None,
 ) -> Dataset:
     """Load ``source`` and split it (seeded; stratified for classification when possible).
 
@@ -330,6 +331,10 @@ def load_dataset(
     when given for another source, must match it.  Standardisation uses the training
     split's per-feature mean and std (std 0 -> 1) and is applied to both splits; targets
     are never standardised.
+
+    ``eval_source``: a file of the same columns held out whole for evaluation instead of
+    ``test_fraction`` of ``source`` (its labels mapped with the training file's, its features
+    standardised with the training statistics).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for bad contents or
     arguments.
@@ -358,6 +363,18 @@ def load_dataset(
         x, y = _npz(path) if path.suffix.lower() == ".npz" else _table(path, target)
     if len(x) < 2:
         raise ValueError(f"{where}: need at least 2 samples, got {len(x)}")
+    held = 0  # rows of eval_source, appended after the training rows (one label mapping for both)
+    if eval_source is not None:
+        check_source(eval_source, base_dir)
+        path = resolve_data_path(eval_source, base_dir)
+        if path is None:
+            raise ValueError(f"eval_source {eval_source!r} must be a file like data.source")
+        xe, ye = _npz(path) if path.suffix.lower() == ".npz" else _table(path, target)
+        if xe.shape[1:] != x.shape[1:]:
+            raise ValueError(f"{path}: its examples have shape {tuple(xe.shape[1:])}, those of {where} "
+                             f"{tuple(x.shape[1:])}: the evaluation file needs the training file's features")
+        held = len(xe)
+        x, y = np.concatenate([x, xe.astype(x.dtype, copy=False)]), np.concatenate([y, ye])
     flat = math.prod(x.shape[1:])
     if num_features is not None and kind != "synthetic" and num_features != flat:
         raise ValueError(f"{where}: has {flat} features, but num_features is {num_features}")
@@ -371,7 +388,10 @@ def load_dataset(
     if ids:
         _check_ids(x, int(id_rows), where, kind)
     task, y, n_classes, classes = _labels(y, task, where)
-    train, test = _split(len(x), y, task, test_fraction, seed)
+    if held:
+        train, test = np.arange(len(x) - held), np.arange(len(x) - held, len(x))
+    else:
+        train, test = _split(len(x), y, task, test_fraction, seed)
     x = x.astype(np.int64 if ids else np.float64)
     x_train, x_test = x[train], x[test]
     mean = std = None

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from .sections import Strict  # (sections imports this module once Strict is defined)
 
-STREAM_KEYS = ("readers", "prefetch", "shuffle_buffer", "eval_source", "skip_bad_files")
+STREAM_KEYS = ("readers", "prefetch", "shuffle_buffer", "skip_bad_files")
 """Keys that apply to a sharded source only (a glob, a directory, a URL: docs/data.md)."""
 
 
@@ -31,13 +31,16 @@ class DataSpec(Strict):
         10_000, ge=1, le=100_000_000, description="Sharded source: samples shuffled together (a window of this "
         "many, read in the epoch's shuffled shard order; TensorFlow's min_after_dequeue). Bounds memory.")
     eval_source: str | None = Field(
-        None, description="Sharded source: a glob, directory or URL of evaluation shards (default: a seeded "
-        "test_fraction of the shards is held out).")
+        None, description="The evaluation data, instead of holding out test_fraction of data.source: a file like "
+        "data.source (read the same way, standardised with the training statistics), or for a sharded source a "
+        "glob, directory or URL of evaluation shards.")
     skip_bad_files: bool = Field(
         False, description="Sharded source: a shard that cannot be read mid-run is skipped with a warning and "
         "counted in summary.json (default: the run fails naming the file, after a checkpoint).")
     batch_size: int = Field(32, ge=1, description="Examples per replica per step.")
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share held out for evaluation (seeded, stratified).")
+    test_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share held out for evaluation (seeded, "
+                                 "stratified; 0: none, the run has no evaluation unless eval_source is given). "
+                                 "Ignored with eval_source.")
     standardize: bool = Field(True, description="Scale features with the training split's mean and std.")
     target: str = Field("label", description="Target column of .csv/.parquet files.")
     task: Literal["classification", "regression"] | None = Field(

@@ -20,6 +20,8 @@ MAX_TABLE_ROWS = 2**40
 
 
 class CategoricalFeature(Strict):
+    """A categorical column: per example a list of ids pooled through a table."""
+
     name: str = Field(pattern=NAME, description="The column holding the ids (Criteo layout: C1 .. C26).")
     table: str | None = Field(None, pattern=NAME, description="The table (a key of model.tables) this feature "
                               "looks up; default: the table named like the feature. Several features may share one.")
@@ -62,28 +64,38 @@ class FeaturesSpec(Strict):
 
 
 class _TableOpt(Strict):
+    """A table optimizer's common settings."""
+
     lr: float = Field(gt=0.0, description="Learning rate of this table's rows.")
     weight_decay: float = Field(0.0, ge=0.0, description="L2 on the rows a step touches (g += weight_decay * w, "
                                 "as FBGEMM's weight_decay_mode L2); untouched rows do not decay.")
 
 
 class TableSgd(_TableOpt):
+    """SGD on the touched rows."""
+
     name: Literal["sgd"] = Field(description="w[rows] -= lr * g.")
 
 
 class TableAdagrad(_TableOpt):
+    """Adagrad on the touched rows, one accumulator per element."""
+
     name: Literal["adagrad"] = Field(description="Adagrad with one accumulator per element (torch.optim.Adagrad "
                                      "on a sparse gradient).")
     eps: float = Field(1e-10, gt=0.0, description="Term added to the denominator.")
 
 
 class TableRowwiseAdagrad(_TableOpt):
+    """Row-wise Adagrad on the touched rows, one accumulator per row."""
+
     name: Literal["rowwise_adagrad"] = Field(description="Row-wise Adagrad: one accumulator per row, the mean of "
                                              "the row gradient's squares (FBGEMM's EXACT_ROWWISE_ADAGRAD).")
     eps: float = Field(1e-8, gt=0.0, description="Term added to the denominator.")
 
 
 class TableAdam(Strict):
+    """Lazy Adam on the touched rows."""
+
     name: Literal["adam"] = Field(description="Lazy Adam: only the touched rows' moments change "
                                   "(torch.optim.SparseAdam).")
     lr: float = Field(gt=0.0, description="Learning rate of this table's rows.")

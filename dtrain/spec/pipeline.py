@@ -286,6 +286,17 @@ class PipelineSpec(Strict):
             elif not path.is_file():
                 problems.append((("data", "source"), f"data file {source!r} does not exist (looked for {path}; "
                                  "relative paths are relative to the pipeline file's directory)"))
+            if data.eval_source is not None:
+                held = resolve_data_path(data.eval_source, base_dir)
+                if held is None or held.suffix.lower() not in FILE_SUFFIXES:
+                    problems.append((("data", "eval_source"), f"{data.eval_source!r}: the evaluation data of a "
+                                     f"single file is a {'/'.join(FILE_SUFFIXES)} file like data.source"))
+                elif not held.is_file():
+                    problems.append((("data", "eval_source"), f"data file {data.eval_source!r} does not exist "
+                                     f"(looked for {held})"))
+        if kind != "file" and data.eval_source is not None:
+            problems.append((("data", "eval_source"), f"{source!r} is generated, with its own held-out share "
+                             "(test_fraction): eval_source applies to data read from files; remove it"))
 
     def _check_stream(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path) -> None:
         """Sharded sources: the keys that only they use, and the steps that end a run."""

@@ -51,10 +51,11 @@ class ReplicaError(RuntimeError):
 @lru_cache(maxsize=4)
 def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
                     task: str | None, num_samples: int, num_features: int | None, num_classes: int,
-                    id_rows: int | None) -> Dataset:
+                    id_rows: int | None, eval_source: str | None) -> Dataset:
     return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
                         standardize=standardize, seed=seed, task=task, num_samples=num_samples,
-                        num_features=num_features, num_classes=num_classes, id_rows=id_rows)
+                        num_features=num_features, num_classes=num_classes, id_rows=id_rows,
+                        eval_source=eval_source)
 
 
 _TABLE_MODULES: dict[tuple[str, str], bool] = {}
@@ -90,7 +91,8 @@ def dataset_for(spec: Any) -> Dataset:
     num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
     id_rows = id_rows_of(spec)
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
-                           spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows)
+                           spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows,
+                           d.eval_source)
 
 
 def id_rows_of(spec: Any) -> int | None:

@@ -184,3 +184,26 @@ def test_to_tensors() -> None:
     assert x.dtype == torch.float32 and y.dtype == torch.int64
     _, yr = to_tensors(np.ones((2, 3)), np.array([0.5, 1.5]))
     assert yr.dtype == torch.float32
+
+
+def test_an_evaluation_file_beside_a_training_file(tmp_path: Path) -> None:
+    """eval_source: the whole training file trains, the other file evaluates, labels mapped as one
+    (the eval file lacks a class) and standardised with the training statistics only."""
+    x, y = _arrays()
+    names = np.array(["cat", "dog", "emu"])[y]
+    _write_csv(tmp_path / "train.csv", x, names, target="kind")
+    held_x = x[:10] * 3 + 5
+    _write_csv(tmp_path / "eval.csv", held_x, np.array(["dog", "emu"])[np.arange(10) % 2], target="kind")
+    d = load_dataset("train.csv", base_dir=tmp_path, target="kind", eval_source="eval.csv", test_fraction=0.5)
+    assert len(d.x_train) == len(x) and len(d.x_test) == 10  # test_fraction does not apply
+    assert d.classes == ("cat", "dog", "emu") and list(d.y_test[:2]) == [1, 2]
+    expect = (held_x - x.mean(axis=0)) / x.std(axis=0)
+    assert np.allclose(d.x_test, expect, atol=1e-4)
+    (tmp_path / "narrow.csv").write_text("f0,kind\n1.0,cat\n2.0,dog\n")
+    with pytest.raises(ValueError, match="needs the training file's features"):
+        load_dataset("train.csv", base_dir=tmp_path, target="kind", eval_source="narrow.csv")
+
+
+def test_no_held_out_share() -> None:
+    d = load_dataset("sklearn:digits", test_fraction=0.0)
+    assert len(d.x_train) == 1797 and len(d.x_test) == 0
