@@ -112,13 +112,11 @@ def ps_state_bytes(param_bytes: int, optimizer: Any, table_bytes: int = 0, avera
     """Bytes a ps task holds for ``param_bytes`` of dense parameters (the parameters, their
     scratch buffer, with ``sync`` a step's gradient sum, the optimizer's state, and with
     ``averages`` their moving averages: training.moving_average) and ``table_bytes`` of sparse
-    table rows (the rows and their row optimizer's state: dtrain.ps.rows). A lower bound: reply
+    table parts as the plan counts them (``ShardPlan.table_bytes``: each part's rows in its
+    storage dtype plus its own row optimizer's state, dtrain.plan.tables). A lower bound: reply
     buffers and a step's pushed rows come on top."""
     state = OPTIMIZER_STATE[optimizer.name] + int(bool(getattr(optimizer, "amsgrad", False))) + int(averages)
-    from dtrain.ps.rows import ROW_STATE
-
-    return (param_bytes * (1 + PS_BUFFERS + int(sync) + state)
-            + table_bytes * (1 + ROW_STATE.get(optimizer.name, 0)))
+    return param_bytes * (1 + PS_BUFFERS + int(sync) + state) + table_bytes
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -154,8 +152,13 @@ def _module_tables(spec: PipelineSpec, skeleton: Any, problems: list[Problem]) -
     from dtrain.model.tables import tables_of
     from dtrain.spec.pipeline import sparse_limits
 
-    if tables_of(skeleton):
-        problems.extend(Problem(message, path=".".join(map(str, loc))) for loc, message in sparse_limits(spec))
+    tables = tables_of(skeleton)
+    if tables:
+        # A table with its own optimizer config (Table.optimizer) does not use the run's optimizer:
+        # the run's settings that sparse gradients cannot take matter only for the others.
+        own = all(getattr(t, "optimizer", None) is not None for _, t in tables)
+        problems.extend(Problem(message, path=".".join(map(str, loc))) for loc, message in sparse_limits(spec)
+                        if not (own and loc[0] == "optimizer"))
 
 
 def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:
@@ -277,11 +280,22 @@ def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
         need = ps_state_bytes(nbytes - rows, spec.optimizer, rows, averages=spec.training.moving_average is not None,
                               sync=sync)
         if need > limit:
-            what = (f"{nbytes} bytes of parameters" if not rows else
-                    f"{nbytes} bytes of parameters, {rows} of them sparse table rows")
+            dense = (f"with their {'gradient sum, ' if sync else ''}scratch buffer and {spec.optimizer.name} state")
+            fix = ("raise cluster.memory_limit, add ps tasks, or split large variables over the ps tasks with "
+                   "placement.partitioner (e.g. {type: min_max, max_partitions: 8})")
+            if not rows:
+                what = f"{nbytes} bytes of parameters, {dense}"
+            else:
+                parts = [(p.bytes, t, p) for t in plan.tables for p in t.parts if plan.shards[p.shard].task == task]
+                size, table, part = max(parts, key=lambda x: x[0])
+                what = (f"{nbytes - rows} bytes of dense parameters {dense}, and {rows} bytes of sparse table rows "
+                        f"with their row optimizer state; the largest table on it, {table.name}, holds {size} bytes "
+                        f"there: {part.rows} rows of {table.dim} in {table.storage} with {table.optimizer_name} "
+                        "state")
+                fix = "raise cluster.memory_limit or add ps tasks (a table's rows are split over all of them)"
+                if spec.model is not None and spec.model.module is not None:
+                    fix += (", or make the table smaller: Table(storage='bfloat16') halves its rows, a Table "
+                            "optimizer {name: rowwise_adagrad} keeps one float of state per row")
             problems.append(Problem(
-                f"ps task {task} needs at least {need} bytes ({what}, with their "
-                f"{'gradient sum, ' if sync else ''}scratch buffer and {spec.optimizer.name} state), more than its worker's memory_limit "
-                f"{spec.cluster.memory_limit!r} ({limit} bytes): raise cluster.memory_limit, add ps tasks, or split "
-                "large variables over the ps tasks with placement.partitioner (e.g. {type: min_max, "
-                "max_partitions: 8})", path="cluster.memory_limit"))
+                f"ps task {task} needs at least {need} bytes ({what}), more than its worker's memory_limit "
+                f"{spec.cluster.memory_limit!r} ({limit} bytes): {fix}", path="cluster.memory_limit"))

@@ -104,17 +104,22 @@ def global_rows(num_embeddings: int, num_parts: int, part: int, strategy: str) -
 class Table(nn.Module):
     """An ``embedding`` (ids (B, F) -> (B, F, D)) or ``embedding_bag`` (-> (B, D), ``mode`` sum or
     mean) layer, full or gathered (module docstring). ``name`` is the table's parameter name
-    (``"0.weight"``): it seeds the initialisation and names the table in plans and ``model.pt``."""
+    (``"0.weight"``): it seeds the initialisation and names the table in plans and ``model.pt``.
+    ``storage`` (float32, bfloat16, float16) and ``optimizer`` (a row optimizer config replacing
+    the run's ``optimizer`` section for this table; None: the run's) say how the ps tasks keep its
+    rows (docs/sparse.md); the module itself computes in float32 either way."""
 
     def __init__(self, num_embeddings: int, dim: int, kind: str = "embedding", mode: str = "mean",
                  sparse: bool = True, init_std: float = 1.0, name: str = "", seed: int = 0,
-                 gathered: bool = False, device: torch.device | str | None = None):
+                 gathered: bool = False, device: torch.device | str | None = None, storage: str = "float32",
+                 optimizer: dict | None = None):
         super().__init__()
         if kind not in TABLE_TYPES:
             raise ValueError(f"unknown table kind {kind!r}; use {' or '.join(TABLE_TYPES)}")
         self.num_embeddings, self.dim, self.kind, self.mode = int(num_embeddings), int(dim), kind, mode
         self.sparse, self.init_std, self.name, self.seed = sparse, float(init_std), name, int(seed)
         self.gathered = gathered
+        self.storage, self.optimizer = storage, (dict(optimizer) if optimizer is not None else None)
         self.recording: list[torch.Tensor] | None = None  # a record pass: the ids forward was given
         self.ids: torch.Tensor | None = None  # gathered: the sorted unique ids of this step
         self.rows: torch.Tensor | None = None  # gathered: their rows (a leaf that collects the gradient)
@@ -200,7 +205,7 @@ def tables_of(module: nn.Module) -> list[tuple[str, Table]]:
 
 def table_info(table: Table) -> dict[str, Any]:
     return {"num_embeddings": table.num_embeddings, "dim": table.dim, "kind": table.kind, "mode": table.mode,
-            "init_std": table.init_std}
+            "init_std": table.init_std, "storage": table.storage, "optimizer": table.optimizer}
 
 
 def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) -> list[str]:

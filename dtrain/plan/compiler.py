@@ -62,7 +62,7 @@ class ShardPlan:
     numel: int
     bytes: int
     holds_global_step: bool
-    table_bytes: int = 0  # rows of sparse tables this task holds (not in the flat buffer)
+    table_bytes: int = 0  # rows of sparse tables this task holds and their row optimizer state (not in the flat buffer)
     stage: int = 0  # the pipeline stage position whose variables it holds (plan/stages.py)
 
 
@@ -183,7 +183,7 @@ class Plan:
                 where = s.address or s.worker
                 lines.append(f"  {s.task:<18} {s.bytes:>10} B  {s.numel:>9} params  on {where}"
                              + (f"  stage task {s.stage}" if self.stages else "")
-                             + (f"  + {s.table_bytes} B of table rows" if s.table_bytes else "")
+                             + (f"  + {s.table_bytes} B of table rows and their state" if s.table_bytes else "")
                              + ("  (global_step)" if s.holds_global_step else ""))
         lines.extend(format_data(self.data))
         if self.replicas:
@@ -272,7 +272,10 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     _check_pins(pins, [name for name, _, _ in layout], [name for name, _ in table_modules])
     partitioner = spec.placement.partitioner
     check_partitioner(partitioner, layout, {name for name, _, _ in layout if _pin_for(name, pins) is not None})
-    tables = plan_tables(table_modules, ps_job, num_ps, spec.placement.embedding_partition)
+    try:
+        tables = plan_tables(table_modules, ps_job, num_ps, spec.placement.embedding_partition, spec.optimizer.name)
+    except ValueError as exc:  # a table's own storage or optimizer (set on its Table module)
+        raise SpecError([Problem(str(exc), path="model.module" if spec.model and spec.model.module else "model.layers")]) from None
     for name, shape, numel in layout:
         pin = _pin_for(name, pins)
         nbytes = numel * FLOAT32_BYTES

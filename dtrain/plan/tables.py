@@ -8,6 +8,8 @@ batch touches (docs/sparse.md).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,24 @@ import torch
 from dtrain.model.tables import div_starts
 
 FLOAT32_BYTES = 4
+STORAGE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""A table's storage dtypes (``dtrain.ps.rows.STORAGE``) and their bytes per element."""
+
+# The row optimizers (dtrain.ps.row_optimizers: the plan cannot import the ps) and the keys a
+# table's own optimizer config may hold; tests/plan/test_tables.py checks both against the ps.
+ROW_OPTIMIZER_KEYS = {
+    "sgd": ("lr", "weight_decay"),
+    "adagrad": ("lr", "lr_decay", "initial_accumulator_value", "eps", "weight_decay"),
+    "rowwise_adagrad": ("lr", "eps", "weight_decay"),
+    "adam": ("lr", "betas", "eps"),
+}
+
+
+def row_state_bytes(optimizer: str, rows: int, dim: int) -> int:
+    """Bytes of float32 optimizer state ``optimizer`` keeps for ``rows`` rows of ``dim``: sgd none,
+    adagrad one per element, rowwise_adagrad one per row, adam two per element."""
+    per_row = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+    return rows * per_row * FLOAT32_BYTES
 
 
 @dataclass(frozen=True)
@@ -26,8 +46,9 @@ class TablePartPlan:
     shard: int  # index into Plan.shards
     task: str  # "/job:ps/task:1"
     rows: int
-    bytes: int  # the rows' float32 bytes (optimizer state comes on top: docs/sparse.md)
+    bytes: int  # the rows in the table's storage dtype plus their optimizer state (state_bytes)
     first: int  # div: its first global id; mod: its part index (ids first, first + P, ...)
+    state_bytes: int = 0  # of ``bytes``: the row optimizer's state
 
 
 @dataclass(frozen=True)
@@ -42,16 +63,62 @@ class TablePlan:
     mode: str
     partition: str  # mod | div
     parts: tuple[TablePartPlan, ...]
+    storage: str = "float32"  # the rows' dtype on the ps: float32 | bfloat16 | float16
+    optimizer: Mapping[str, Any] | None = None  # the table's own optimizer config; None: the run's
+    optimizer_name: str = "sgd"  # the row optimizer it gets: optimizer["name"], or the run's
 
     @property
     def bytes(self) -> int:
-        return self.num_embeddings * self.dim * FLOAT32_BYTES
+        """The rows, in the storage dtype."""
+        return self.num_embeddings * self.dim * STORAGE_BYTES[self.storage]
+
+    @property
+    def state_bytes(self) -> int:
+        """The row optimizer's state (float32)."""
+        return row_state_bytes(self.optimizer_name, self.num_embeddings, self.dim)
 
 
-def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partition: str) -> tuple[TablePlan, ...]:
-    """``tables``: (name, Table module, possibly on the meta device) pairs; ps task ``p`` is shard ``p``."""
+def table_optimizer_problem(config: Mapping[str, Any]) -> str | None:
+    """Why a table's own optimizer config cannot be used (a message), or None."""
+    name = config.get("name")
+    if name not in ROW_OPTIMIZER_KEYS:
+        return f"optimizer name {name!r} is not one of {', '.join(map(repr, ROW_OPTIMIZER_KEYS))}"
+    keys = ROW_OPTIMIZER_KEYS[name]
+    unknown = sorted(set(config) - {"name", *keys})
+    if unknown:
+        why = (" (torch.optim.SparseAdam has none; sgd, adagrad and rowwise_adagrad take it as L2 on touched rows)"
+               if name == "adam" and "weight_decay" in unknown else "")
+        return f"{name} takes {', '.join(keys)}, not {', '.join(unknown)}{why}"
+    if "lr" not in config:
+        return f"{name} needs lr"
+    numbers = {k: v for k, v in config.items() if k not in ("name", "betas")}
+    bad = [k for k, v in numbers.items() if not isinstance(v, (int, float)) or isinstance(v, bool)
+           or not math.isfinite(v) or v < 0 or (k in ("lr", "eps") and v <= 0)]
+    if bad:
+        return f"{', '.join(f'{k} {numbers[k]!r}' for k in bad)}: lr and eps must be finite numbers > 0, the others >= 0"
+    betas = config.get("betas", (0.9, 0.999))
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        return f"betas {betas!r}: two numbers in [0, 1)"
+    return None
+
+
+def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partition: str,
+                run_optimizer: str = "sgd") -> tuple[TablePlan, ...]:
+    """``tables``: (name, Table module, possibly on the meta device) pairs; ps task ``p`` is shard ``p``.
+    ``run_optimizer``: the run's optimizer name (a table without its own config gets it). A
+    table's storage or optimizer config that cannot be used: ValueError naming the table."""
     out = []
     for name, t in tables:
+        storage = getattr(t, "storage", "float32")
+        own = getattr(t, "optimizer", None)
+        if storage not in STORAGE_BYTES:
+            raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE_BYTES))}")
+        if own is not None and (why := table_optimizer_problem(own)):
+            raise ValueError(f"table {name}: its optimizer {dict(own)}: {why}")
+        opt = own["name"] if own is not None else run_optimizer
+        if opt not in ROW_OPTIMIZER_KEYS:
+            raise ValueError(f"table {name} gets the run's optimizer {opt!r}, which does not apply to sparse tables "
+                             f"({', '.join(ROW_OPTIMIZER_KEYS)}): give the table its own optimizer")
         starts = div_starts(t.num_embeddings, num_ps)
         parts = []
         for p in range(num_ps):
@@ -59,8 +126,11 @@ def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partiti
                 rows, first = starts[p + 1] - starts[p], starts[p]
             else:
                 rows, first = len(range(p, t.num_embeddings, num_ps)), p
-            parts.append(TablePartPlan(p, p, f"/job:{ps_job}/task:{p}", rows, rows * t.dim * FLOAT32_BYTES, first))
-        out.append(TablePlan(name, t.kind, t.num_embeddings, t.dim, t.init_std, t.mode, partition, tuple(parts)))
+            state = row_state_bytes(opt, rows, t.dim)
+            parts.append(TablePartPlan(p, p, f"/job:{ps_job}/task:{p}", rows,
+                                       rows * t.dim * STORAGE_BYTES[storage] + state, first, state))
+        out.append(TablePlan(name, t.kind, t.num_embeddings, t.dim, t.init_std, t.mode, partition, tuple(parts),
+                             storage, dict(own) if own is not None else None, opt))
     return tuple(out)
 
 
@@ -68,30 +138,61 @@ def format_tables(tables: tuple[TablePlan, ...]) -> list[str]:
     """The ``tables:`` section of ``dtrain plan``'s text."""
     lines = ["tables (sparse, rows on the ps tasks):"] if tables else []
     for t in tables:
-        lines.append(f"  {t.name}  {t.kind} {t.num_embeddings}x{t.dim}  {t.bytes} B  partition {t.partition}")
+        lines.append(f"  {t.name}  {t.kind} {t.num_embeddings}x{t.dim}  {t.storage}  {t.optimizer_name}"
+                     f"{'' if t.optimizer is None else ' (its own)'}  {t.bytes + t.state_bytes} B "
+                     f"({t.bytes} B rows + {t.state_bytes} B state)  partition {t.partition}")
         for p in t.parts:
             lines.append(f"    part {p.part} -> {p.task}  {p.rows} rows  {p.bytes} B")
     return lines
 
 
 def table_config(table: TablePlan, part: int, seed: int) -> dict[str, Any]:
-    """What a ps task needs to build its part (plain data, sent through Dask)."""
+    """What a ps task needs to build its part (plain data, sent through Dask): ``optimizer`` is the
+    table's own config, or None for the run's."""
     return {"name": table.name, "num_embeddings": table.num_embeddings, "dim": table.dim,
             "num_parts": len(table.parts), "part": part, "strategy": table.partition, "init_std": table.init_std,
-            "seed": seed}
+            "seed": seed, "storage": table.storage,
+            "optimizer": dict(table.optimizer) if table.optimizer is not None else None}
 
 
 def table_layout(tables: tuple[TablePlan, ...]) -> list[dict[str, Any]]:
-    """What a checkpoint records of each table's partition (so a resume can repartition it)."""
+    """What a checkpoint records of each table: its partition (so a resume can repartition it), its
+    storage dtype and its row optimizer."""
     return [{"name": t.name, "num_embeddings": t.num_embeddings, "dim": t.dim, "partition": t.partition,
-             "parts": len(t.parts)} for t in tables]
+             "parts": len(t.parts), "storage": t.storage, "optimizer": t.optimizer_name} for t in tables]
+
+
+def restore_problem(written: Mapping[str, Any], table: TablePlan, default_optimizer: str | None = None) -> str | None:
+    """Why a table recorded as ``written`` (:func:`table_layout`) cannot be restored into ``table``,
+    or None. Another size or another row optimizer cannot be (the rows or their optimizer state
+    do not fit); another storage dtype or partition can (:func:`reshard_table`, :func:`to_storage`).
+    ``default_optimizer``: the row optimizer of a checkpoint that recorded none (written before
+    tables had their own: the run's optimizer); None: not checked."""
+    if (written["num_embeddings"], written["dim"]) != (table.num_embeddings, table.dim):
+        return (f"a table of {written['num_embeddings']}x{written['dim']} for {table.name} (the pipeline's is "
+                f"{table.num_embeddings}x{table.dim})")
+    was = written.get("optimizer", default_optimizer)
+    if was is not None and was != table.optimizer_name:
+        return (f"table {table.name} with row optimizer {was!r}, the pipeline gives it {table.optimizer_name!r}: its "
+                f"optimizer state cannot be used; resume with {was}")
+    return None
+
+
+def to_storage(parts: list[dict[str, Any]], storage: str) -> list[dict[str, Any]]:
+    """Part states with their rows converted to the storage dtype ``storage`` (rounded to nearest,
+    part by part); the optimizer state is float32 whatever the storage."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[storage]
+    return [{**p, "weight": p["weight"].to(dtype)} for p in parts]
 
 
 def reshard_table(parts: list[dict[str, Any]], num_embeddings: int, old: tuple[int, str],
                   new: tuple[int, str]) -> list[dict[str, Any]]:
-    """A table's part states (``weight`` and per-row optimizer tensors, ``step``) written under the
+    """A table's part states (``weight``, per-row optimizer tensors and ``step``) written under the
     partition ``old`` = (parts, mod|div) -> the part states of ``new``: every row and its optimizer
-    state moved to the part that holds its id now (the table is assembled once, here)."""
+    state moved to the part that holds its id now (the table is assembled once, here). A per-row
+    tensor is any optimizer tensor whose first dimension is its part's row count (adagrad's (rows,
+    dim) sums, rowwise_adagrad's (rows,) accumulator); every tensor keeps its dtype (a bfloat16
+    table stays bfloat16)."""
     from dtrain.model.tables import global_rows
 
     def ids(count: int, strategy: str, part: int) -> torch.Tensor:
@@ -108,7 +209,10 @@ def reshard_table(parts: list[dict[str, Any]], num_embeddings: int, old: tuple[i
         raise ValueError(f"{len(parts)} part state(s) for a partition of {old[0]}")
     weights = regroup([p["weight"] for p in parts])
     opt = [dict(p.get("optimizer") or {}) for p in parts]
-    rowwise = [k for k, v in opt[0].items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    counts = [len(p["weight"]) for p in parts]
+    rowwise = [k for k, v in opt[0].items() if isinstance(v, torch.Tensor) and v.dim() >= 1
+               and all(isinstance(o.get(k), torch.Tensor) and o[k].dim() >= 1 and len(o[k]) == n
+                       for o, n in zip(opt, counts, strict=True))]
     regrouped = {k: regroup([o[k] for o in opt]) for k in rowwise}
     scalars = {k: v for k, v in opt[0].items() if k not in rowwise}
     return [{"weight": weights[i], "optimizer": {**scalars, **{k: regrouped[k][i] for k in rowwise}}}

@@ -1,147 +1,117 @@
-"""One ps task's rows of a sparse embedding table, and the optimizers that update rows.
+"""One ps task's rows of a sparse embedding table, stored compactly, and their optimizer.
 
 ``TablePart`` holds this task's rows of one table (TensorFlow's ``mod`` or ``div``
-partition_strategy) as a (rows, dim) tensor, initialised here from the run's seed with the
-table's chunked initialisation (``dtrain.model.tables.init_rows``: the same values whatever the
-number of ps tasks). Replicas push (global ids, summed row gradients) and gather rows by global
-id; ids are checked, so a bad id is refused before anything is read or written.
+partition_strategy) as a (rows, dim) tensor in the table's *storage* dtype (``float32``,
+``bfloat16`` or ``float16``), initialised here from the run's seed with the table's chunked
+initialisation (``dtrain.model.tables.init_rows``: the same values whatever the number of ps
+tasks; drawn in float32 one chunk at a time and stored rounded to nearest, so the part never
+exists in float32 as a whole). Replicas push (global ids, summed row gradients) and gather rows
+by global id; ids are checked, so a bad id is refused before anything is read or written.
 
-The row optimizers follow torch's sparse semantics step for step (tests/ps/test_rows.py checks
-them against torch.optim on ``nn.Embedding(sparse=True)`` gradients):
+Gradients arrive, and the optimizer runs, in float32: a step gathers its touched rows to float32,
+updates them (``dtrain.ps.row_optimizers``) and writes them back. A bfloat16 or float16 write-back
+rounds **stochastically** (as FBGEMM's embedding tables do): a value between two representable
+neighbours becomes the upper one with probability equal to its distance from the lower one, in
+units of the gap, so the stored value is right on average and updates far smaller than half a
+gap still move the row over many steps (round-to-nearest would drop every one of them):
 
-- ``sgd``: ``w[rows] -= lr * g`` (torch.optim.SGD on a sparse gradient);
-- ``adagrad``: per-row accumulators (torch.optim.Adagrad on a sparse gradient: ``lr_decay``,
-  ``initial_accumulator_value``, ``eps``);
-- ``adam``: lazy Adam, torch.optim.SparseAdam: only the touched rows' moments change; the step
-  counter (bias correction) advances every step, as the whole table's does in torch.
+- bfloat16: uniform random bits are added to the low 16 bits of the float32 pattern, which are
+  then cut off (exact: bfloat16 is float32's upper half);
+- float16: the same with the low 13 bits where the result is a normal float16 (|x| >= 2**-14);
+  below that, among float16's subnormals, whose gap is 2**-24 everywhere,
+  ``floor(x * 2**24 + u) * 2**-24`` with u uniform in [0, 1). Beyond float16's largest value
+  (65504) a row overflows to inf, as a float16 cast does.
+
+The random bits of a step come from a generator seeded by (run seed, table name, part, step): a
+run is reproducible for a fixed number of ps tasks, and a resumed run draws what it would have.
+``gather`` returns float32 rows (the wire and the replicas stay float32).
 
 Pure torch: no Dask.
 """
 
 from __future__ import annotations
 
-import math
+import zlib
 from typing import Any
 
 import torch
 
-from dtrain.model.tables import global_rows, init_rows
+from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
+
+from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
+
+__all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "round_stochastic",
+           "row_state_bytes"]
+
+STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""A table's storage dtypes, by the name a ``Table`` and the plan give them."""
+
+_FP16_MIN_NORMAL = 2.0 ** -14
+_FP16_SUBNORMAL_GAP = 2.0 ** -24
 
 
-class RowOptimizer:
-    """``step(weight, rows, grads)`` updates ``weight[rows]`` (unique local rows) in place; every
-    call is one optimizer step, touched rows or not."""
-
-    def __init__(self, rows: int, dim: int, lr: float):
-        self.lr = lr
-        self.step_count = 0
-
-    def step(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        self.step_count += 1
-        if len(rows):
-            self._update(weight, rows, grads)
-
-    def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        weight.index_add_(0, rows, grads, alpha=-self.lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_count = int(state.get("step", 0))
-
-
-class RowAdagrad(RowOptimizer):
-    def __init__(self, rows: int, dim: int, lr: float, lr_decay: float = 0.0, initial_accumulator_value: float = 0.0,
-                 eps: float = 1e-10):
-        super().__init__(rows, dim, lr)
-        self.lr_decay, self.eps = lr_decay, eps
-        self.sum = torch.full((rows, dim), float(initial_accumulator_value), dtype=torch.float32)
-
-    def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        clr = self.lr / (1 + (self.step_count - 1) * self.lr_decay)
-        acc = self.sum.index_select(0, rows).add_(grads.pow(2))
-        self.sum.index_copy_(0, rows, acc)
-        weight.index_add_(0, rows, grads / acc.sqrt_().add_(self.eps), alpha=-clr)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_count, "sum": self.sum}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if state.get("sum") is not None:
-            self.sum.copy_(state["sum"])
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """float32 ``x`` in ``dtype`` (bfloat16 or float16), rounded stochastically (module docstring);
+    ``x`` is overwritten. NaN stays NaN."""
+    if dtype == torch.float32:
+        return x
+    nan = torch.isnan(x)
+    low = 16 if dtype == torch.bfloat16 else 13
+    sub = x.abs() < _FP16_MIN_NORMAL if dtype == torch.float16 else None
+    tiny = None
+    if sub is not None and bool(sub.any()):  # float16 subnormals: a fixed gap of 2**-24
+        small = x[sub]
+        u = torch.rand(small.shape, generator=generator, dtype=torch.float32)
+        tiny = small.mul_(1 / _FP16_SUBNORMAL_GAP).add_(u).floor_().mul_(_FP16_SUBNORMAL_GAP)
+    bits = x.view(torch.int32)  # sign and magnitude: adding to the pattern grows |x|, cutting shrinks it
+    bits.add_(torch.randint(0, 1 << low, x.shape, generator=generator, dtype=torch.int32))
+    bits.bitwise_and_(-(1 << low))
+    if tiny is not None:
+        x[sub] = tiny
+    if bool(nan.any()):
+        x[nan] = float("nan")
+    return x.to(dtype)
 
 
-class RowLazyAdam(RowOptimizer):
-    def __init__(self, rows: int, dim: int, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-        super().__init__(rows, dim, lr)
-        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
-        self.eps = eps
-        self.exp_avg = torch.zeros((rows, dim), dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros((rows, dim), dtype=torch.float32)
-
-    def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        # torch.optim.SparseAdam's arithmetic, in its order (so the results agree to the last bits).
-        old_avg = self.exp_avg.index_select(0, rows)
-        avg_update = grads.sub(old_avg).mul_(1 - self.beta1)
-        self.exp_avg.index_add_(0, rows, avg_update)
-        old_sq = self.exp_avg_sq.index_select(0, rows)
-        sq_update = grads.pow(2).sub_(old_sq).mul_(1 - self.beta2)
-        self.exp_avg_sq.index_add_(0, rows, sq_update)
-        numer = avg_update.add_(old_avg)
-        sq_update.add_(old_sq)
-        denom = sq_update.sqrt_().add_(self.eps)
-        step = self.step_count
-        step_size = self.lr * math.sqrt(1 - self.beta2 ** step) / (1 - self.beta1 ** step)
-        weight.index_add_(0, rows, -step_size * numer.div_(denom))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state.get(key) is not None:
-                getattr(self, key).copy_(state[key])
-
-
-ROW_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
-"""(rows, dim) tensors of optimizer state a table part keeps per optimizer, besides its rows."""
-
-
-def make_row_optimizer(rows: int, dim: int, config: dict[str, Any]) -> RowOptimizer:
-    """The row optimizer for an ``optimizer:`` section (a plain dict); see the module docstring."""
-    c = dict(config)
-    name = c.get("name")
-    for key in ("weight_decay",):
-        if c.get(key):
-            raise ValueError(f"optimizer.{key} does not apply to sparse gradients; sparse tables take sgd, adagrad "
-                             "or adam without it")
-    if c.get("amsgrad"):
-        raise ValueError("optimizer.amsgrad does not apply to sparse gradients (torch.optim.SparseAdam)")
-    if name == "sgd":
-        return RowOptimizer(rows, dim, c["lr"])
-    if name == "adagrad":
-        return RowAdagrad(rows, dim, c["lr"], lr_decay=c.get("lr_decay", 0.0),
-                          initial_accumulator_value=c.get("initial_accumulator_value", 0.0), eps=c.get("eps", 1e-10))
-    if name == "adam":
-        return RowLazyAdam(rows, dim, c["lr"], betas=tuple(c.get("betas", (0.9, 0.999))), eps=c.get("eps", 1e-8))
-    raise ValueError(f"optimizer.name {name!r} does not apply to sparse tables; use sgd, adagrad or adam")
+def _stream_seed(seed: int, name: str, part: int, step: int) -> int:
+    """The rounding generator's seed for one step of one part (stable across processes)."""
+    return (int(seed) * 1_000_033 + zlib.crc32(name.encode()) * 7_919 + int(part) * 104_729
+            + int(step) * 15_485_863 + 0x5EED) % (2**63 - 1)
 
 
 class TablePart:
-    """This ps task's rows of one table, their optimizer and the step's gradient accumulator."""
+    """This ps task's rows of one table (in its storage dtype), their optimizer and the step's
+    gradient accumulator."""
 
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
-                 init_std: float, seed: int, optimizer_config: dict[str, Any]):
+                 init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32"):
+        if storage not in STORAGE:
+            raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE))}")
         self.name, self.num_embeddings, self.dim = name, int(num_embeddings), int(dim)
         self.num_parts, self.part, self.strategy = int(num_parts), int(part), strategy
+        self.storage, self.seed = storage, int(seed)
         self.rows = global_rows(self.num_embeddings, self.num_parts, self.part, strategy)
-        self.weight = torch.empty((len(self.rows), self.dim), dtype=torch.float32)
-        init_rows(seed, name, self.num_embeddings, self.dim, init_std, self.rows, out=self.weight)
-        self.optimizer = make_row_optimizer(len(self.rows), self.dim, optimizer_config)
+        self.weight = torch.empty((len(self.rows), self.dim), dtype=STORAGE[storage])
+        self._init(init_std)
+        self.optimizer: RowOptimizer = make_row_optimizer(len(self.rows), self.dim, optimizer_config)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
+
+    def _init(self, std: float) -> None:
+        if self.weight.dtype == torch.float32:
+            init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, self.rows, out=self.weight)
+            return
+        # One float32 slice per initialisation chunk that holds rows of this part (each chunk drawn
+        # once, as init_rows draws it), stored rounded to nearest: never the whole part in float32.
+        r = self.rows
+        if not len(r):
+            return
+        for c in range(r.start // CHUNK_ROWS, r[-1] // CHUNK_ROWS + 1):
+            k0 = max(0, -(-(c * CHUNK_ROWS - r.start) // r.step))
+            k1 = min(len(r), -(-((c + 1) * CHUNK_ROWS - r.start) // r.step))
+            if k1 > k0:  # (a range ending one past its last id: init_rows reads ``stop - 1`` as the last)
+                ids = range(r[k0], r[k1 - 1] + 1, r.step)
+                self.weight[k0:k1].copy_(init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, ids))
 
     def check_ids(self, ids: torch.Tensor | None) -> str | None:
         """Why ``ids`` cannot be served here (an id outside the table or on another task), or None."""
@@ -164,8 +134,8 @@ class TablePart:
         return ids // self.num_parts if self.strategy == "mod" else ids - self.rows.start
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
-        return self.weight.index_select(0, self._local(ids))
+        """The float32 rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
+        return self.weight.index_select(0, self._local(ids)).to(torch.float32)
 
     def add_grad(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One replica's sparse gradient for this step (applied, summed per id, by :meth:`apply`)."""
@@ -175,21 +145,27 @@ class TablePart:
         self._pending = []
 
     def apply(self, scale: float = 1.0) -> None:
-        """One optimizer step with the step's gradients summed per id and multiplied by ``scale``."""
-        if self._pending:
-            local = torch.cat([i for i, _ in self._pending])
-            grads = torch.cat([g for _, g in self._pending])
-            rows, inverse = torch.unique(local, return_inverse=True)
-            summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
-            if scale != 1.0:
-                summed.mul_(scale)
-        else:
-            rows, summed = torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim))
+        """One optimizer step with the step's gradients summed per id and multiplied by ``scale``:
+        the touched rows gathered to float32, updated, written back (module docstring)."""
+        if not self._pending:
+            self.optimizer.step(torch.empty((0, self.dim)), torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim)))
+            return
+        local = torch.cat([i for i, _ in self._pending])
+        grads = torch.cat([g for _, g in self._pending])
         self._pending = []
-        self.optimizer.step(self.weight, rows, summed)
+        rows, inverse = torch.unique(local, return_inverse=True)
+        summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
+        if scale != 1.0:
+            summed.mul_(scale)
+        w = self.weight.index_select(0, rows).to(torch.float32)
+        self.optimizer.step(w, rows, summed)
+        if self.weight.dtype != torch.float32:
+            self._generator.manual_seed(_stream_seed(self.seed, self.name, self.part, self.optimizer.step_count))
+            w = round_stochastic(w, self.weight.dtype, self._generator)
+        self.weight.index_copy_(0, rows, w)
 
     def state(self, copy: bool = False) -> dict[str, Any]:
-        """Rows and optimizer state (``copy``: cloned, else the live tensors)."""
+        """Rows (in the storage dtype) and optimizer state (``copy``: cloned, else the live tensors)."""
         if copy:
             return self.chunk(0, len(self.rows))
         return {"weight": self.weight, "optimizer": self.optimizer.state_dict()}
@@ -201,14 +177,26 @@ class TablePart:
                 "optimizer": {k: v[start:stop].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`'s output. Rows of another storage dtype are converted (rounded to
+        nearest); optimizer state of another row optimizer is refused."""
+        where = f"table {self.name} part {self.part}"
         if tuple(state["weight"].shape) != tuple(self.weight.shape):
-            raise ValueError(f"table {self.name} part {self.part}: a state of shape {tuple(state['weight'].shape)}, "
+            raise ValueError(f"{where}: a state of shape {tuple(state['weight'].shape)}, "
                              f"this part holds {tuple(self.weight.shape)} (another ps count or partition?)")
+        opt = dict(state.get("optimizer") or {})
+        theirs = sorted(k for k, v in opt.items() if isinstance(v, torch.Tensor))
+        mine = sorted(self.optimizer.tensors())
+        if theirs and theirs != mine:
+            raise ValueError(f"{where}: the state holds optimizer state {theirs}, the table's {self.optimizer.name} "
+                             f"keeps {mine or 'none'} (written with another row optimizer)")
+        try:
+            self.optimizer.load_state_dict(opt)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         self.weight.copy_(state["weight"])
-        self.optimizer.load_state_dict(dict(state.get("optimizer") or {}))
         self._pending = []
 
     @property
     def nbytes(self) -> int:
-        state = self.optimizer.state_dict()
-        return self.weight.numel() * 4 + sum(v.numel() * 4 for v in state.values() if isinstance(v, torch.Tensor))
+        """Bytes of the rows and their optimizer state (each tensor's own element size)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, *self.optimizer.tensors().values()))

@@ -79,8 +79,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self.averages = make_average(config.get("moving_average"), self.param)  # None: no EMA (ps/averages.py)
         # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
+        # A table with its own optimizer config uses it, the others the run's.
         self.tables: dict[str, TablePart] = {
-            t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in config.get("tables", ())}
+            t["name"]: TablePart(**{k: v for k, v in t.items() if k != "optimizer"},
+                                 optimizer_config=t.get("optimizer") or config["optimizer"])
+            for t in config.get("tables", ())}
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
         self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)

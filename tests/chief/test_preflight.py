@@ -314,9 +314,12 @@ def test_ps_memory_counts_table_rows_with_their_row_state(tmp_path, capsys):
     code, err = cmd(capsys, "plan", str(path))
     rows = 4_000_000 * 4 * 4  # each ps task holds half the rows; adagrad keeps one accumulator per row
     assert code == 2 and len(err) == 2, err  # ps 0 also holds the linear weight (12 floats), ps 1 its bias
-    assert err[0].startswith(f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least "
-                             f"{2 * rows + 4 * 48} bytes ({rows + 48} bytes of parameters, {rows} of them sparse "
-                             "table rows, with their scratch buffer and adagrad state)"), err
+    assert err[0] == (f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least {2 * rows + 4 * 48} "
+                      "bytes (48 bytes of dense parameters with their scratch buffer and adagrad state, and "
+                      f"{2 * rows} bytes of sparse table rows with their row optimizer state; the largest table on "
+                      f"it, 0.weight, holds {2 * rows} bytes there: 4000000 rows of 4 in float32 with adagrad "
+                      "state), more than its worker's memory_limit '100MiB' (104857600 bytes): raise "
+                      "cluster.memory_limit or add ps tasks (a table's rows are split over all of them)"), err
     # 200 MiB holds the rows and their accumulators (the dense buffers' 4x would need 256 MB)
     path.write_text(path.read_text().replace("100MiB", "200MiB"))
     assert cmd(capsys, "plan", str(path))[0] == 0
@@ -361,3 +364,82 @@ def test_a_regression_module_may_return_one_value_per_sample(tmp_path, capsys, i
     code, err = cmd(capsys, "plan", str(path))
     assert code == 2 and "mse needs the model to output one value per sample, (batch,) or (batch, 1), but it " \
                          "outputs (batch, 3)" in err[0], err
+COMPACT = CTR.replace("""  input_shape: [3]
+  layers:
+    - {type: embedding, num_embeddings: 50, dim: 4}
+    - {type: flatten}
+    - {type: linear, out: 1}
+""", "  module: tests.helpers.models:CompactTable\n  kwargs: {vocab: VOCAB, storage: STORAGE, optimizer: OPT}\n").replace(
+    "{jobs: {ps: 2, worker: 1}}", "{jobs: {ps: 2, worker: 1}, memory_limit: 100MiB}")
+
+
+def compact(vocab: int, storage: str = "bfloat16", opt: str = "{name: rowwise_adagrad, lr: 0.1}") -> str:
+    return COMPACT.replace("VOCAB", str(vocab)).replace("STORAGE", storage).replace("OPT", opt)
+
+
+def test_ps_memory_counts_each_tables_storage_and_own_optimizer(tmp_path, capsys):
+    """A bfloat16 table with rowwise_adagrad: 2 bytes an element and 4 bytes a row, not the run's
+    adagrad in float32 (which would need 32 bytes a row of 4: refused at 100 MiB). Too large even
+    so, the refusal names the table, its bytes on the task and the limit; `dtrain plan` shows the
+    storage, the optimizer and the bytes with state."""
+    path = write(tmp_path, compact(8_000_000), *ids_xy())
+    code = cli.main(["plan", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert ("emb.weight  embedding 8000000x4  bfloat16  rowwise_adagrad (its own)  96000000 B (64000000 B rows + "
+            "32000000 B state)  partition mod") in out, out
+    assert "part 0 -> /job:ps/task:0  4000000 rows  48000000 B" in out
+    path.write_text(compact(8_000_000, "float32", "{name: adagrad, lr: 0.1}"))  # the same table, uncompressed
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "the largest table on it, emb.weight, holds 128000000 bytes" in err[0], err
+    path.write_text(compact(20_000_000))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 2, err
+    part = 10_000_000 * (4 * 2 + 4)  # ps 0 also holds the linear weight (12 floats), ps 1 its bias
+    assert err[0] == (f"{path}:2: cluster.memory_limit: ps task /job:ps/task:0 needs at least {part + 4 * 48} bytes "
+                      f"(48 bytes of dense parameters with their scratch buffer and adagrad state, and {part} bytes "
+                      "of sparse table rows with their row optimizer state; the largest table on it, emb.weight, "
+                      f"holds {part} bytes there: 10000000 rows of 4 in bfloat16 with rowwise_adagrad state), more "
+                      "than its worker's memory_limit '100MiB' (104857600 bytes): raise cluster.memory_limit or add "
+                      "ps tasks (a table's rows are split over all of them), or make the table smaller: "
+                      "Table(storage='bfloat16') halves its rows, a Table optimizer {name: rowwise_adagrad} keeps "
+                      "one float of state per row"), err
+
+
+def test_a_tables_own_optimizer_and_storage_are_checked_before_start(tmp_path, capsys):
+    """A table with its own optimizer does not take the run's (momentum is fine for the dense
+    layers then); a bad storage dtype or optimizer config is refused at model.module."""
+    path = write(tmp_path, compact(50).replace("{name: adagrad, lr: 0.1}", "{name: momentum, lr: 0.1}"), *ids_xy())
+    assert cmd(capsys, "plan", str(path))[0] == 0
+    path.write_text(compact(50, opt="null").replace("{name: adagrad, lr: 0.1}", "{name: momentum, lr: 0.1}"))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "optimizer.name: momentum does not apply to sparse gradients" in err[0], err
+    path.write_text(compact(50, storage="int8"))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 1 and err[0].startswith(
+        f"{path}:4: model.module: table emb.weight: storage 'int8' is not one of 'float32', 'bfloat16', 'float16'"), err
+    path.write_text(compact(50, opt="{name: adam, lr: 0.1, weight_decay: 0.01}"))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "table emb.weight: its optimizer" in err[0] and "not weight_decay" in err[0], err
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ps_state_bytes_counts_a_shards_compact_tables(mode):
+    """With tables: ps_state_bytes of the plan's table bytes equals what a real shard allocates for
+    its dense buffers and its table parts (bfloat16 rows, rowwise_adagrad's per-row accumulator)."""
+    from dtrain.plan.tables import plan_tables, table_config
+    from tests.helpers.models import CompactTable
+
+    skeleton = CompactTable(vocab=1001, dim=6, optimizer={"name": "rowwise_adagrad", "lr": 0.1})
+    (table,) = plan_tables([("emb.weight", skeleton.emb)], "ps", 2, "div", run_optimizer="adagrad")
+    spec = dtrain.PipelineSpec.model_validate({"model": {"input_shape": [4], "layers": [{"type": "linear", "out": 2}]},
+                                               "optimizer": {"name": "adagrad"}}).optimizer
+    numel = 100
+    shard = ParameterShard({"index": 0, "mode": mode, "steps": 10, "optimizer": spec.model_dump(),
+                            "tables": [table_config(table, 0, seed=1)]}, torch.zeros(numel))
+    part = shard.tables["emb.weight"]
+    tensors = [v for obj in (shard, shard.optimizer, part, part.optimizer) for v in vars(obj).values()
+               if isinstance(v, torch.Tensor)]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert part.weight.dtype == torch.bfloat16
+    assert ps_state_bytes(numel * 4, spec, table.parts[0].bytes, sync=mode == "sync") == allocated

@@ -145,3 +145,19 @@ class Branches(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.left(x) + self.right(x)
+
+
+class CompactTable(nn.Module):
+    """A module holding a ps table directly (dtrain.model.tables.Table) with its own storage dtype
+    and optimizer: what ``dtrain plan`` and the ps memory check count for it."""
+
+    def __init__(self, vocab: int = 50, dim: int = 4, storage: str = "bfloat16",
+                 optimizer: dict | None = None) -> None:
+        super().__init__()
+        from dtrain.model.tables import Table
+
+        self.emb = Table(vocab, dim, name="emb.weight", storage=storage, optimizer=optimizer)
+        self.out = nn.Linear(3 * dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x).flatten(1))
