@@ -63,7 +63,11 @@ def assemble(session: Any, model: torch.nn.Module, buffers: list[torch.Tensor], 
     if with_tables:  # whole tables (model.pt): fetched from the ps in chunks of rows
         for name, table in tables_of(model):
             if name in session._table_names:
-                table.make_full(session.shards.pull_table(name))
+                if table.dynamic is not None:  # a table without a vocabulary: its ids and their rows
+                    ids, rows = session.shards.pull_rows(name)
+                    table.make_full(rows, ids)
+                else:
+                    table.make_full(session.shards.pull_table(name))
     extra = {}
     if session.replica_stats and session.replica_stats[0].get("extra", {}).get("buffers"):
         extra = session.replica_stats[0]["extra"]["buffers"]

@@ -460,6 +460,11 @@ class Session:
             t = self.spec.training
             summary["data_plane"] = {"transport": t.transport, "wire_dtype": t.wire_dtype,
                                      **self.shards.data_plane_counts}
+        if self.plan.tables:
+            try:  # (a run whose ps tasks are gone has no figures to give)
+                summary["tables"] = self.shards.table_stats()
+            except Exception as exc:
+                logger.debug("no table figures: %s", exc)
         summary.update(data_report.summary(self))
         summary.update(elastic.summary(self))
         summary.update(telemetry.summary(self))

@@ -26,11 +26,12 @@ from distributed import Future
 
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
+from dtrain.model.ids import home_part
 from dtrain.model.tables import div_starts
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.plan.tables import reshard_table, table_config, table_layout
+from dtrain.plan.tables import merge_dynamic, reshard_table, table_config, table_layout
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
@@ -182,7 +183,15 @@ class ShardGroup:
             old = (int(was["parts"]), str(was["partition"]))
             new = (len(table.parts), table.partition)
             parts = [st["tables"][table.name] for st in source[:old[0]]]
-            if old != new:
+            if bool(was.get("dynamic")) != (table.dynamic is not None):
+                raise RunError(f"{checkpoint.path} holds {table.name} as a table "
+                               f"{'without' if was.get('dynamic') else 'with'} a vocabulary, the pipeline's is "
+                               f"{'with' if was.get('dynamic') else 'without'} one; use another --run-dir")
+            if table.dynamic is not None:
+                if old[0] != new[0]:  # every new part takes, from all the rows, those whose id lives there
+                    merged = merge_dynamic(parts)  # (the counters once, on the first part: they are summed)
+                    parts = [merged] + [{**merged, "counters": {}}] * (new[0] - 1)
+            elif old != new:
                 logger.info("%s: repartitioning table %s from %d %s part(s) onto %d %s", checkpoint.path.name,
                             table.name, old[0], old[1], new[0], new[1])
                 parts = reshard_table(parts, table.num_embeddings, old, new)
@@ -246,14 +255,41 @@ class ShardGroup:
     def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of table ``name`` for global ``ids`` (any order), from the ps tasks holding them."""
         table = next(t for t in self.plan.tables if t.name == name)
-        part = ids % len(table.parts) if table.partition == "mod" else torch.searchsorted(
-            torch.tensor(div_starts(table.num_embeddings, len(table.parts))[1:-1]), ids, right=True)
+        if table.partition == "hash":
+            part = home_part(ids, len(table.parts))
+        else:
+            part = ids % len(table.parts) if table.partition == "mod" else torch.searchsorted(
+                torch.tensor(div_starts(table.num_embeddings, len(table.parts))[1:-1]), ids, right=True)
         out = torch.empty((len(ids), table.dim), dtype=torch.float32)
         for p in range(len(table.parts)):
             sel = torch.nonzero(part == p).flatten()
             if len(sel):
                 out[sel] = call(self.handles[p].gather_rows(name, ids[sel]), timeout=transfer_timeout(len(sel) * table.dim))
         return out
+
+    def table_stats(self, timeout: float = 10) -> dict[str, dict[str, Any]]:
+        """summary.json's ``tables``: per table its rows, bytes and (no vocabulary) admitted, evicted
+        and rejected, summed over the ps tasks, with each task's own figures under ``parts``."""
+        out: dict[str, dict[str, Any]] = {}
+        holders = sorted({p.shard for t in self.plan.tables for p in t.parts})
+        futures = _calls([self.handles[j] for j in holders], "table_stats")
+        for j, future in zip(holders, futures, strict=True):
+            for name, figures in call(future, timeout=timeout).items():
+                entry = out.setdefault(name.removeprefix("tables.").removesuffix(".weight"), {"parts": {}})
+                for key, value in figures.items():
+                    entry[key] = entry.get(key, 0) + value
+                entry["parts"][self.plan.shards[j].task] = figures
+        return out
+
+    def pull_rows(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A table without a vocabulary, whole (for ``model.pt``): its ids, sorted, and their float32
+        rows, read part by part in chunks."""
+        table = next(t for t in self.plan.tables if t.name == name)
+        got = [self._read_part(table, part) for part in table.parts]
+        ids = torch.cat([g["ids"] for g in got])
+        rows = torch.cat([g["weight"].to(torch.float32) for g in got])
+        order = torch.argsort(ids)
+        return ids[order], rows[order]
 
     def pull_table(self, name: str, chunk_rows: int = 1 << 20) -> torch.Tensor:
         """The whole table ``name`` (for ``model.pt``), fetched in chunks of rows."""
@@ -330,6 +366,13 @@ class ShardGroup:
         """One ps task's part of a table and its optimizer state, read in chunks of rows into
         tensors allocated here once (the ps copies one chunk at a time, never its whole part)."""
         handle, chunk_rows = self.handles[part.shard], TABLE_CHUNK_ROWS
+        if table.dynamic is not None:  # its live rows, chunk by chunk of slots, with their ids
+            chunks = [call(handle.read_part(table.name, lo, lo + chunk_rows),
+                           timeout=transfer_timeout(chunk_rows * table.dim))
+                      for lo in range(0, max(part.rows, 1), chunk_rows)]
+            return {**chunks[-1], **{k: torch.cat([c[k] for c in chunks]) for k in ("ids", "weight", "last", "freq")},
+                    "optimizer": {k: torch.cat([c["optimizer"][k] for c in chunks]) if isinstance(v, torch.Tensor)
+                                  else v for k, v in chunks[-1]["optimizer"].items()}}
         out: dict[str, Any] = {}
         for lo in range(0, max(part.rows, 1), chunk_rows):
             hi = min(lo + chunk_rows, part.rows)

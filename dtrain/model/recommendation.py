@@ -44,14 +44,15 @@ class FeatureTables(nn.ModuleDict):
     def __init__(self, features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], seed: int = 0,
                  gathered: bool = False, device: torch.device | str | None = None):
         super().__init__({
-            name: Table(int(t["num_embeddings"]), int(t["dim"]), kind="embedding_bag", mode=t.get("pooling", "sum"),
-                        init_std=float(t.get("init_std", 0.01)), name=f"tables.{name}.weight", seed=seed,
-                        gathered=gathered, device=device, **_row_settings(t))
+            name: Table(int(t.get("num_embeddings") or 0), int(t["dim"]), kind="embedding_bag",
+                        mode=t.get("pooling", "sum"), init_std=float(t.get("init_std", 0.01)),
+                        name=f"tables.{name}.weight", seed=seed, gathered=gathered, device=device, init="per_id",
+                        dynamic=_dynamic(t), **_row_settings(t))
             for name, t in tables.items()})
         self.layout = record_layout(features)
         self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
         self._modulo = {name: int(t["num_embeddings"]) for name, t in tables.items()
-                        if t.get("fold", "modulo") == "modulo"}
+                        if t.get("num_embeddings") and t.get("fold", "modulo") == "modulo"}
 
     def fold(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``table`` that ``ids`` (non-negative int64) look up."""
@@ -73,6 +74,14 @@ class FeatureTables(nn.ModuleDict):
             ids, offsets, weights = records.features[feature]
             out.append(self[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
         return out
+
+
+def _dynamic(table: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A table without a vocabulary's settings (``dtrain.ps.dynamic``), or None for a fixed table."""
+    if table.get("num_embeddings"):
+        return None
+    return {"max_rows": int(table["max_rows"]), "min_count": int(table.get("min_count", 1)),
+            "ttl_steps": table.get("ttl_steps"), "policy": table.get("eviction", "lru")}
 
 
 def _row_settings(table: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from torch import nn
 
 CHUNK_ROWS = 1 << 16
 TABLE_TYPES = ("embedding", "embedding_bag")
+INIT_SCHEMES = ("chunked", "per_id")
 
 
 def chunk_seed(seed: int, name: str, chunk: int) -> int:
@@ -112,7 +113,7 @@ class Table(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, kind: str = "embedding", mode: str = "mean",
                  sparse: bool = True, init_std: float = 1.0, name: str = "", seed: int = 0,
                  gathered: bool = False, device: torch.device | str | None = None, storage: str = "float32",
-                 optimizer: dict | None = None):
+                 optimizer: dict | None = None, init: str = "chunked", dynamic: dict | None = None):
         super().__init__()
         if kind not in TABLE_TYPES:
             raise ValueError(f"unknown table kind {kind!r}; use {' or '.join(TABLE_TYPES)}")
@@ -120,10 +121,20 @@ class Table(nn.Module):
         self.sparse, self.init_std, self.name, self.seed = sparse, float(init_std), name, int(seed)
         self.gathered = gathered
         self.storage, self.optimizer = storage, (dict(optimizer) if optimizer is not None else None)
+        if init not in INIT_SCHEMES:
+            raise ValueError(f"table {name}: init {init!r} is not one of {', '.join(INIT_SCHEMES)}")
+        # per_id: row i starts at dtrain.model.ids.id_rows(i), as a table without a vocabulary's rows do
+        self.init = "per_id" if dynamic is not None else init
+        # A table without a vocabulary (max_rows, min_count, ttl_steps, eviction): its full form holds
+        # the rows of the ids it has (``row_ids``, sorted) and reads zeros for any other id.
+        self.dynamic = dict(dynamic) if dynamic is not None else None
         self.recording: list[torch.Tensor] | None = None  # a record pass: the ids forward was given
         self.ids: torch.Tensor | None = None  # gathered: the sorted unique ids of this step
         self.rows: torch.Tensor | None = None  # gathered: their rows (a leaf that collects the gradient)
         self._init_seed: int | None = None  # the seed the weight was last initialised with
+        if self.dynamic is not None:
+            self.num_embeddings = 0
+            self.register_buffer("row_ids", torch.empty(0, dtype=torch.int64, device=device))
         if not gathered:
             self.weight = nn.Parameter(torch.empty((self.num_embeddings, self.dim), device=device))
             self.reset_parameters()
@@ -136,15 +147,33 @@ class Table(nn.Module):
             return  # (the values depend on the seed only: drawing them again would give the same)
         self._init_seed = self.seed
         with torch.no_grad():
+            if self.init == "per_id":
+                from .ids import id_rows
+
+                for lo in range(0, self.num_embeddings, CHUNK_ROWS):
+                    ids = torch.arange(lo, min(lo + CHUNK_ROWS, self.num_embeddings))
+                    weight[lo:lo + len(ids)].copy_(id_rows(self.seed, self.name, ids, self.dim, self.init_std))
+                return
             values = init_rows(self.seed, self.name, self.num_embeddings, self.dim, self.init_std,
                                range(self.num_embeddings))
             weight.copy_(values)
 
-    def make_full(self, weight: torch.Tensor) -> None:
-        """Turn a gathered table into a full one holding ``weight`` (the chief's ``model.pt``)."""
+    def make_full(self, weight: torch.Tensor, row_ids: torch.Tensor | None = None) -> None:
+        """Turn a gathered table into a full one holding ``weight`` (the chief's ``model.pt``); a
+        table without a vocabulary: the rows of ``row_ids`` (sorted)."""
         self.gathered, self.ids, self.rows = False, None, None
         self.weight = nn.Parameter(weight, requires_grad=True)
+        if self.dynamic is not None:
+            self.row_ids = row_ids if row_ids is not None else torch.empty(0, dtype=torch.int64)
+            self.num_embeddings = len(self.row_ids)
         self._init_seed = self.seed
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # A table without a vocabulary holds as many rows as the state it loads (model.pt).
+        ids = state_dict.get(prefix + "row_ids")
+        if self.dynamic is not None and ids is not None and not self.gathered:
+            self.make_full(torch.empty((len(ids), self.dim), device=self.weight.device), ids.clone())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def gather(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Gathered form: this step's sorted unique ``ids`` and their ``rows`` (made a leaf that
@@ -154,6 +183,12 @@ class Table(nn.Module):
 
     def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index into the weight or rows, weight or rows) for ids ``x``."""
+        if not self.gathered and self.dynamic is not None:  # its ids' rows; zeros for any other id
+            pos = torch.searchsorted(self.row_ids, x.contiguous())
+            known = pos < len(self.row_ids)
+            known[known.clone()] = self.row_ids[pos[known]] == x[known]
+            zero = torch.zeros((1, self.dim), dtype=self.weight.dtype, device=self.weight.device)
+            return torch.where(known, pos, len(self.row_ids)), torch.cat([self.weight, zero])
         if not self.gathered:
             return x, self.weight
         if self.ids is None or self.rows is None:
@@ -178,7 +213,7 @@ class Table(nn.Module):
             self.recording.append(x.detach().reshape(-1).to(torch.int64))
             return torch.zeros(self._out_shape(x, offsets), device=x.device)
         index, weight = self.lookup(x.long())
-        sparse = self.sparse and not self.gathered
+        sparse = self.sparse and not self.gathered and self.dynamic is None  # (a dynamic full table: a view)
         if self.kind == "embedding":
             return F.embedding(index, weight, sparse=sparse)
         return F.embedding_bag(index, weight, offsets, mode=self.mode, sparse=sparse,

@@ -66,16 +66,23 @@ class TablePlan:
     storage: str = "float32"  # the rows' dtype on the ps: float32 | bfloat16 | float16
     optimizer: Mapping[str, Any] | None = None  # the table's own optimizer config; None: the run's
     optimizer_name: str = "sgd"  # the row optimizer it gets: optimizer["name"], or the run's
+    init: str = "chunked"  # chunked (model.layers, model.module tables) | per_id (model.tables)
+    dynamic: Mapping[str, Any] | None = None  # no vocabulary: max_rows, min_count, ttl_steps, policy
+
+    @property
+    def rows(self) -> int:
+        """Its rows: num_embeddings, or at most max_rows for a table without a vocabulary."""
+        return sum(p.rows for p in self.parts) if self.dynamic is not None else self.num_embeddings
 
     @property
     def bytes(self) -> int:
         """The rows, in the storage dtype."""
-        return self.num_embeddings * self.dim * STORAGE_BYTES[self.storage]
+        return self.rows * self.dim * STORAGE_BYTES[self.storage]
 
     @property
     def state_bytes(self) -> int:
         """The row optimizer's state (float32)."""
-        return row_state_bytes(self.optimizer_name, self.num_embeddings, self.dim)
+        return row_state_bytes(self.optimizer_name, self.rows, self.dim)
 
 
 def table_optimizer_problem(config: Mapping[str, Any]) -> str | None:
@@ -119,18 +126,23 @@ def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partiti
         if opt not in ROW_OPTIMIZER_KEYS:
             raise ValueError(f"table {name} gets the run's optimizer {opt!r}, which does not apply to sparse tables "
                              f"({', '.join(ROW_OPTIMIZER_KEYS)}): give the table its own optimizer")
+        dynamic = getattr(t, "dynamic", None)
         starts = div_starts(t.num_embeddings, num_ps)
         parts = []
         for p in range(num_ps):
-            if partition == "div":
+            if dynamic is not None:  # ids spread by a hash: each part holds at most its share of max_rows
+                rows, first = -(-int(dynamic["max_rows"]) // num_ps), p
+            elif partition == "div":
                 rows, first = starts[p + 1] - starts[p], starts[p]
             else:
                 rows, first = len(range(p, t.num_embeddings, num_ps)), p
             state = row_state_bytes(opt, rows, t.dim)
             parts.append(TablePartPlan(p, p, f"/job:{ps_job}/task:{p}", rows,
                                        rows * t.dim * STORAGE_BYTES[storage] + state, first, state))
-        out.append(TablePlan(name, t.kind, t.num_embeddings, t.dim, t.init_std, t.mode, partition, tuple(parts),
-                             storage, dict(own) if own is not None else None, opt))
+        out.append(TablePlan(name, t.kind, t.num_embeddings, t.dim, t.init_std, t.mode,
+                             "hash" if dynamic is not None else partition, tuple(parts), storage,
+                             dict(own) if own is not None else None, opt, getattr(t, "init", "chunked"),
+                             dict(dynamic) if dynamic is not None else None))
     return tuple(out)
 
 
@@ -138,7 +150,8 @@ def format_tables(tables: tuple[TablePlan, ...]) -> list[str]:
     """The ``tables:`` section of ``dtrain plan``'s text."""
     lines = ["tables (sparse, rows on the ps tasks):"] if tables else []
     for t in tables:
-        lines.append(f"  {t.name}  {t.kind} {t.num_embeddings}x{t.dim}  {t.storage}  {t.optimizer_name}"
+        size = f"{t.num_embeddings}x{t.dim}" if t.dynamic is None else f"<= {t.rows}x{t.dim} (no vocabulary)"
+        lines.append(f"  {t.name}  {t.kind} {size}  {t.storage}  {t.optimizer_name}"
                      f"{'' if t.optimizer is None else ' (its own)'}  {t.bytes + t.state_bytes} B "
                      f"({t.bytes} B rows + {t.state_bytes} B state)  partition {t.partition}")
         for p in t.parts:
@@ -152,14 +165,16 @@ def table_config(table: TablePlan, part: int, seed: int) -> dict[str, Any]:
     return {"name": table.name, "num_embeddings": table.num_embeddings, "dim": table.dim,
             "num_parts": len(table.parts), "part": part, "strategy": table.partition, "init_std": table.init_std,
             "seed": seed, "storage": table.storage,
-            "optimizer": dict(table.optimizer) if table.optimizer is not None else None}
+            "optimizer": dict(table.optimizer) if table.optimizer is not None else None, "init": table.init,
+            **({"dynamic": dict(table.dynamic)} if table.dynamic is not None else {})}
 
 
 def table_layout(tables: tuple[TablePlan, ...]) -> list[dict[str, Any]]:
     """What a checkpoint records of each table: its partition (so a resume can repartition it), its
     storage dtype and its row optimizer."""
     return [{"name": t.name, "num_embeddings": t.num_embeddings, "dim": t.dim, "partition": t.partition,
-             "parts": len(t.parts), "storage": t.storage, "optimizer": t.optimizer_name} for t in tables]
+             "parts": len(t.parts), "storage": t.storage, "optimizer": t.optimizer_name, "init": t.init,
+             "dynamic": t.dynamic is not None} for t in tables]
 
 
 def restore_problem(written: Mapping[str, Any], table: TablePlan, default_optimizer: str | None = None) -> str | None:
@@ -217,3 +232,18 @@ def reshard_table(parts: list[dict[str, Any]], num_embeddings: int, old: tuple[i
     scalars = {k: v for k, v in opt[0].items() if k not in rowwise}
     return [{"weight": weights[i], "optimizer": {**scalars, **{k: regrouped[k][i] for k in rowwise}}}
             for i in range(new[0])]
+
+
+def merge_dynamic(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The part states of a table without a vocabulary, concatenated: each part of another ps count
+    loads from it the rows whose ids live there (``dtrain.ps.dynamic``); counters add up."""
+    tensors = ("ids", "weight", "last", "freq")
+    opt = [dict(p.get("optimizer") or {}) for p in parts]
+    counters: dict[str, int] = {}
+    for p in parts:
+        for key, value in (p.get("counters") or {}).items():
+            counters[key] = counters.get(key, 0) + int(value)
+    return {**{k: torch.cat([p[k] for p in parts]) for k in tensors},
+            "optimizer": {k: torch.cat([o[k] for o in opt]) if isinstance(v, torch.Tensor) else v
+                          for k, v in opt[0].items()},
+            "clock": max(int(p.get("clock", 0)) for p in parts), "counters": counters}

@@ -29,7 +29,7 @@ import torch
 from dtrain.model.ids import home_part, id_rows
 
 from .idmap import IdMap
-from .rows import make_row_optimizer
+from .rows import STORAGE, _stream_seed, make_row_optimizer, round_stochastic
 
 SKETCH_DEPTH = 2
 EMPTY_ID = -1
@@ -64,14 +64,15 @@ class DynamicTablePart:
 
     def __init__(self, name: str, dim: int, num_parts: int, part: int, init_std: float, seed: int,
                  optimizer_config: dict[str, Any], max_rows: int, min_count: int = 1, ttl_steps: int | None = None,
-                 policy: str = "lru", **_: Any):
-        self.name, self.dim = name, int(dim)
+                 policy: str = "lru", storage: str = "float32", **_: Any):
+        self.name, self.dim, self.storage = name, int(dim), storage
         self.num_parts, self.part = int(num_parts), int(part)
         self.init_std, self.seed = float(init_std), int(seed)
         self.cap = max(1, -(-int(max_rows) // self.num_parts))
         self.min_count, self.ttl_steps, self.policy = int(min_count), ttl_steps, policy
         self.optimizer_config = dict(optimizer_config)
-        self._fresh = make_row_optimizer(1, self.dim, self.optimizer_config).state_dict()  # one row's initial state
+        self._fresh = make_row_optimizer(1, self.dim, self.optimizer_config).tensors()  # one row's initial state
+        self._generator = torch.Generator()  # stochastic rounding's bits (bfloat16, float16 storage)
         self.index = IdMap()
         self.clock = 0  # applied steps
         self.sketch = CountMinSketch(4 * self.cap, seed) if self.min_count > 1 else None
@@ -82,7 +83,7 @@ class DynamicTablePart:
     # ------------------------------------------------------------------------------ storage
 
     def _alloc(self, capacity: int) -> None:
-        self.weight = torch.zeros((capacity, self.dim), dtype=torch.float32)
+        self.weight = torch.zeros((capacity, self.dim), dtype=STORAGE[self.storage])
         self.ids = np.full(capacity, EMPTY_ID, dtype=np.int64)  # slot -> id
         self.last = np.zeros(capacity, dtype=np.int64)  # slot -> the step it was last touched
         self.freq = np.zeros(capacity, dtype=np.int64)  # slot -> touches
@@ -94,14 +95,14 @@ class DynamicTablePart:
         new = min(self.cap, max(2 * old, need))
         weight, ids, last, freq = self.weight, self.ids, self.last, self.freq
         state = self.optimizer.state_dict()
-        self.weight = torch.zeros((new, self.dim), dtype=torch.float32)
+        self.weight = torch.zeros((new, self.dim), dtype=weight.dtype)
         self.weight[:old] = weight
         self.ids = np.concatenate([ids, np.full(new - old, EMPTY_ID, np.int64)])
         self.last = np.concatenate([last, np.zeros(new - old, np.int64)])
         self.freq = np.concatenate([freq, np.zeros(new - old, np.int64)])
         self.free = list(range(new - 1, old - 1, -1)) + self.free
         self.optimizer = make_row_optimizer(new, self.dim, self.optimizer_config)
-        self.optimizer.load_state_dict(_pad_rows(state, old, new, self.optimizer.state_dict()))
+        self.optimizer.load_state_dict(_pad_rows(state, old, self.optimizer.tensors()))
 
     @property
     def live_rows(self) -> int:
@@ -124,7 +125,7 @@ class DynamicTablePart:
         slots = self.index.get(ids.numpy().astype(np.int64, copy=False))
         out = torch.zeros((len(ids), self.dim), dtype=torch.float32)
         have = torch.from_numpy(slots >= 0)
-        out[have] = self.weight[torch.from_numpy(slots[slots >= 0])]
+        out[have] = self.weight[torch.from_numpy(slots[slots >= 0])].to(torch.float32)
         return out
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,7 @@ class DynamicTablePart:
         have = slots >= 0
         self.freq[slots[have]] += 1
         out = torch.zeros((len(ids), self.dim), dtype=torch.float32)
-        out[torch.from_numpy(have)] = self.weight[torch.from_numpy(slots[have])]
+        out[torch.from_numpy(have)] = self.weight[torch.from_numpy(slots[have])].to(torch.float32)
         return out
 
     def _create(self, ids: np.ndarray) -> None:
@@ -160,10 +161,9 @@ class DynamicTablePart:
         self.last[slots] = self.clock
         self.freq[slots] = 0
         t = torch.from_numpy(slots)
-        self.weight[t] = id_rows(self.seed, self.name, ids, self.dim, self.init_std)
-        for key, value in self.optimizer.state_dict().items():  # a new row's state starts afresh
-            if isinstance(value, torch.Tensor):
-                value[t] = self._fresh[key][0]
+        self.weight[t] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)
+        for key, value in self.optimizer.tensors().items():  # a new row's state starts afresh
+            value[t] = self._fresh[key][0]
         self.counters["admitted"] += len(ids)
 
     def _evict(self, slots: np.ndarray) -> None:
@@ -206,7 +206,12 @@ class DynamicTablePart:
         else:
             rows, summed = torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim))
         self._pending = []
-        self.optimizer.step(self.weight, rows, summed)
+        w = self.weight.index_select(0, rows).to(torch.float32)
+        self.optimizer.step(w, rows, summed)
+        if self.weight.dtype != torch.float32:  # as a fixed part rounds (dtrain.ps.rows)
+            self._generator.manual_seed(_stream_seed(self.seed, self.name, self.part, self.optimizer.step_count))
+            w = round_stochastic(w, self.weight.dtype, self._generator)
+        self.weight.index_copy_(0, rows, w)
         self.clock += 1
         if self.ttl_steps and self.clock % max(1, -(-self.ttl_steps // 16)) == 0:
             live = np.flatnonzero(self.ids >= 0)
@@ -242,21 +247,20 @@ class DynamicTablePart:
                              f"more than its cap of {self.cap} (max_rows lowered?)")
         self.index = IdMap(2 * len(ids))
         self.clock = int(state.get("clock", 0))
-        self.counters = {**self.counters, **dict(state.get("counters") or {})}
+        self.counters = {"admitted": 0, "evicted": 0, "rejected": 0, **dict(state.get("counters") or {})}
         self._alloc(max(min(self.cap, 1 << 12), len(ids)))
         n = len(ids)
         slots = np.arange(n, dtype=np.int64)
         self.free = list(range(len(self.ids) - 1, n - 1, -1))
         self.index.put(ids.numpy(), slots)
         self.ids[:n] = ids.numpy()
-        self.weight[:n] = state["weight"][mine]
+        self.weight[:n] = state["weight"][mine].to(self.weight.dtype)
         self.last[:n] = state["last"][mine].numpy()
         self.freq[:n] = state["freq"][mine].numpy()
         opt = dict(state.get("optimizer") or {})
         rows = {k: v[mine] for k, v in opt.items() if isinstance(v, torch.Tensor)}
         scalars = {k: v for k, v in opt.items() if not isinstance(v, torch.Tensor)}
-        full = _pad_rows({**scalars, **rows}, n, len(self.ids), self.optimizer.state_dict())
-        self.optimizer.load_state_dict(full)
+        self.optimizer.load_state_dict(_pad_rows({**scalars, **rows}, n, self.optimizer.tensors()))
         self._pending = []
 
     @property
@@ -268,11 +272,12 @@ class DynamicTablePart:
                 + (self.sketch.counts.nbytes if self.sketch is not None else 0))
 
 
-def _pad_rows(state: dict[str, Any], rows: int, capacity: int, like: dict[str, Any]) -> dict[str, Any]:
-    """``state``'s per-row tensors (``rows`` first) padded to ``capacity`` rows with ``like``'s values."""
+def _pad_rows(state: dict[str, Any], rows: int, like: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``state``'s per-row tensors (their first ``rows``) over ``like`` (a fresh optimizer's, as long
+    as the new capacity): the rest keep their initial values."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and isinstance(like.get(key), torch.Tensor):
+        if isinstance(value, torch.Tensor) and key in like:
             full = like[key].clone()
             full[:rows] = value[:rows]
             out[key] = full

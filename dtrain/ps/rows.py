@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from dtrain.model.ids import id_rows
 from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
 
 from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
 
 __all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "round_stochastic",
-           "row_state_bytes"]
+           "row_state_bytes", "table_part"]
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """A table's storage dtypes, by the name a ``Table`` and the plan give them."""
@@ -84,7 +85,8 @@ class TablePart:
     gradient accumulator."""
 
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
-                 init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32"):
+                 init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32",
+                 init: str = "chunked"):
         if storage not in STORAGE:
             raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE))}")
         self.name, self.num_embeddings, self.dim = name, int(num_embeddings), int(dim)
@@ -92,7 +94,12 @@ class TablePart:
         self.storage, self.seed = storage, int(seed)
         self.rows = global_rows(self.num_embeddings, self.num_parts, self.part, strategy)
         self.weight = torch.empty((len(self.rows), self.dim), dtype=STORAGE[storage])
-        self._init(init_std)
+        if init == "per_id":  # row i starts at id_rows(i) (dtrain.model.ids), chunk by chunk
+            for lo in range(0, len(self.rows), CHUNK_ROWS):
+                ids = torch.as_tensor(self.rows[lo:lo + CHUNK_ROWS])
+                self.weight[lo:lo + len(ids)] = id_rows(self.seed, name, ids, self.dim, init_std).to(self.weight.dtype)
+        else:
+            self._init(init_std)
         self.optimizer: RowOptimizer = make_row_optimizer(len(self.rows), self.dim, optimizer_config)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
@@ -136,6 +143,11 @@ class TablePart:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
         return self.weight.index_select(0, self._local(ids)).to(torch.float32)
+
+    lookup = gather  # (no side effect: the same for a replica's step and an evaluation)
+
+    def stats(self) -> dict[str, int]:
+        return {"live_rows": len(self.rows), "bytes": self.nbytes}
 
     def add_grad(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One replica's sparse gradient for this step (applied, summed per id, by :meth:`apply`)."""
@@ -200,3 +212,16 @@ class TablePart:
     def nbytes(self) -> int:
         """Bytes of the rows and their optimizer state (each tensor's own element size)."""
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.optimizer.tensors().values()))
+
+
+def table_part(config: dict[str, Any], run_optimizer: dict[str, Any]) -> Any:
+    """A ps task's part of one table, from its plan config (``dtrain.plan.tables.table_config``): a
+    :class:`TablePart`, or a ``DynamicTablePart`` for a table without a vocabulary. A table with its
+    own optimizer config uses it, the others ``run_optimizer``."""
+    settings = {k: v for k, v in config.items() if k not in ("optimizer", "dynamic")}
+    optimizer = config.get("optimizer") or run_optimizer
+    if config.get("dynamic") is not None:
+        from .dynamic import DynamicTablePart
+
+        return DynamicTablePart(**settings, **config["dynamic"], optimizer_config=optimizer)
+    return TablePart(**settings, optimizer_config=optimizer)

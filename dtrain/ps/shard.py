@@ -41,10 +41,11 @@ from dtrain.observe.meters import ShardMeter
 
 from .averages import make_average
 from .control import ShardControl
+from .dynamic import DynamicTablePart
 from .fastpath import DirectPush
 from .optim import make_optimizer
 from .replication import Apply, AsyncPolicy, StalenessGate
-from .rows import TablePart
+from .rows import TablePart, table_part
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
 from .sync_push import BarrierTimeout, SyncPush
 from .token_push import TokenPush, sync_for
@@ -80,10 +81,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
         # A table with its own optimizer config uses it, the others the run's.
-        self.tables: dict[str, TablePart] = {
-            t["name"]: TablePart(**{k: v for k, v in t.items() if k != "optimizer"},
-                                 optimizer_config=t.get("optimizer") or config["optimizer"])
-            for t in config.get("tables", ())}
+        self.tables: dict[str, TablePart | DynamicTablePart] = {
+            t["name"]: table_part(t, config["optimizer"]) for t in config.get("tables", ())}
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
         self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
@@ -377,6 +376,12 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
         with self.lock:
             return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
+
+    async def table_stats(self) -> dict[str, dict[str, int]]:
+        """Per table, this task's part: rows held, bytes, and for a table without a vocabulary the
+        ids admitted, rows evicted and gradients rejected so far (summary.json's ``tables``)."""
+        with self.lock:
+            return {name: part.stats() for name, part in self.tables.items()}
 
     async def get_params(self, averaged: bool = False) -> tuple[torch.Tensor, int]:
         """The parameters (``averaged``: their moving averages, when the shard keeps them)."""

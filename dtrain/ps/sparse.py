@@ -63,7 +63,7 @@ class SparseRows:
         part = self.tables[name]
         if why := part.check_ids(ids):
             raise IndexError(why)
-        return part.gather(ids)
+        return part.lookup(ids)  # (a table without a vocabulary admits no id for an evaluation)
 
     async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
         """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer

@@ -26,7 +26,7 @@ from dtrain.data.stream import OutOfRange
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.metrics import AucHistogram
-from dtrain.model.tables import TABLE_TYPES
+from dtrain.model.tables import TABLE_TYPES, tables_of
 from dtrain.observe.meters import Every
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.spec.device import DeviceSpec
@@ -480,5 +480,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_name
 
 
 def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Non-parameter state (BatchNorm running statistics), as a plain dict of CPU tensors."""
-    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+    """Non-parameter state (BatchNorm running statistics), as a plain dict of CPU tensors; not the
+    tables' (a replica's gathered table holds no rows: the ps tasks have them)."""
+    tables = {name.removesuffix("weight") for name, _ in tables_of(model)}
+    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()
+            if not any(name.startswith(t) for t in tables)}

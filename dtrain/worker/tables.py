@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtrain.model.ids import home_part
 from dtrain.model.tables import Table, div_starts, tables_of
 from dtrain.plan.tables import TablePlan
 
@@ -30,6 +31,8 @@ class TableRoute:
 
     def part_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The part (== ps task) holding each global id."""
+        if self.plan.partition == "hash":  # a table without a vocabulary: dtrain.model.ids
+            return home_part(ids, self.num_parts)
         if self.plan.partition == "mod":
             return ids % self.num_parts
         return torch.searchsorted(self._bounds, ids, right=True)

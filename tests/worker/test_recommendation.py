@@ -165,3 +165,103 @@ def test_the_dlrm_fidelity_check_has_teeth(inproc_client, tmp_path, raw):
     reference = reference_run(spec, raw, swapped)
     assert max(float((result.model.tables[t].weight - reference.bags[t].weight).detach().abs().max())
                for t in TABLE_ROWS) > 1e-3
+
+
+# ------------------------------------------------------------------------------ tables without a vocabulary
+
+def small_ids_spec(num_ps: int, dynamic: str | None) -> dtrain.PipelineSpec:
+    """One table per feature over ids below 400: fixed (400 rows, fold none) or ``dynamic``."""
+    table = "{num_embeddings: 400, fold: none, dim: 4, init_std: 0.5}" if dynamic is None else \
+        f"{{dim: 4, init_std: 0.5, {dynamic}}}"
+    return dtrain.loads(f"""
+name: dlrm-dynamic
+cluster: {{jobs: {{ps: {num_ps}, worker: 2}}}}
+model:
+  features:
+    dense: [I1, I2, I3]
+    categorical: [{{name: C1}}, {{name: C2, max_ids: 3, weighted: true}}]
+  tables: {{C1: {table}, C2: {table}}}
+  dlrm: {{bottom: [8, 4], top: [8, 1]}}
+  loss: bce_with_logits
+data: {{batch_size: {BATCH}, shuffle: false, test_fraction: 0.1}}
+optimizer: {{name: adagrad, lr: 0.1}}
+training: {{mode: sync, steps: 40, seed: 3}}
+summary: {{every_steps: 20, tensorboard: false}}
+""", base_dir=".")
+
+
+@pytest.fixture(scope="module")
+def small_ids():
+    rng = np.random.default_rng(11)
+    n = 2400
+    dense = rng.normal(size=(n, 3)).astype(np.float32)
+    one = (rng.zipf(1.3, n) - 1) % 400
+    lengths = rng.integers(0, 4, n)
+    many = (rng.zipf(1.3, int(lengths.sum())) - 1) % 400
+    weights = rng.random(int(lengths.sum())).astype(np.float32) + 0.5
+    y = (one % 3 == 0).astype(np.float32)
+    return dense, [(one, np.ones(n, np.int64), None), (many, lengths, weights)], y
+
+
+def run_small(client, path, spec, data):
+    dense, cats, y = data
+    layout = record_layout(spec.model.features.model_dump())
+    x = layout.pack(dense, [(i, n) for i, n, _ in cats], [w for _, _, w in cats])
+    return dtrain.run(spec, client=client, run_dir=path,
+                      data=(da.from_array(x, chunks=(200, x.shape[1])), da.from_array(y, chunks=200)))
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_a_table_without_a_vocabulary_trains_as_a_fixed_one_on_the_same_ids(inproc_client, tmp_path, small_ids,
+                                                                            num_ps):
+    """min_count 1 and no eviction: the rows of every id seen, and the MLPs, equal a fixed table's
+    run (its rows start per id as the dynamic table's do), whatever the ps count; model.pt holds the
+    ids and their rows and loads into build_model(spec)."""
+    fixed = run_small(inproc_client, tmp_path / "fixed", small_ids_spec(1, None), small_ids)
+    spec = small_ids_spec(num_ps, "max_rows: 1000")
+    dyn = run_small(inproc_client, tmp_path / "dyn", spec, small_ids)
+    assert dyn.summary["status"] == "completed"
+    for t in ("C1", "C2"):
+        table = dyn.model.tables[t]
+        ids = table.row_ids
+        assert 50 < len(ids) <= 400 and bool((ids[1:] > ids[:-1]).all())
+        assert float((table.weight - fixed.model.tables[t].weight[ids]).detach().abs().max()) <= 1e-6
+        figures = dyn.summary["tables"][t]
+        assert figures["live_rows"] == len(ids) == figures["admitted"] and figures["evicted"] == 0
+        assert len(figures["parts"]) == num_ps
+    for mine, theirs in ((dyn.model.top, fixed.model.top), (dyn.model.bottom, fixed.model.bottom)):
+        assert max(float((a - b).detach().abs().max()) for a, b in zip(mine.parameters(), theirs.parameters(),
+                                                                        strict=True)) <= 1e-6
+    state = torch.load(tmp_path / "dyn" / "model.pt", weights_only=True)
+    served = dtrain.build_model(spec)
+    served.load_state_dict(state)
+    assert torch.equal(served.tables["C1"].row_ids, dyn.model.tables["C1"].row_ids)
+    x = torch.from_numpy(record_layout(spec.model.features.model_dump()).pack(
+        small_ids[0][:64], [(i, n) for i, n, _ in [(c[0][:64], c[1][:64], None) if k == 0 else
+                                                    (c[0][:int(c[1][:64].sum())], c[1][:64], None)
+                                                    for k, c in enumerate(small_ids[1])]],
+        [None, small_ids[1][1][2][:int(small_ids[1][1][1][:64].sum())]]))
+    with torch.no_grad():
+        assert torch.allclose(served(x), dyn.model(x), atol=1e-6)
+
+
+def test_the_row_cap_holds_evicts_and_still_learns(inproc_client, tmp_path, small_ids):
+    """max_rows below the distinct ids: every ps part stays under its share, rows are evicted and
+    counted, and the model still learns (held-out AUC well above chance)."""
+    spec = small_ids_spec(2, "max_rows: 60")
+    result = run_small(inproc_client, tmp_path / "run", spec, small_ids)
+    assert result.summary["status"] == "completed"
+    for t in ("C1", "C2"):
+        figures = result.summary["tables"][t]
+        assert figures["evicted"] > 0 and figures["live_rows"] <= 60
+        assert all(p["live_rows"] <= 30 and p["capacity"] <= 30 for p in figures["parts"].values())
+        assert figures["admitted"] - figures["evicted"] == figures["live_rows"]
+    assert result.summary["eval"]["auc"] > 0.7
+
+
+def test_min_count_keeps_rare_ids_out(inproc_client, tmp_path, small_ids):
+    spec = small_ids_spec(1, "max_rows: 1000, min_count: 5")
+    result = run_small(inproc_client, tmp_path / "run", spec, small_ids)
+    everyone = run_small(inproc_client, tmp_path / "all", small_ids_spec(1, "max_rows: 1000"), small_ids)
+    rare, common = result.summary["tables"]["C1"], everyone.summary["tables"]["C1"]
+    assert rare["live_rows"] < common["live_rows"] and rare["rejected"] > 0 and common["rejected"] == 0
