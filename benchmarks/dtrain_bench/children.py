@@ -274,13 +274,10 @@ def child_dtrain(p: dict[str, Any]) -> dict[str, Any]:
     plan = dtrain.compile(spec)
     param_bytes = sum(s.bytes for s in plan.shards)
     k = plan.replicas_to_aggregate if spec.training.mode == "sync" else 1
-    from dtrain.ps.rows import ROW_STATE
-
-    row_state = ROW_STATE.get(p["optimizer"]["name"], 0)  # tensors per table row, besides the row
     out: dict[str, Any] = {
         "status": "failed", "param_bytes": param_bytes, "shard_bytes": [s.bytes for s in plan.shards],
         "table_bytes": [s.table_bytes for s in plan.shards],
-        "ps_state_bytes": [s.bytes * (1 + optimizer_state_factor(p["optimizer"])) + s.table_bytes * (1 + row_state)
+        "ps_state_bytes": [s.bytes * (1 + optimizer_state_factor(p["optimizer"])) + s.table_bytes
                            for s in plan.shards],
         "optimizer_state_bytes": param_bytes * optimizer_state_factor(p["optimizer"]),
         "replicas": plan.num_replicas, "samples_per_global_step": k * p["batch"],

@@ -31,7 +31,15 @@ from dtrain.model.tables import div_starts
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
-from dtrain.plan.tables import merge_dynamic, reshard_table, table_config, table_layout
+from dtrain.plan.tables import (
+    merge_dynamic,
+    reshard_table,
+    restore_problem,
+    table_config,
+    table_layout,
+    to_storage,
+)
+from dtrain.ps.rows import pack_state, unpack_state
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
@@ -163,7 +171,9 @@ class ShardGroup:
             raise RunError(f"{checkpoint.path} was written for a different model or placement "
                            f"({len(states)} shard(s)); use another --run-dir")
         for shard, state in zip(self.handles, states, strict=True):
-            call(shard.set_state(state), timeout=transfer_timeout(state["params"].numel()))
+            packed = {n: pack_state(t) for n, t in (state.get("tables") or {}).items()}  # bfloat16 rows: int16 bits
+            call(shard.set_state({**state, "tables": packed} if packed else state),
+                 timeout=transfer_timeout(state["params"].numel()))
 
     def _restore_tables(self, checkpoint: Checkpoint, states: list[dict[str, Any]],
                         written: dict[str, Any]) -> list[dict[str, Any]]:
@@ -173,13 +183,14 @@ class ShardGroup:
             return states
         recorded = {t["name"]: t for t in written.get("tables") or ()}
         source = list(checkpoint.payload["shards"])  # the states as written: one part per old shard
+        run_optimizer = ((checkpoint.payload.get("spec") or {}).get("optimizer") or {}).get("name")
         out = [dict(st) for st in states]
         for table in self.plan.tables:
             was = recorded.get(table.name)
-            if was is None or (was["num_embeddings"], was["dim"]) != (table.num_embeddings, table.dim):
-                what = "no such table" if was is None else f"a table of {was['num_embeddings']}x{was['dim']}"
-                raise RunError(f"{checkpoint.path} holds {what} for {table.name} (the pipeline's is "
-                               f"{table.num_embeddings}x{table.dim}); use another --run-dir")
+            why = (f"no such table for {table.name} (the pipeline's is {table.num_embeddings}x{table.dim})"
+                   if was is None else restore_problem(was, table, run_optimizer))
+            if why:
+                raise RunError(f"{checkpoint.path} holds {why}; use another --run-dir")
             old = (int(was["parts"]), str(was["partition"]))
             new = (len(table.parts), table.partition)
             parts = [st["tables"][table.name] for st in source[:old[0]]]
@@ -195,6 +206,10 @@ class ShardGroup:
                 logger.info("%s: repartitioning table %s from %d %s part(s) onto %d %s", checkpoint.path.name,
                             table.name, old[0], old[1], new[0], new[1])
                 parts = reshard_table(parts, table.num_embeddings, old, new)
+            if was.get("storage", "float32") != table.storage:  # converted, rounded to nearest
+                logger.info("%s: converting table %s from %s to %s", checkpoint.path.name, table.name,
+                            was.get("storage", "float32"), table.storage)
+                parts = to_storage(parts, table.storage)
             for p in table.parts:
                 out[p.shard] = {**out[p.shard], "tables": {**(out[p.shard].get("tables") or {}),
                                                             table.name: parts[p.part]}}
@@ -367,8 +382,8 @@ class ShardGroup:
         tensors allocated here once (the ps copies one chunk at a time, never its whole part)."""
         handle, chunk_rows = self.handles[part.shard], TABLE_CHUNK_ROWS
         if table.dynamic is not None:  # its live rows, chunk by chunk of slots, with their ids
-            chunks = [call(handle.read_part(table.name, lo, lo + chunk_rows),
-                           timeout=transfer_timeout(chunk_rows * table.dim))
+            chunks = [unpack_state(call(handle.read_part(table.name, lo, lo + chunk_rows),
+                                        timeout=transfer_timeout(chunk_rows * table.dim)))
                       for lo in range(0, max(part.rows, 1), chunk_rows)]
             return {**chunks[-1], **{k: torch.cat([c[k] for c in chunks]) for k in ("ids", "weight", "last", "freq")},
                     "optimizer": {k: torch.cat([c["optimizer"][k] for c in chunks]) if isinstance(v, torch.Tensor)
@@ -376,9 +391,10 @@ class ShardGroup:
         out: dict[str, Any] = {}
         for lo in range(0, max(part.rows, 1), chunk_rows):
             hi = min(lo + chunk_rows, part.rows)
-            got = call(handle.read_part(table.name, lo, hi), timeout=transfer_timeout((hi - lo) * table.dim))
+            got = unpack_state(call(handle.read_part(table.name, lo, hi),
+                                    timeout=transfer_timeout((hi - lo) * table.dim)))
             if not out:
-                out = {"weight": torch.empty((part.rows, table.dim)), "optimizer": {
+                out = {"weight": torch.empty((part.rows, table.dim), dtype=got["weight"].dtype), "optimizer": {
                     k: torch.empty((part.rows, *v.shape[1:]), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
                     for k, v in got["optimizer"].items()}}
             out["weight"][lo:hi] = got["weight"]

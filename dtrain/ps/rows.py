@@ -41,8 +41,8 @@ from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
 
 from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
 
-__all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "round_stochastic",
-           "row_state_bytes", "table_part"]
+__all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "pack_state",
+           "round_stochastic", "row_state_bytes", "table_part", "unpack_state"]
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """A table's storage dtypes, by the name a ``Table`` and the plan give them."""
@@ -72,6 +72,24 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     if bool(nan.any()):
         x[nan] = float("nan")
     return x.to(dtype)
+
+
+def pack_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A part state (or chunk) ready for Dask: bfloat16 rows travel as their int16 bit patterns
+    (Dask serialises tensors through numpy, which has no bfloat16). :func:`unpack_state` undoes it."""
+    weight = state.get("weight")
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
+        return {**state, "weight": weight.view(torch.int16), "weight_bits": "bfloat16"}
+    return state
+
+
+def unpack_state(state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`pack_state`'s input back (a state that was not packed is returned as it is)."""
+    if state.get("weight_bits") != "bfloat16":
+        return state
+    out = {k: v for k, v in state.items() if k != "weight_bits"}
+    out["weight"] = state["weight"].view(torch.bfloat16)
+    return out
 
 
 def _stream_seed(seed: int, name: str, part: int, step: int) -> int:

@@ -45,7 +45,7 @@ from .dynamic import DynamicTablePart
 from .fastpath import DirectPush
 from .optim import make_optimizer
 from .replication import Apply, AsyncPolicy, StalenessGate
-from .rows import TablePart, table_part
+from .rows import TablePart, pack_state, table_part, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
 from .sync_push import BarrierTimeout, SyncPush
 from .token_push import TokenPush, sync_for
@@ -391,14 +391,15 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
     async def get_state(self, tables: bool = True) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict).
         ``tables``: with the table parts (copied whole; the chief's snapshots read them in chunks
-        instead, :meth:`read_part`)."""
+        instead, :meth:`read_part`), packed for Dask (bfloat16 rows as int16 bits:
+        ``dtrain.ps.rows.unpack_state``)."""
         with self.lock:
             out = {"params": self.param.clone(), "step": self.step, "optimizer_state": self.optimizer.state_dict(),
                    "dropped_stale": self.dropped_stale, "samples": self.samples_total}
             if self.averages is not None:
                 out["averages"] = self.averages.state()
         if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
-            out["tables"] = {name: part.state(copy=True) for name, part in self.tables.items()}
+            out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in self.tables.items()}
         return out
 
     async def set_state(self, state: dict[str, Any]) -> int:
@@ -411,7 +412,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 self.averages.load(state.get("averages"), self.param)
             for name, part in self.tables.items():
                 if name in (state.get("tables") or {}):
-                    part.load_state(state["tables"][name])
+                    part.load_state(unpack_state(state["tables"][name]))
                 part.clear()
             step = int(state["step"])
             self.sync.reset(step)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .rows import TablePart
+from .rows import TablePart, pack_state
 
 Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
@@ -68,5 +68,6 @@ class SparseRows:
     async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
         """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
         state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
-        holds a second copy of its table (the chief holds applies while it reads)."""
-        return self.tables[name].chunk(start, stop)
+        holds a second copy of its table (the chief holds applies while it reads). Packed for Dask
+        (bfloat16 rows as int16 bits: :func:`dtrain.ps.rows.unpack_state`)."""
+        return pack_state(self.tables[name].chunk(start, stop))

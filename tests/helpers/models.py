@@ -149,7 +149,8 @@ class Branches(nn.Module):
 
 class CompactTable(nn.Module):
     """A module holding a ps table directly (dtrain.model.tables.Table) with its own storage dtype
-    and optimizer: what ``dtrain plan`` and the ps memory check count for it."""
+    and optimizer: what ``dtrain plan`` and the ps memory check count for it. Plan and preflight
+    only: a replica gathers the tables ``swap_embeddings`` makes, not one a module builds itself."""
 
     def __init__(self, vocab: int = 50, dim: int = 4, storage: str = "bfloat16",
                  optimizer: dict | None = None) -> None:

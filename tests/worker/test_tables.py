@@ -12,6 +12,7 @@ import torch
 import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.chief import shards
+from dtrain.model.tables import Table
 from tests.helpers.reference import max_abs_diff, single_process
 
 # torch's own sparse Adagrad (the reference) warns about its sparse invariant checks
@@ -236,3 +237,62 @@ def test_evaluation_reads_only_the_rows_its_batches_touch(inproc_client, tmp_pat
 
     test_ids = len(np.unique(dataset_for(spec).x_test))
     assert gathered and max(gathered) <= test_ids < VOCAB  # the evaluation at step 25
+
+
+# ------------------------------------------------------------------------------ compact tables
+
+ROWWISE = {"name": "rowwise_adagrad", "lr": 0.1}
+
+
+def every_table(monkeypatch, storage: str, optimizer: dict | None) -> None:
+    """Give every Table built from now on this storage dtype and optimizer (what a module's
+    Table(storage=..., optimizer=...) sets; the replicas and the ps tasks run in this process)."""
+    init = Table.__init__
+
+    def compact(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.storage, self.optimizer = storage, optimizer
+
+    monkeypatch.setattr(Table, "__init__", compact)
+
+
+def test_compact_tables_train_checkpoint_and_resume_into_another_storage(inproc_client, tmp_path, ids_file,
+                                                                         monkeypatch):
+    """bfloat16 rows with rowwise_adagrad on 2 ps tasks (the parts' states cross Dask): the run
+    trains close to the same table in float32, model.pt holds the bfloat16 values; the checkpoint keeps
+    bfloat16 rows and a (rows,) accumulator, read in chunks; a resume onto 1 ps task in float32
+    converts and repartitions them; a resume with another row optimizer is refused."""
+    monkeypatch.setattr(shards, "TABLE_CHUNK_ROWS", 999)
+    every_table(monkeypatch, "float32", ROWWISE)
+    wide = dtrain.run(table_spec(ids_file, 2, 2, "sgd", steps=20), client=inproc_client, run_dir=tmp_path / "wide")
+    every_table(monkeypatch, "bfloat16", ROWWISE)
+    spec = table_spec(ids_file, 2, 2, "sgd", steps=20, checkpoint_every=10)
+    assert dtrain.compile(spec).tables[0].storage == "bfloat16"
+    compact = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert compact.summary["status"] == "completed"
+    table = compact.model[0].weight.detach()
+    assert torch.equal(table, table.to(torch.bfloat16).float())  # gathered from bfloat16 rows
+    initial = dtrain.build_model(spec)[0].weight.detach()
+    assert float((table - initial).abs().max()) > 0.05  # trained
+    # Close to float32 on average (a row's first adagrad steps have about lr's size whatever its
+    # gradient, so single elements can differ by up to 2 lr; the mean cannot, without drift).
+    assert float((table - wide.model[0].weight.detach()).abs().mean()) < 0.005
+    assert abs(compact.summary["final_loss"] - wide.summary["final_loss"]) < 0.005
+    written = ckpt.latest(tmp_path / "run")
+    parts = [sh["tables"]["0.weight"] for sh in written.payload["shards"]]
+    assert all(p["weight"].dtype == torch.bfloat16 and p["optimizer"]["row_sum"].shape == (VOCAB // 2,)
+               and bool(p["optimizer"]["row_sum"].any()) for p in parts)
+    assert {k: written.payload["layout"]["tables"][0][k] for k in ("storage", "optimizer")} == \
+        {"storage": "bfloat16", "optimizer": "rowwise_adagrad"}
+
+    every_table(monkeypatch, "float32", ROWWISE)
+    resumed = dtrain.run(table_spec(ids_file, 1, 2, "sgd", steps=30, checkpoint_every=10), client=inproc_client,
+                         run_dir=tmp_path / "run", resume=True)
+    assert resumed.summary["status"] == "completed" and resumed.summary["start_step"] == 20
+    (part,) = [sh["tables"]["0.weight"] for sh in ckpt.latest(tmp_path / "run").payload["shards"][:1]]
+    assert part["weight"].dtype == torch.float32 and part["optimizer"]["row_sum"].shape == (VOCAB,)
+    every_table(monkeypatch, "float32", {"name": "adagrad", "lr": 0.1})
+    with pytest.raises(dtrain.RunError, match="holds table 0.weight with row optimizer 'rowwise_adagrad', the "
+                                              "pipeline gives it 'adagrad'"):
+        dtrain.run(table_spec(ids_file, 1, 2, "sgd", steps=40), client=inproc_client, run_dir=tmp_path / "run",
+                   resume=True)
