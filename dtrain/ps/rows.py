@@ -56,6 +56,7 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     ``x`` is overwritten. NaN stays NaN."""
     if dtype == torch.float32:
         return x
+    x = x.contiguous()  # (the bit view below needs it)
     nan = torch.isnan(x)
     low = 16 if dtype == torch.bfloat16 else 13
     sub = x.abs() < _FP16_MIN_NORMAL if dtype == torch.float16 else None
