@@ -120,7 +120,8 @@ def test_a_tables_storage_and_own_optimizer_reach_the_plan_and_the_ps():
     other = shard.tables["other.weight"]  # no config of its own: the run's adam
     assert other.weight.dtype == torch.float32 and other.optimizer.name == "adam"
     assert table_layout((table,))[0] == {"name": "emb.weight", "num_embeddings": 1000, "dim": 8, "partition": "mod",
-                                         "parts": 2, "storage": "bfloat16", "optimizer": "rowwise_adagrad"}
+                                         "parts": 2, "storage": "bfloat16", "optimizer": "rowwise_adagrad",
+                                         "init": "chunked", "dynamic": False}
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16"])
