@@ -356,9 +356,11 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
     if opt is not None and opt.name == "momentum":
         out.append((("optimizer", "name"), f"momentum does not apply to sparse gradients (torch neither); {fix}, or "
                                            "set sparse: false on the embedding layer"))
-    if opt is not None and opt.weight_decay:
-        out.append((("optimizer", "weight_decay"), "weight_decay does not apply to sparse gradients (torch neither): "
-                                                   "remove it, or set sparse: false on the embedding layer"))
+    if opt is not None and opt.weight_decay and opt.name == "adam":  # sgd, adagrad: L2 on the touched rows
+        out.append((("optimizer", "weight_decay"), "weight_decay does not apply to lazy Adam's sparse gradients "
+                                                   "(torch.optim.SparseAdam has none; sgd and adagrad take it as L2 "
+                                                   "on the rows a step touches): remove it, use sgd or adagrad, or "
+                                                   "set sparse: false on the embedding layer"))
     if opt is not None and getattr(opt, "amsgrad", False):
         out.append((("optimizer", "amsgrad"), "amsgrad does not apply to sparse gradients (torch.optim.SparseAdam "
                                               "has none): remove it, or set sparse: false on the embedding layer"))

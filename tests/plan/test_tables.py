@@ -25,6 +25,7 @@ from dtrain.ps.rows import ROW_OPTIMIZERS, TablePart
 from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import SpecError
 from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT
 
 
 def spec(num_ps: int = 3, partition: str = "mod", rows: int = 10, pin: str = "") -> dtrain.PipelineSpec:
@@ -199,3 +200,17 @@ def test_a_resume_converts_storage_and_refuses_another_row_optimizer():
     wide = [{"weight": torch.tensor([[1.0 + 2 ** -9, 3.0]]), "optimizer": {"step": 1}}]
     (narrow,) = to_storage(wide, "bfloat16")
     assert narrow["weight"].dtype == torch.bfloat16 and narrow["weight"].float().tolist() == [[1.0, 3.0]]
+
+
+def test_the_runs_weight_decay_is_l2_on_touched_rows_for_sgd_and_adagrad_tables():
+    """Accepted for sgd and adagrad (the rows get it as L2 on touched rows), refused for adam."""
+    base = ("cluster: {jobs: {ps: 1, worker: 1}}\nmodel:\n  input_shape: [2]\n  layers: [{type: embedding, "
+            "num_embeddings: 10, dim: 2}, {type: flatten}, {type: linear, out: 1}]\n  loss: mse\n"
+            f"data: {{source: {ROOT / 'pipelines' / 'data' / 'ctr_sparse.npz'}}}\n")
+    spec = dtrain.loads(base + "optimizer: {name: adagrad, lr: 0.1, weight_decay: 0.01}\n")
+    (table,) = plan_tables([("0.weight", meta_table())], "ps", 1, "mod", run_optimizer="adagrad")
+    shard = ParameterShard({"index": 0, "mode": "async", "steps": 5, "optimizer": spec.optimizer.model_dump(),
+                            "tables": [table_config(table, 0, seed=3)]}, torch.zeros(3))
+    assert shard.tables["0.weight"].optimizer.weight_decay == 0.01
+    with pytest.raises(SpecError, match="weight_decay does not apply to lazy Adam"):
+        dtrain.loads(base + "optimizer: {name: adam, lr: 0.1, weight_decay: 0.01}\n")
