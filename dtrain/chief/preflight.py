@@ -159,6 +159,33 @@ def _module_tables(spec: PipelineSpec, skeleton: Any, problems: list[Problem]) -
         own = all(getattr(t, "optimizer", None) is not None for _, t in tables)
         problems.extend(Problem(message, path=".".join(map(str, loc))) for loc, message in sparse_limits(spec)
                         if not (own and loc[0] == "optimizer"))
+        rows = sum(t.num_embeddings * t.dim for _, t in tables)
+        if rows <= OWN_INIT_CHECK_VALUES:
+            _module_init(spec, problems)
+
+
+OWN_INIT_CHECK_VALUES = 1 << 26
+"""A module whose sparse embeddings hold at most this many values is built once for real before
+start, to see whether its own code initialises them (larger ones: declare ``dtrain_init``)."""
+
+
+def _module_init(spec: PipelineSpec, problems: list[Problem]) -> None:
+    """A module that sets its sparse embeddings' initial values itself, without declaring them, is
+    refused: its ps tables would start from normal(0, 1) instead (dtrain.model.tables.undeclared_init)."""
+    import torch
+
+    from dtrain.model.build import build_custom
+    from dtrain.model.tables import undeclared_init
+
+    model = spec.model
+    assert model is not None and model.module is not None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.training.seed)
+        try:
+            module = build_custom(model.module, model.kwargs, "cpu")  # its own code only: no reset
+        except Exception:
+            return  # reported where the module is built (the skeleton's check)
+    problems.extend(Problem(message, path="model.module") for message in undeclared_init(module))
 
 
 def _dataset(spec: PipelineSpec, problems: list[Problem]) -> Any:

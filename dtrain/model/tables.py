@@ -18,6 +18,7 @@ draws the same values the full table has. Pure torch: no Dask, no spec.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -27,7 +28,12 @@ from torch import nn
 
 CHUNK_ROWS = 1 << 16
 TABLE_TYPES = ("embedding", "embedding_bag")
-INIT_SCHEMES = ("chunked", "per_id")
+INIT_SCHEMES = ("chunked", "uniform", "constant", "per_id")
+"""How a table's rows start, with ``init_std`` as the scale: ``chunked`` normal(0, init_std) drawn in
+seeded chunks (the ``embedding`` layers, and a module's embeddings by default); ``uniform``
+uniform(-init_std, init_std) in the same chunks; ``constant`` every value init_std; ``per_id``
+normal(0, init_std) drawn per id (``model.tables``: dtrain.model.ids)."""
+_CHUNKED = {"chunked": "normal", "uniform": "uniform", "constant": "constant"}
 
 
 def chunk_seed(seed: int, name: str, chunk: int) -> int:
@@ -35,19 +41,26 @@ def chunk_seed(seed: int, name: str, chunk: int) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode()) * 7919 + int(chunk) * 104_729) % (2**63 - 1)
 
 
-def _chunk(seed: int, name: str, chunk: int, num_embeddings: int, dim: int, std: float) -> torch.Tensor:
+def _chunk(seed: int, name: str, chunk: int, num_embeddings: int, dim: int, std: float,
+           dist: str = "normal") -> torch.Tensor:
     start = chunk * CHUNK_ROWS
     n = min(CHUNK_ROWS, num_embeddings - start)
-    g = torch.Generator().manual_seed(chunk_seed(seed, name, chunk))
     out = torch.empty((n, dim), dtype=torch.float32)
+    if dist == "constant":
+        return out.fill_(std)
+    g = torch.Generator().manual_seed(chunk_seed(seed, name, chunk))
+    if dist == "uniform":
+        return out.uniform_(-std, std, generator=g)
     out.normal_(0.0, std, generator=g)
     return out
 
 
 def init_rows(seed: int, name: str, num_embeddings: int, dim: int, std: float, rows: torch.Tensor | range,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, init: str = "chunked") -> torch.Tensor:
     """The initial values of the table's ``rows`` (global ids: a ``range`` or an increasing int64
-    tensor), into ``out`` when given. Memory: ``out`` plus one chunk."""
+    tensor), into ``out`` when given, for the chunked schemes of :data:`INIT_SCHEMES` (``init``).
+    Memory: ``out`` plus one chunk."""
+    dist = _CHUNKED[init]
     if isinstance(rows, range):
         if rows.step < 1:
             raise ValueError("rows must be increasing")
@@ -78,7 +91,7 @@ def init_rows(seed: int, name: str, num_embeddings: int, dim: int, std: float, r
             if k1 <= k0:
                 continue
             local = rows[k0:k1] - lo
-        block = _chunk(seed, name, c, num_embeddings, dim, std)
+        block = _chunk(seed, name, c, num_embeddings, dim, std, dist)
         torch.index_select(block, 0, local, out=out[done:done + (k1 - k0)])
         done += k1 - k0
     assert done == count
@@ -155,7 +168,7 @@ class Table(nn.Module):
                     weight[lo:lo + len(ids)].copy_(id_rows(self.seed, self.name, ids, self.dim, self.init_std))
                 return
             values = init_rows(self.seed, self.name, self.num_embeddings, self.dim, self.init_std,
-                               range(self.num_embeddings))
+                               range(self.num_embeddings), init=self.init)
             weight.copy_(values)
 
     def make_full(self, weight: torch.Tensor, row_ids: torch.Tensor | None = None) -> None:
@@ -247,7 +260,8 @@ def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) ->
     """Replace every ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True`` in a custom
     module by a :class:`Table` of the same size (named by its weight, initialised like the
     ``embedding`` layer: normal(0, 1), seeded and chunked), so a ``model.module`` model gets the
-    sparse tables' path. Returns the tables' weight names; ValueError naming the layer for an
+    sparse tables' path; an embedding that declares ``dtrain_init`` (:func:`declared_init`) starts
+    as declared. Returns the tables' weight names; ValueError naming the layer for an
     option the tables do not have (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, mode
     ``max``). Embeddings with ``sparse=False`` stay ordinary dense parameters."""
     found: list[tuple[str, nn.Module]] = [(n, m) for n, m in module.named_modules()
@@ -262,10 +276,57 @@ def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) ->
         if why:
             raise ValueError(f"{name}: a sparse {type(emb).__name__} with {why} is not supported as a ps table "
                              "(docs/sparse.md#limits): drop the option, or build it with sparse=False")
+        init, scale = declared_init(name, emb)
         table = Table(emb.num_embeddings, emb.embedding_dim, kind="embedding_bag" if bag else "embedding",
-                      mode=emb.mode if bag else "mean", init_std=1.0, name=f"{name}.weight" if name else "weight",
-                      seed=seed, gathered=gathered, device=emb.weight.device)
+                      mode=emb.mode if bag else "mean", init_std=scale, name=f"{name}.weight" if name else "weight",
+                      seed=seed, gathered=gathered, device=emb.weight.device, init=init)
         parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         setattr(parent, name.rpartition(".")[2], table)
         names.append(table.name)
     return names
+
+
+INIT_DECLARATIONS = {"normal": "chunked", "uniform": "uniform", "constant": "constant"}
+
+
+def declared_init(name: str, emb: nn.Module) -> tuple[str, float]:
+    """(init scheme, scale) of a module's sparse embedding: its ``dtrain_init`` attribute, one of
+    ``{"normal": std}``, ``{"uniform": bound}``, ``{"constant": value}`` (a ps table's rows start on
+    the ps, which cannot run the module's own initialisation code), or normal(0, 1), nn.Embedding's
+    default. ValueError naming the layer for a malformed declaration."""
+    declared = getattr(emb, "dtrain_init", None)
+    if declared is None:
+        return "chunked", 1.0
+    ok = isinstance(declared, dict) and len(declared) == 1 and next(iter(declared)) in INIT_DECLARATIONS
+    if ok:
+        (kind, value), = declared.items()
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+            kind == "constant" or value > 0)
+    if not ok:
+        raise ValueError(f"{name}.dtrain_init {declared!r}: declare one of {{'normal': std}}, {{'uniform': bound}} "
+                         "(std, bound > 0) or {'constant': value}")
+    return INIT_DECLARATIONS[kind], float(value)
+
+
+def undeclared_init(module: nn.Module) -> list[str]:
+    """The module's sparse embeddings (built by its own code, on a real device) whose values are not
+    nn.Embedding's default normal(0, 1) and that declare no ``dtrain_init``: as ps tables they would
+    silently start from normal(0, 1) instead. One message each, naming the layer and the fix."""
+    out = []
+    for name, emb in module.named_modules():
+        if not (isinstance(emb, (nn.Embedding, nn.EmbeddingBag)) and emb.sparse) or hasattr(emb, "dtrain_init"):
+            continue
+        w = emb.weight.detach()
+        if w.device.type == "meta" or not w.numel():
+            continue
+        n = w.numel()
+        std, mean = float(w.float().std()) if n > 1 else 0.0, float(w.float().mean())
+        # four standard errors of a normal(0, 1) sample's std and mean: a default table passes
+        if abs(std - 1.0) > 4 * math.sqrt(1 / (2 * n)) + 1e-6 or abs(mean) > 4 / math.sqrt(n):
+            what = f"all {mean:.4g}" if std == 0 else f"std {std:.3g}, mean {mean:.3g}"
+            out.append(f"{name}: the module initialises this sparse embedding itself ({what}), but a ps table's "
+                       f"rows start on the ps tasks, which do not run the module's code: declare it, e.g. "
+                       f"self.{name.rpartition('.')[2]}.dtrain_init = "
+                       f"{{'{'constant' if std == 0 else 'normal'}': {mean if std == 0 else float(f'{std:.2g}')}}} "
+                       "({'normal': std}, {'uniform': bound} or {'constant': value})")
+    return out

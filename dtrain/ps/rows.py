@@ -118,14 +118,14 @@ class TablePart:
                 ids = torch.as_tensor(self.rows[lo:lo + CHUNK_ROWS])
                 self.weight[lo:lo + len(ids)] = id_rows(self.seed, name, ids, self.dim, init_std).to(self.weight.dtype)
         else:
-            self._init(init_std)
+            self._init(init_std, init)
         self.optimizer: RowOptimizer = make_row_optimizer(len(self.rows), self.dim, optimizer_config)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
 
-    def _init(self, std: float) -> None:
+    def _init(self, std: float, init: str) -> None:
         if self.weight.dtype == torch.float32:
-            init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, self.rows, out=self.weight)
+            init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, self.rows, out=self.weight, init=init)
             return
         # One float32 slice per initialisation chunk that holds rows of this part (each chunk drawn
         # once, as init_rows draws it), stored rounded to nearest: never the whole part in float32.
@@ -137,7 +137,8 @@ class TablePart:
             k1 = min(len(r), -(-((c + 1) * CHUNK_ROWS - r.start) // r.step))
             if k1 > k0:  # (a range ending one past its last id: init_rows reads ``stop - 1`` as the last)
                 ids = range(r[k0], r[k1 - 1] + 1, r.step)
-                self.weight[k0:k1].copy_(init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, ids))
+                self.weight[k0:k1].copy_(init_rows(self.seed, self.name, self.num_embeddings, self.dim, std, ids,
+                                                   init=init))
 
     def check_ids(self, ids: torch.Tensor | None) -> str | None:
         """Why ``ids`` cannot be served here (an id outside the table or on another task), or None."""

@@ -443,3 +443,30 @@ def test_ps_state_bytes_counts_a_shards_compact_tables(mode):
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert part.weight.dtype == torch.bfloat16
     assert ps_state_bytes(numel * 4, spec, table.parts[0].bytes, sync=mode == "sync") == allocated
+
+
+def test_a_modules_own_embedding_init_is_declared_or_refused(tmp_path, capsys, inproc_client):
+    """Factors near 0.1 and zero biases set by the module: without a declaration the run is refused
+    naming each embedding and the fix; declared, the ps tables start exactly as declared."""
+    rng = np.random.default_rng(0)
+    x = np.stack([rng.integers(0, 30, 200), rng.integers(0, 20, 200)], 1).astype(np.int64)
+    text = ("name: mf\ncluster: {jobs: {ps: 2, worker: 1}}\nmodel:\n  module: tests.helpers.models:Factors\n"
+            "  kwargs: {declare: %s}\n  loss: mse\ndata: {source: d.npz, task: regression}\n"
+            "optimizer: {name: adagrad, lr: 0.05, weight_decay: 0.001}\ntraining: {steps: 3}\n"
+            "summary: {tensorboard: false}\n")
+    path = write(tmp_path, text % "false", x, rng.normal(size=200).astype(np.float32))
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and len(err) == 4, err
+    assert err[0].startswith(f"{path}:4: model.module: users: the module initialises this sparse embedding itself "
+                             "(std 0.1") and "self.users.dtrain_init = {'normal': 0.1" in err[0]
+    assert any("user_bias: the module initialises this sparse embedding itself (all 0)" in e and
+               "{'constant': 0.0}" in e for e in err)
+    path.write_text(text % "true")
+    assert cmd(capsys, "plan", str(path))[0] == 0
+    spec = dtrain.load(path)
+    model = dtrain.build_model(spec)  # the ps tables' initial values, as the ps tasks draw them
+    assert float(model.user_bias.weight.detach().abs().max()) == 0.0
+    assert 0.07 < float(model.users.weight.detach().std()) < 0.13
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["status"] == "completed"
+    assert float(result.model.users.weight.detach().std()) < 0.3  # trained from 0.1, not from normal(0, 1)

@@ -162,3 +162,25 @@ class CompactTable(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.emb(x).flatten(1))
+
+
+class Factors(nn.Module):
+    """Matrix factorisation with biases: user and item factors near 0.1, biases at zero, set by
+    the module's own code; ``declare``: with dtrain_init saying so (else refused before start)."""
+
+    def __init__(self, users: int = 30, items: int = 20, dim: int = 4, declare: bool = True) -> None:
+        super().__init__()
+        self.users, self.items = nn.Embedding(users, dim, sparse=True), nn.Embedding(items, dim, sparse=True)
+        self.user_bias, self.item_bias = nn.Embedding(users, 1, sparse=True), nn.Embedding(items, 1, sparse=True)
+        nn.init.normal_(self.users.weight, 0.0, 0.1)
+        nn.init.normal_(self.items.weight, 0.0, 0.1)
+        nn.init.zeros_(self.user_bias.weight)
+        nn.init.zeros_(self.item_bias.weight)
+        if declare:
+            self.users.dtrain_init = self.items.dtrain_init = {"normal": 0.1}
+            self.user_bias.dtrain_init = self.item_bias.dtrain_init = {"constant": 0.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, i = x[:, 0].long(), x[:, 1].long()
+        dot = (self.users(u) * self.items(i)).sum(-1)
+        return dot + self.user_bias(u).squeeze(-1) + self.item_bias(i).squeeze(-1)

@@ -25,7 +25,6 @@ from dtrain.ps.rows import ROW_OPTIMIZERS, TablePart
 from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import SpecError
 from tests.helpers.paths import ROOT
-from tests.helpers.paths import ROOT
 
 
 def spec(num_ps: int = 3, partition: str = "mod", rows: int = 10, pin: str = "") -> dtrain.PipelineSpec:
