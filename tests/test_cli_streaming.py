@@ -47,7 +47,7 @@ def test_plan_shows_each_replicas_disjoint_row_balanced_shards(tmp_path):
 def test_a_glob_matching_nothing_exits_2_naming_the_pattern(tmp_path):
     out = dtrain("run", write_pipeline(tmp_path, "nothing/*.parquet"), "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 2
-    assert f"{tmp_path / 'p.yaml'}:5: data.source: no .npz/.csv/.parquet file matches 'nothing/*.parquet'" \
+    assert f"{tmp_path / 'p.yaml'}:5: data.source: no .npz/.csv/.parquet/.tsv/.tsv.gz file matches 'nothing/*.parquet'" \
         in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 

@@ -20,7 +20,7 @@ column: flat ``ids``, ``offsets`` (the start of each example's ids) and ``per_sa
 Conventions shared by every reader: a missing categorical value is the id :data:`MISSING_ID`
 (as MLPerf's Criteo preprocessing maps an empty field to 0); a string id is :func:`hash64` of
 it; a dense value goes through :func:`dense_transform` (``log(1 + max(x, 0))``, missing -> 0).
-Pure numpy and torch.
+Pure numpy and torch (torch only to unpack).
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported by unpack: the readers (and the manifest) never need it
+    import torch
 
 MISSING_ID = 0
 """The id a missing (empty) categorical value reads as (MLPerf's Criteo preprocessing maps '' to 0)."""
@@ -210,6 +213,8 @@ class RecordLayout:
     def unpack(self, x: torch.Tensor) -> Records:
         """A batch of packed rows (int64 (B, width), any device) as :class:`Records`, vectorised over
         the rows (two host synchronisations in all: the mask's nonzero and the per-column counts)."""
+        import torch
+
         if x.dim() != 2 or x.shape[1] != self.width or x.dtype != torch.int64:
             raise ValueError(f"packed records are int64 (B, {self.width}) for this layout, got {x.dtype} "
                              f"{tuple(x.shape)}")

@@ -1,26 +1,32 @@
 """Sharded datasets: finding the files, reading their headers, checking they agree, reading one shard.
 
 A *sharded* source is a glob, a directory or a filesystem URL (anything fsspec understands:
-``s3://…``, ``gs://…``, local paths) of ``.parquet``, ``.csv`` or ``.npz`` files. Its
-:class:`Manifest` lists the shards — one per parquet row group, one per CSV or npz file, one per
-partition of a Dask collection — with their row counts, read from the headers only (a CSV's rows
-are counted by its newlines), and the columns every file must share. Nothing here imports Dask or
-torch: the compiler assigns the shards to replicas (``dtrain.plan.inputs``), each replica streams
-its own (``dtrain.data.stream``).
+``s3://…``, ``gs://…``, local paths) of ``.parquet``, ``.csv`` or ``.npz`` files, or Criteo-layout
+``.tsv`` / ``.tsv.gz`` files (format ``criteo``; even a single one). Its :class:`Manifest` lists the
+shards — one per parquet row group, one per CSV, npz or Criteo file, one per partition of a Dask
+collection — with their row counts, read from the headers only (a CSV's or Criteo file's rows are
+counted by its newlines), and the columns every file must share. With a
+:class:`~dtrain.data.features.RecordLayout` (recommendation records: Criteo files, or parquet with
+dense, id, list and string columns) a shard reads as packed int64 rows. Nothing here imports Dask:
+the compiler assigns the shards to replicas (``dtrain.plan.inputs``), each replica streams its own
+(``dtrain.data.stream``).
 """
 
 from __future__ import annotations
 
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .sources import FILE_SUFFIXES, data_source_kind
+from .sources import CRITEO_SUFFIXES, FILE_SUFFIXES, data_source_kind
+
+if TYPE_CHECKING:
+    from .features import RecordLayout
 
 GLOB_CHARS = "*?["
 
@@ -31,6 +37,26 @@ class ShardError(ValueError):
 
 class BadShardError(OSError):
     """A shard that turned out unreadable or corrupt while training read it (names the file)."""
+
+
+class BadRecordError(BadShardError, ValueError):
+    """A record that does not fit the layout (names the file, the line or row, and the column)."""
+
+
+SHARD_SUFFIXES: tuple[str, ...] = FILE_SUFFIXES + CRITEO_SUFFIXES
+_FORMATS = {".tsv": "criteo", ".tsv.gz": "criteo"}
+
+
+def suffix(path: str) -> str:
+    """A shard file's suffix, lower case (``.tsv.gz`` counts as one)."""
+    name = path.rsplit("/", 1)[-1].lower()
+    return ".tsv.gz" if name.endswith(".tsv.gz") else Path(name).suffix
+
+
+def file_format(path: str) -> str:
+    """``parquet``, ``csv``, ``npz`` or ``criteo`` (``.tsv``/``.tsv.gz``)."""
+    s = suffix(path)
+    return _FORMATS.get(s, s.lstrip("."))
 
 
 @dataclass(frozen=True)
@@ -55,12 +81,13 @@ class Manifest:
     """Every shard of a source, in file order, and what each sample holds."""
 
     source: str
-    fmt: str  # parquet | csv | npz | dask
+    fmt: str  # parquet | csv | npz | criteo | dask
     shards: tuple[Shard, ...]
-    features: tuple[str, ...]  # column names (npz: ("x",))
+    features: tuple[str, ...]  # column names (npz: ("x",); with a layout: its dense then categorical ones)
     target: str
     ids: bool  # integer features: ids for embedding tables (never standardised)
     feature_shape: tuple[int, ...]
+    layout: RecordLayout | None = None  # recommendation records: x is rows packed by it (width int64)
 
     @property
     def rows(self) -> int:
@@ -68,9 +95,12 @@ class Manifest:
 
 
 def is_sharded(source: str, base_dir: str | Path = ".") -> bool:
-    """Whether ``source`` names a set of shards: a glob, a directory, or a URL (``s3://…``)."""
+    """Whether ``source`` names a set of shards: a glob, a directory, a URL (``s3://…``), or
+    Criteo-layout files (``.tsv``, ``.tsv.gz``: always streamed)."""
     if data_source_kind(source) != "file":
         return False
+    if source.lower().endswith(CRITEO_SUFFIXES):
+        return True
     if "://" in source or any(c in source for c in GLOB_CHARS) or source.endswith("/"):
         return True
     path = Path(source).expanduser()
@@ -97,15 +127,15 @@ def discover(source: str, base_dir: str | Path = ".") -> list[str]:
     if any(c in path for c in GLOB_CHARS):
         found = fs.glob(path)
     elif fs.isdir(path):
-        found = [p for p in fs.find(path) if Path(p).suffix.lower() in FILE_SUFFIXES]
+        found = [p for p in fs.find(path) if suffix(p) in SHARD_SUFFIXES]
     else:
         found = [path] if fs.exists(path) else []
-    files = sorted(p for p in found if fs.isfile(p) and Path(p).suffix.lower() in FILE_SUFFIXES)
+    files = sorted(p for p in found if fs.isfile(p) and suffix(p) in SHARD_SUFFIXES)
     if not files:
-        raise ShardError(f"no {'/'.join(FILE_SUFFIXES)} file matches {source!r} (looked in {url}; relative paths "
+        raise ShardError(f"no {'/'.join(SHARD_SUFFIXES)} file matches {source!r} (looked in {url}; relative paths "
                          "are relative to the pipeline file's directory)")
-    suffixes = sorted({Path(p).suffix.lower() for p in files})
-    if len(suffixes) > 1:
+    suffixes = sorted({suffix(p) for p in files})
+    if len({file_format(p) for p in files}) > 1:
         raise ShardError(f"{source!r} matches files of several formats ({', '.join(suffixes)}): one format per "
                          "dataset; narrow the pattern, e.g. *.parquet")
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -168,11 +198,18 @@ def _integer(dtype: str) -> bool:
 
 
 def read_manifest(source: str, base_dir: str | Path = ".", target: str = "label",
-                  files: list[str] | None = None) -> Manifest:
+                  files: list[str] | None = None, layout: RecordLayout | None = None) -> Manifest:
     """Discover ``source``'s files and read their headers (ShardError naming the file and the
-    columns when they disagree with the first file, or the target is missing)."""
+    columns when they disagree with the first file, or the target is missing). ``layout``: the
+    files hold recommendation records (Criteo files need one; parquet may have one), read as rows
+    packed by it."""
     files = discover(source, base_dir) if files is None else files
-    fmt = Path(files[0]).suffix.lower().lstrip(".")
+    fmt = file_format(files[0])
+    if fmt == "criteo":
+        return _criteo_manifest(source, files, target, layout)
+    if layout is not None and fmt != "parquet":
+        raise ShardError(f"{files[0]}: model.features (a record layout) reads Criteo .tsv/.tsv.gz files or parquet "
+                         f"files, not {fmt}: write the records as parquet")
     shards: list[Shard] = []
     first: list[tuple[str, str]] | None = None
     shape: tuple[int, ...] = ()
@@ -209,6 +246,11 @@ def read_manifest(source: str, base_dir: str | Path = ".", target: str = "label"
         raise ShardError(f"{source!r}: its {len(files)} file(s) hold no rows")
     if fmt == "npz":
         return Manifest(source, fmt, tuple(shards), ("x",), "y", _integer(first[0][1]), shape)
+    if layout is not None:
+        from .records import check_columns
+
+        check_columns(files[0], dict(first), layout)
+        return Manifest(source, fmt, tuple(shards), layout.names, target, True, (layout.width,), layout)
     features = tuple(n for n, _ in first if n != target)
     if not features:
         raise ShardError(f"{files[0]}: no feature columns besides the target column {target!r}")
@@ -221,10 +263,45 @@ def read_manifest(source: str, base_dir: str | Path = ".", target: str = "label"
     return Manifest(source, fmt, tuple(shards), features, target, ids, (len(features),))
 
 
+def _criteo_manifest(source: str, files: list[str], target: str, layout: RecordLayout | None) -> Manifest:
+    """Criteo files: one shard per file, its rows its lines (a streaming count, files in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .criteo import check_layout
+
+    if layout is None:
+        raise ShardError(f"{source!r} is Criteo-layout data: declare the model's features (model.features) so "
+                         "dtrain knows which columns to read")
+    if target != "label":
+        raise ShardError(f"{source!r} is Criteo-layout data, whose first field is the label, named 'label': set "
+                         f"data.target: label (not {target!r})")
+    try:
+        check_layout(layout, source)
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
+    with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="dtrain-count") as pool:
+        rows = list(pool.map(_count_lines, files))  # (gzip and pyarrow release the GIL)
+    shards = tuple(Shard(path, n) for path, n in zip(files, rows, strict=True) if n)
+    if not shards:
+        raise ShardError(f"{source!r}: its {len(files)} file(s) hold no rows")
+    return Manifest(source, "criteo", shards, layout.names, "label", True, (layout.width,), layout)
+
+
+def _count_lines(path: str) -> int:
+    from .criteo import count_lines
+
+    try:
+        return count_lines(path)
+    except BadRecordError as exc:
+        raise ShardError(str(exc)) from None
+    except Exception as exc:
+        raise ShardError(f"{path}: cannot count its lines: {' '.join(str(exc).split())}") from exc
+
+
 @lru_cache(maxsize=8)
-def manifest_for(source: str, base_dir: str, target: str) -> Manifest:
+def manifest_for(source: str, base_dir: str, target: str, *, layout: RecordLayout | None = None) -> Manifest:
     """:func:`read_manifest`, cached per process (validation, the plan and the chief share it)."""
-    return read_manifest(source, base_dir, target)
+    return read_manifest(source, base_dir, target, layout=layout)
 
 
 def split_eval(manifest: Manifest, test_fraction: float, seed: int, min_train: int) -> tuple[Manifest, Manifest]:
@@ -238,39 +315,58 @@ def split_eval(manifest: Manifest, test_fraction: float, seed: int, min_train: i
                          "each): write more files or row groups, or set data.eval_source")
     test = set(np.random.default_rng([int(seed), 7]).choice(n, n_test, replace=False).tolist())
 
-    def pick(keep: bool) -> Manifest:
-        return Manifest(manifest.source, manifest.fmt, tuple(s for i, s in enumerate(manifest.shards)
-                                                             if (i in test) == keep),
-                        manifest.features, manifest.target, manifest.ids, manifest.feature_shape)
+    def pick(keep: bool) -> Manifest:  # (replace: the layout, and any later field, comes along)
+        return replace(manifest, shards=tuple(s for i, s in enumerate(manifest.shards) if (i in test) == keep))
 
     return pick(False), pick(True)
 
 
 def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray]:
     """One shard's (x, y) as numpy: float features (as stored) or int64 ids, the raw targets. BadShardError
-    naming the file when it cannot be read or does not match the manifest's columns."""
+    naming the file when it cannot be read or does not match the manifest's columns. With a layout:
+    the rows packed by it (int64) and float32 labels for Criteo files; BadRecordError naming the
+    file, the line or row, and the column on a bad value."""
+    layout = manifest.layout
     try:
-        if manifest.fmt == "npz":
+        if manifest.fmt == "criteo":
+            from .criteo import read_criteo
+
+            if layout is None:
+                raise ShardError(f"{shard.path}: a Criteo file is read with a layout (model.features)")
+            x, y = read_criteo(shard.path, layout)
+        elif manifest.fmt == "npz":
             with _open(shard.path) as f, np.load(f, allow_pickle=False) as archive:
                 x, y = archive["x"], archive["y"]
             x = x.reshape(len(x), -1)
         else:
+            first_row = 0
             if manifest.fmt == "parquet":
                 import pyarrow.parquet as pq
 
                 with _open(shard.path) as f:
-                    table = pq.ParquetFile(f).read_row_group(shard.part or 0)
+                    pf = pq.ParquetFile(f)
+                    group = shard.part or 0
+                    first_row = sum(pf.metadata.row_group(i).num_rows for i in range(group))
+                    table = pf.read_row_group(group, columns=None if layout is None else _layout_columns(
+                        layout, manifest.target, pf.schema_arrow.names))
             else:
                 import pyarrow.csv as pacsv
 
                 with _open(shard.path) as f:
                     table = pacsv.read_csv(f)
-            columns = [table.column(n).to_numpy(zero_copy_only=False) for n in manifest.features]
-            dtype = np.int64 if manifest.ids else np.result_type(np.float32, *columns)
-            x = np.empty((table.num_rows, len(columns)), dtype=dtype)  # C order: batches are rows
-            for j, c in enumerate(columns):
-                x[:, j] = c
+            if layout is not None:
+                from .records import read_records
+
+                x = read_records(table, layout, shard.path, first_row)
+            else:
+                columns = [table.column(n).to_numpy(zero_copy_only=False) for n in manifest.features]
+                dtype = np.int64 if manifest.ids else np.result_type(np.float32, *columns)
+                x = np.empty((table.num_rows, len(columns)), dtype=dtype)  # C order: batches are rows
+                for j, c in enumerate(columns):
+                    x[:, j] = c
             y = np.asarray(table.column(manifest.target).to_numpy(zero_copy_only=False))
+    except BadShardError:
+        raise  # (a BadRecordError already names the file, the line and the column)
     except Exception as exc:
         raise BadShardError(f"{shard.name} ({shard.path}): cannot be read: {' '.join(str(exc).split())}") from exc
     if len(x) != shard.rows or len(y) != shard.rows:
@@ -280,6 +376,14 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
     if manifest.ids:
         return x.astype(np.int64, copy=False), y
     return (x if x.dtype.kind == "f" else x.astype(np.float32)), y  # floats as stored (float32 stays float32)
+
+
+def _layout_columns(layout: RecordLayout, target: str, present: list[str]) -> list[str]:
+    """The parquet columns a layout reads: its own, their weights, the target."""
+    from .records import weights_column
+
+    names = [*layout.names, *(weights_column(c.name) for c in layout.categorical if c.weighted), target]
+    return [n for n in dict.fromkeys(names) if n in present]
 
 
 ShardReader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]

@@ -23,6 +23,10 @@ SKLEARN_DATASETS: tuple[str, ...] = ("digits", "iris", "wine", "breast_cancer", 
 
 FILE_SUFFIXES: tuple[str, ...] = (".npz", ".csv", ".parquet")
 
+CRITEO_SUFFIXES: tuple[str, ...] = (".tsv", ".tsv.gz")
+"""Criteo-layout files (``dtrain.data.criteo``): always a sharded source, even one file, since they
+are streamed (never loaded whole)."""
+
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
