@@ -31,6 +31,21 @@ ROW_OPTIMIZER_KEYS = {
 }
 
 
+DYNAMIC_ROW_BYTES = 3 * 8 + 4 * 16
+"""What a table without a vocabulary keeps per row besides the row and its optimizer state
+(``dtrain.ps.dynamic``): its id, last use and use count (int64 each), and its share of the id
+index (a key and a slot, 16 bytes, at up to 4 index positions per row between rebuilds)."""
+
+
+def sketch_bytes(rows: int, min_count: int) -> int:
+    """The admission sketch of a part of ``rows`` rows (``dtrain.ps.dynamic.CountMinSketch``): 2 rows
+    of int32 counters, the next power of two from 4 x rows (at least 1024); none for min_count 1."""
+    if min_count <= 1:
+        return 0
+    width = 1 << max(10, math.ceil(math.log2(max(4 * rows, 1))))
+    return 2 * width * 4
+
+
 def row_state_bytes(optimizer: str, rows: int, dim: int) -> int:
     """Bytes of float32 optimizer state ``optimizer`` keeps for ``rows`` rows of ``dim``: sgd none,
     adagrad one per element, rowwise_adagrad one per row, adam two per element."""
@@ -137,8 +152,10 @@ def plan_tables(tables: list[tuple[str, Any]], ps_job: str, num_ps: int, partiti
             else:
                 rows, first = len(range(p, t.num_embeddings, num_ps)), p
             state = row_state_bytes(opt, rows, t.dim)
+            index = 0 if dynamic is None else (rows * DYNAMIC_ROW_BYTES
+                                               + sketch_bytes(rows, int(dynamic.get("min_count", 1))))
             parts.append(TablePartPlan(p, p, f"/job:{ps_job}/task:{p}", rows,
-                                       rows * t.dim * STORAGE_BYTES[storage] + state, first, state))
+                                       rows * t.dim * STORAGE_BYTES[storage] + state + index, first, state))
         out.append(TablePlan(name, t.kind, t.num_embeddings, t.dim, t.init_std, t.mode,
                              "hash" if dynamic is not None else partition, tuple(parts), storage,
                              dict(own) if own is not None else None, opt, getattr(t, "init", "chunked"),

@@ -150,3 +150,23 @@ def test_a_state_larger_than_the_cap_is_refused():
     p.gather(torch.arange(500))
     with pytest.raises(ValueError, match="more than its cap of 100"):
         part(max_rows=100).load_state(p.state())
+
+
+def test_the_plan_counts_at_least_what_a_full_part_allocates():
+    """The plan's bytes for a part (the memory check before start) cover a part filled to its cap,
+    index, sketch and optimizer state included, for float32 and bfloat16 rows."""
+    from dtrain.model.tables import Table
+    from dtrain.plan.tables import plan_tables
+
+    for storage in ("float32", "bfloat16"):
+        table = Table(0, 8, kind="embedding_bag", mode="sum", name="t.weight", device="meta", storage=storage,
+                      optimizer={"name": "rowwise_adagrad", "lr": 0.1},
+                      dynamic={"max_rows": 4000, "min_count": 2})
+        (planned,) = plan_tables([("t.weight", table)], "ps", 2, "mod")
+        p = DynamicTablePart("t.weight", 8, 2, 0, 0.5, 3, {"name": "rowwise_adagrad", "lr": 0.1}, max_rows=4000,
+                             min_count=2, storage=storage)
+        ids = mine(torch.arange(0, 40_000), 2, 0)
+        for _ in range(3):  # seen often enough to be admitted, far past the cap
+            p.gather(ids)
+        assert p.live_rows == 2000 and p.counters["evicted"] > 0
+        assert p.nbytes <= planned.parts[0].bytes, (storage, p.nbytes, planned.parts[0].bytes)
