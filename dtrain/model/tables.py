@@ -32,7 +32,7 @@ INIT_SCHEMES = ("chunked", "uniform", "constant", "per_id")
 """How a table's rows start, with ``init_std`` as the scale: ``chunked`` normal(0, init_std) drawn in
 seeded chunks (the ``embedding`` layers, and a module's embeddings by default); ``uniform``
 uniform(-init_std, init_std) in the same chunks; ``constant`` every value init_std; ``per_id``
-normal(0, init_std) drawn per id (``model.tables``: dtrain.model.ids)."""
+uniform with standard deviation init_std, drawn per id (``model.tables``: dtrain.model.ids)."""
 _CHUNKED = {"chunked": "normal", "uniform": "uniform", "constant": "constant"}
 
 

@@ -119,8 +119,9 @@ class TableSpec(Strict):
     fold: Literal["modulo", "none"] = Field("modulo", description="How a 64-bit id picks its row: modulo "
                                             "(id % num_embeddings, as the MLPerf DLRM reference caps its tables), "
                                             "or none (an id outside 0 .. num_embeddings - 1 fails the step).")
-    init_std: float = Field(0.01, gt=0.0, description="Rows start normal(0, init_std), seeded per table (the same "
-                            "values whatever the number of ps tasks).")
+    init_std: float = Field(0.01, gt=0.0, description="Rows start uniform with this standard deviation (over "
+                            "+-sqrt(3) init_std), each row drawn from the seed, the table's name and its id: the "
+                            "same whatever the number of ps tasks, and the same fixed or without a vocabulary.")
     storage: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Row storage on the ps tasks; bfloat16 and float16 halve the memory and are updated "
         "with stochastic rounding. Replicas compute in float32.")
