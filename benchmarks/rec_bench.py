@@ -24,8 +24,8 @@ process, each row in its own subprocess, one row at a time:
 
 Reported per row: training samples/s (the training loop only: the peers parse every file before
 the clock starts), the ratio to TorchRec's samples/s of the same repetition, the held-out log
-loss and AUC, evaluation time and peak RSS. Repetitions (``--reps``) are interleaved; the table
-shows medians. JSON: ``benchmarks/results/rec_bench.json`` (``--out``).
+loss and AUC, evaluation time and peak RSS. Repetitions (``--reps``) are interleaved (every other
+one in reverse order); the table shows medians. JSON: ``benchmarks/results/rec_bench.json`` (``--out``).
 
 Data: ``examples/make_criteo_like.py``'s seeded generator writes ``--files`` training files of
 ``--rows`` rows in all (C1..C3 multi-hot: ``--multi-hot``) and one held-out file as large as a
@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEERS = ROOT / "benchmarks" / "rec" / "peers.py"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+PEERS_MISSING = f"{PEERS_PYTHON.relative_to(ROOT)} is missing: run make bench-rec-env"
 GENERATOR = ROOT / "examples" / "make_criteo_like.py"
 FIELDS = ("samples", "seconds", "samples_per_s", "eval_logloss", "eval_auc", "eval_seconds", "rss_mb")
 """What every row returns (more keys are kept in the JSON)."""
@@ -205,8 +206,7 @@ def run_dtrain(data: RecData, args: argparse.Namespace) -> dict[str, Any]:
 
 ROWS: dict[str, Row] = {
     "torchrec": Row("torchrec", "TorchRec (FBGEMM TBE, fused row-wise Adagrad), 1 process",
-                    _peer("torchrec", PEERS_PYTHON, missing=f"{PEERS_PYTHON.relative_to(ROOT)} is missing: "
-                                                             "run make bench-rec-env")),
+                    _peer("torchrec", PEERS_PYTHON, missing=PEERS_MISSING)),
     "torch": Row("torch", "plain PyTorch (sparse EmbeddingBag + Adagrad), 1 process", _peer("torch", sys.executable)),
     "dtrain": Row("dtrain", "dtrain, 2 ps + 2 workers", run_dtrain),
 }
@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         info = machine()
         runs = []
         for rep in range(args.reps):
-            for name in args.names:
+            # Every other repetition in reverse order: no row always runs right after another.
+            for name in args.names if rep % 2 == 0 else args.names[::-1]:
                 progress(f"rep {rep + 1}/{args.reps}: {name}")
                 r = measure(ROWS[name], data, args)
                 runs.append({"row": name, "rep": rep, **r})

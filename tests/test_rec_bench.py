@@ -155,14 +155,29 @@ def test_rec_bench_tiny_torch_row(tmp_path):
     assert doc["results"]["torch"]["samples"] == doc["data"]["meta"]["rows"] == 4000
 
 
-def test_rec_bench_dtrain_row_is_a_placeholder_run_only_on_request():
+def _bench():
     spec = importlib.util.spec_from_file_location("rec_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_rec_bench_dtrain_row_is_a_placeholder_run_only_on_request():
+    bench = _bench()
     assert bench.parse_args([]).names == ["torchrec", "torch"]
     assert bench.parse_args(["--with-dtrain"]).names == ["torchrec", "torch", "dtrain"]
     with pytest.raises(NotImplementedError):
         bench.run_dtrain(None, None)
     failed = bench.measure(bench.ROWS["dtrain"], None, None)
     assert failed["status"] == "failed" and "NotImplementedError" in failed["error"]
+
+
+def test_rec_bench_torchrec_row_is_skipped_without_the_peer_env(tmp_path):
+    bench = _bench()
+    row = bench.Row("torchrec", "TorchRec", bench._peer("torchrec", tmp_path / "no-python", missing="run make x"))
+    r = bench.measure(row, None, None)
+    assert r["status"] == "skipped" and r["reason"] == "run make x"
+    summary = bench.summarize(["torchrec"], [{"row": "torchrec", "rep": 0, **r}])
+    assert "torchrec: skipped: run make x" in bench.table(summary)
+    assert bench.PEERS_MISSING.endswith("is missing: run make bench-rec-env")
