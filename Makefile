@@ -8,7 +8,7 @@ STAMP := $(VENV)/.dtrain-installed
 PIPELINE ?= pipelines/digits_async.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run test lint bench bench-rec-env bench-rec clean
 
 venv: $(STAMP)
 
@@ -35,5 +35,25 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
 
+# The recommendation benchmark's peers (TorchRec on CPU) in their own environment, never dtrain's:
+# benchmarks/rec/requirements-peers*.txt say which versions and why torchrec goes in with --no-deps.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+REC_REQS := benchmarks/rec/requirements-peers.txt benchmarks/rec/requirements-peers-nodeps.txt
+
+bench-rec-env: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(REC_REQS) constraints-cpu.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q -c constraints-cpu.txt torch
+	$(PEERS_VENV)/bin/python -m pip install -q -c constraints-cpu.txt -r benchmarks/rec/requirements-peers.txt
+	$(PEERS_VENV)/bin/python -m pip install -q --no-deps -r benchmarks/rec/requirements-peers-nodeps.txt
+	$(PEERS_VENV)/bin/python -c "import torchrec, fbgemm_gpu; print('torchrec', torchrec.__version__, 'on torch', __import__('torch').__version__)"
+	touch $(PEERS_STAMP)
+
+bench-rec: $(STAMP)
+	$(PY) benchmarks/rec_bench.py
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) runs build *.egg-info .pytest_cache

@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""The recommendation benchmark: one DLRM on Criteo-layout data, TorchRec against plain PyTorch
+(and, later, dtrain), side by side in one run.
+
+Usage (from the repository root, with dtrain's venv; ``make bench-rec-env`` first for TorchRec)::
+
+    python benchmarks/rec_bench.py                                  # 500k training rows, scale 0.01
+    python benchmarks/rec_bench.py --rows 2000000 --files 8 --reps 3
+    python benchmarks/rec_bench.py --data DIR                       # train*.tsv[.gz] + test*.tsv[.gz] in DIR
+    python benchmarks/rec_bench.py --tiny --only torch              # a few thousand rows: that it runs
+
+Every row trains the same model (benchmarks/rec/peers.py's docstring: bottom MLP 13-64-16, 26
+tables of dim 16 with ``min(cardinality * scale, cap)`` rows, dot interaction, top MLP 367-64-1,
+Adagrad lr 0.05) on the same files in the same order, batch 1024, one pass, one torch thread per
+process, each row in its own subprocess, one row at a time:
+
+- ``torchrec``: TorchRec's ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched embedding bags,
+  ``EXACT_ROWWISE_ADAGRAD`` fused into backward), one process, in ``.venv-peers`` (skipped, with a
+  line saying to run ``make bench-rec-env``, when that environment is missing);
+- ``torch``: plain PyTorch, ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.Adagrad``, one
+  process, in this interpreter's environment;
+- ``dtrain``: 2 ps + 2 workers (``--with-dtrain``; a placeholder until dtrain's side exists:
+  :func:`run_dtrain`).
+
+Reported per row: training samples/s (the training loop only: the peers parse every file before
+the clock starts), the ratio to TorchRec's samples/s of the same repetition, the held-out log
+loss and AUC, evaluation time and peak RSS. Repetitions (``--reps``) are interleaved (every other
+one in reverse order); the table shows medians. JSON: ``benchmarks/results/rec_bench.json`` (``--out``).
+
+Data: ``examples/make_criteo_like.py``'s seeded generator writes ``--files`` training files of
+``--rows`` rows in all (C1..C3 multi-hot: ``--multi-hot``) and one held-out file as large as a
+training file, with the same seed (the same hidden model), into ``train/`` and ``test/``, cached
+under ``benchmarks/results/rec-data/`` (``--tiny``: a temporary directory, removed afterwards),
+unless ``--data DIR`` names files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PEERS = ROOT / "benchmarks" / "rec" / "peers.py"
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+PEERS_MISSING = f"{PEERS_PYTHON.relative_to(ROOT)} is missing: run make bench-rec-env"
+GENERATOR = ROOT / "examples" / "make_criteo_like.py"
+FIELDS = ("samples", "seconds", "samples_per_s", "eval_logloss", "eval_auc", "eval_seconds", "rss_mb")
+"""What every row returns (more keys are kept in the JSON)."""
+
+
+def progress(msg: str) -> None:
+    print(f"[rec_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class RecData:
+    """The data set every row trains on, and the table settings every row uses."""
+
+    dir: str
+    train: str  # glob of the training files
+    test: str  # glob of the held-out files
+    scale: float
+    cap: int
+    batch: int
+    cardinalities: tuple[int, ...] | None = None  # None: peers.py's Criteo 1TB list
+    seed: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_generator():
+    if not GENERATOR.exists():
+        raise SystemExit(f"{GENERATOR.relative_to(ROOT)} is missing (the generator comes with dtrain's data "
+                         "work); pass --data DIR with train*.tsv[.gz] and test*.tsv[.gz] files instead")
+    spec = importlib.util.spec_from_file_location("make_criteo_like", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def generate(out: Path, rows: int, files: int, scale: float, seed: int, multi_hot: int) -> dict[str, Any]:
+    """Write ``files`` training files (``rows`` in all, rounded up to a multiple of ``files``) and
+    one held-out file of the same size with the generator; return what meta.json records.
+
+    All ``files + 1`` come from one call with one seed: the held-out file shares the generator's
+    hidden model (its weights and value codes follow from the seed) and only its rows differ."""
+    gen = _load_generator()
+    per_file = -(-rows // files)
+    t0 = time.perf_counter()
+    parts = gen.generate(out / "parts", rows=per_file * (files + 1), files=files + 1, seed=seed, scale=scale,
+                         multi_hot=multi_hot)
+    for split, paths in (("train", parts[:-1]), ("test", parts[-1:])):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        for p in paths:
+            Path(p).rename(out / split / Path(p).name)
+    (out / "parts").rmdir()
+    return {"rows": per_file * files, "test_rows": per_file, "files": files, "scale": scale, "seed": seed,
+            "multi_hot": multi_hot, "generator": str(GENERATOR.relative_to(ROOT)),
+            "cardinalities": [int(c) for c in gen.CRITEO_1TB_CARDINALITIES],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def prepare_data(args: argparse.Namespace, scratch: Path) -> RecData:
+    """The data directory: --data as given, or the generator's files (cached by their settings)."""
+    if args.data:
+        d = Path(args.data)
+        meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
+    else:
+        name = f"rows{args.rows}-files{args.files}-scale{args.scale:g}-multihot{args.multi_hot}-seed{args.seed}"
+        d = (scratch if args.tiny else Path(args.cache)) / name
+        done = d / "meta.json"
+        if done.exists():
+            progress(f"data: reusing {d}")
+        else:
+            progress(f"data: generating {args.rows:,} training rows in {args.files} files into {d}")
+            meta = generate(d, args.rows, args.files, args.scale, args.seed, args.multi_hot)
+            done.write_text(json.dumps(meta, indent=1) + "\n")  # written last: the cache's completion mark
+        meta = json.loads(done.read_text())
+    train = _glob_of(d, "train")
+    test = _glob_of(d, "test")
+    cards = meta.get("cardinalities")
+    return RecData(dir=str(d), train=train, test=test, scale=args.scale, cap=args.cap, batch=args.batch,
+                   cardinalities=tuple(cards) if cards else None, seed=args.seed, meta=meta)
+
+
+def _glob_of(d: Path, split: str) -> str:
+    """The glob of one split's files in ``d`` (``train*``/``test*`` at the top or one level down)."""
+    for pattern in (f"{split}*.tsv*", f"{split}*/*.tsv*"):
+        if glob.glob(str(d / pattern)):
+            return str(d / pattern)
+    raise SystemExit(f"{d}: no {split} files ({split}*.tsv or {split}*.tsv.gz, or {split}*/ holding them)")
+
+
+# ----------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class Row:
+    """One system under comparison: ``run(data, args)`` trains the model on ``data`` and returns at
+    least :data:`FIELDS` (``status`` ``skipped`` with a ``reason`` when it cannot run here)."""
+
+    name: str
+    label: str
+    run: Callable[[RecData, argparse.Namespace], dict[str, Any]]
+
+
+def _peer(row: str, python: Path | str, missing: str | None = None):
+    def run(data: RecData, args: argparse.Namespace) -> dict[str, Any]:
+        if missing and not Path(python).exists():
+            return {"status": "skipped", "reason": missing}
+        return run_peer(python, row, data, args.timeout)
+
+    return run
+
+
+def run_peer(python: Path | str, row: str, data: RecData, timeout: float) -> dict[str, Any]:
+    """peers.py ``--row row`` in a fresh subprocess (its own process group, killed whole on a timeout)."""
+    with tempfile.TemporaryDirectory(prefix="rec-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [str(python), str(PEERS), "--row", row, "--train", data.train, "--test", data.test,
+               "--scale", repr(data.scale), "--cap", str(data.cap), "--batch", str(data.batch),
+               "--seed", str(data.seed), "--out", str(out)]
+        if data.cardinalities:
+            cmd += ["--cardinalities", ",".join(map(str, data.cardinalities))]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=str(ROOT), start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"status": "failed", "error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode != 0 or not out.exists():
+            return {"status": "failed", "error": f"exit {proc.returncode}", "log_tail": log[-3000:]}
+        return {"status": "ok", **json.loads(out.read_text())}
+
+
+def run_dtrain(data: RecData, args: argparse.Namespace) -> dict[str, Any]:
+    """PLACEHOLDER for the dtrain row: 2 ps + 2 workers training the same DLRM on ``data``.
+
+    To add it: train on ``data.train`` (the same files, in the same order, batch ``data.batch``
+    per step, tables of ``peers.table_rows(cardinalities, data.scale, data.cap)`` rows, Adagrad
+    lr 0.05), evaluate on ``data.test``, and return at least :data:`FIELDS` (samples/s over the
+    training loop only, as the peers do) with ``"status": "ok"``. The harness does the rest:
+    ratios, the table and the JSON.
+    """
+    raise NotImplementedError("the dtrain row is not written yet (benchmarks/rec_bench.py: run_dtrain)")
+
+
+ROWS: dict[str, Row] = {
+    "torchrec": Row("torchrec", "TorchRec (FBGEMM TBE, fused row-wise Adagrad), 1 process",
+                    _peer("torchrec", PEERS_PYTHON, missing=PEERS_MISSING)),
+    "torch": Row("torch", "plain PyTorch (sparse EmbeddingBag + Adagrad), 1 process", _peer("torch", sys.executable)),
+    "dtrain": Row("dtrain", "dtrain, 2 ps + 2 workers", run_dtrain),
+}
+DEFAULT_ROWS = ("torchrec", "torch")  # "dtrain" only with --with-dtrain
+
+
+def measure(row: Row, data: RecData, args: argparse.Namespace) -> dict[str, Any]:
+    """One row, once; never raises (a failed row is reported, the others still run)."""
+    t0 = time.perf_counter()
+    try:
+        r = row.run(data, args)
+    except Exception as e:  # noqa: BLE001 - a row's failure is a result, including the placeholder's
+        r = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+    r.setdefault("status", "ok")
+    r["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    if r["status"] == "ok" and (missing := [k for k in FIELDS if k not in r]):
+        r = {"status": "failed", "error": f"result lacks {missing}"}
+    return r
+
+
+# --------------------------------------------------------------------------------------- report
+def summarize(names: list[str], runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per row: medians over its successful repetitions; ratio to TorchRec's rate of the same repetition."""
+    ref = {r["rep"]: r["samples_per_s"] for r in runs if r["row"] == "torchrec" and r["status"] == "ok"}
+    out = {}
+    for name in names:
+        mine = [r for r in runs if r["row"] == name]
+        ok = [r for r in mine if r["status"] == "ok"]
+        if not ok:
+            last = mine[-1]
+            out[name] = {"status": last["status"], "error": last.get("error") or last.get("reason"),
+                         "log_tail": last.get("log_tail")}
+            continue
+        ratios = [r["samples_per_s"] / ref[r["rep"]] for r in ok if r["rep"] in ref]
+        s: dict[str, Any] = {"status": "ok", "reps": len(ok)}
+        for k in FIELDS:
+            s[k] = statistics.median(r[k] for r in ok)
+        s["ratio_to_torchrec"] = statistics.median(ratios) if ratios else None
+        s["ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+        out[name] = s
+    return out
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    lines = ["| row | samples/s | ratio to TorchRec | eval log loss | AUC | eval s | peak RSS MB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, s in summary.items():
+        label = ROWS[name].label
+        if s["status"] != "ok":
+            lines.append(f"| {label} | {s['status']} | | | | | |")
+            continue
+        ratio = "–" if s["ratio_to_torchrec"] is None else f"{s['ratio_to_torchrec']:.2f}"
+        if s["ratio_range"] and s["reps"] > 1:
+            ratio += f" ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})"
+        lines.append(f"| {label} | {s['samples_per_s']:,.0f} | {ratio} | {s['eval_logloss']:.4f} | "
+                     f"{s['eval_auc']:.4f} | {s['eval_seconds']:.1f} | {s['rss_mb']:,.0f} |")
+    notes = [f"{name}: {s['status']}: {s['error']}" for name, s in summary.items() if s["status"] != "ok"]
+    return "\n".join(lines + [""] + notes)
+
+
+def machine() -> dict[str, Any]:
+    from importlib import metadata
+
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform(), "loadavg_start": list(os.getloadavg())}
+    for pkg in ("torch", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            info[pkg] = metadata.version(pkg)
+    return info
+
+
+# ----------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=500_000, help="training rows to generate (all files together)")
+    ap.add_argument("--files", type=int, default=4, help="training files to generate")
+    ap.add_argument("--scale", type=float, default=0.01, help="cardinality scale: the generator's and the tables'")
+    ap.add_argument("--multi-hot", type=int, default=3,
+                    help="the generator's first N categorical features are multi-hot (1 to 4 ids)")
+    ap.add_argument("--cap", type=int, default=40_000_000, help="most rows of one table")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", help="a directory of train*.tsv[.gz] and test*.tsv[.gz] files: no generation")
+    ap.add_argument("--cache", default=str(RESULTS / "rec-data"), help="where generated data is kept for reuse")
+    ap.add_argument("--only", help="comma-separated rows (torchrec, torch, dtrain)")
+    ap.add_argument("--with-dtrain", action="store_true", help="add the dtrain row (a placeholder for now)")
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per row and repetition")
+    ap.add_argument("--tiny", action="store_true", help="4,000 rows in 2 files, scale 0.001: that it runs")
+    ap.add_argument("--out", default=str(RESULTS / "rec_bench.json"))
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.rows, args.files, args.scale = 4000, 2, 0.001
+    names = args.only.split(",") if args.only else [*DEFAULT_ROWS, *(["dtrain"] if args.with_dtrain else [])]
+    if bad := [n for n in names if n not in ROWS]:
+        ap.error(f"--only: {', '.join(bad)} not among {', '.join(ROWS)}")
+    if "dtrain" in names and not args.with_dtrain:
+        ap.error("--only dtrain: the dtrain row runs only with --with-dtrain")
+    args.names = names
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="rec-bench-data-"))
+    try:
+        data = prepare_data(args, scratch)
+        info = machine()
+        runs = []
+        for rep in range(args.reps):
+            # Every other repetition in reverse order: no row always runs right after another.
+            for name in args.names if rep % 2 == 0 else args.names[::-1]:
+                progress(f"rep {rep + 1}/{args.reps}: {name}")
+                r = measure(ROWS[name], data, args)
+                runs.append({"row": name, "rep": rep, **r})
+                if r["status"] == "ok":
+                    progress(f"  {r['samples_per_s']:,.0f} samples/s, eval log loss {r['eval_logloss']:.4f}, "
+                             f"AUC {r['eval_auc']:.4f}")
+                else:
+                    progress(f"  {r['status']}: {r.get('error') or r.get('reason')}")
+        info["loadavg_end"] = list(os.getloadavg())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = summarize(args.names, runs)
+    settings = {k: v for k, v in vars(args).items() if k not in ("names",)}
+    doc = {"machine": info, "settings": settings, "data": asdict(data), "results": summary, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"DLRM on Criteo-layout data: {data.meta.get('rows', '?')} training rows, batch {args.batch}, "
+          f"scale {args.scale:g}, cap {args.cap:,}, one thread per process; load {info['loadavg_start'][0]:.2f}"
+          f" -> {info['loadavg_end'][0]:.2f}\n")
+    print(table(summary))
+    print(f"\nresults: {out}")
+    failed = [n for n, s in summary.items() if s["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
