@@ -19,8 +19,8 @@ process, each row in its own subprocess, one row at a time:
   line saying to run ``make bench-rec-env``, when that environment is missing);
 - ``torch``: plain PyTorch, ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.Adagrad``, one
   process, in this interpreter's environment;
-- ``dtrain``: 2 ps + 2 workers (``--with-dtrain``; a placeholder until dtrain's side exists:
-  :func:`run_dtrain`).
+- ``dtrain``: 2 ps + 2 workers, ``dtrain run`` of the same model as a pipeline
+  (:func:`dtrain_pipeline`) on its embedded cluster.
 
 Reported per row: training samples/s (the training loop only: the peers parse every file before
 the clock starts), the ratio to TorchRec's samples/s of the same repetition, the held-out log
@@ -61,6 +61,8 @@ PEERS = ROOT / "benchmarks" / "rec" / "peers.py"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEERS_MISSING = f"{PEERS_PYTHON.relative_to(ROOT)} is missing: run make bench-rec-env"
 GENERATOR = ROOT / "examples" / "make_criteo_like.py"
+MAX_IDS = 4
+"""The most ids of a multi-hot feature in generated data (the generator's default)."""
 FIELDS = ("samples", "seconds", "samples_per_s", "eval_logloss", "eval_auc", "eval_seconds", "rss_mb")
 """What every row returns (more keys are kept in the JSON)."""
 
@@ -105,14 +107,14 @@ def generate(out: Path, rows: int, files: int, scale: float, seed: int, multi_ho
     per_file = -(-rows // files)
     t0 = time.perf_counter()
     parts = gen.generate(out / "parts", rows=per_file * (files + 1), files=files + 1, seed=seed, scale=scale,
-                         multi_hot=multi_hot)
+                         multi_hot=multi_hot, max_ids=MAX_IDS)
     for split, paths in (("train", parts[:-1]), ("test", parts[-1:])):
         (out / split).mkdir(parents=True, exist_ok=True)
         for p in paths:
             Path(p).rename(out / split / Path(p).name)
     (out / "parts").rmdir()
     return {"rows": per_file * files, "test_rows": per_file, "files": files, "scale": scale, "seed": seed,
-            "multi_hot": multi_hot, "generator": str(GENERATOR.relative_to(ROOT)),
+            "multi_hot": multi_hot, "max_ids": MAX_IDS, "generator": str(GENERATOR.relative_to(ROOT)),
             "cardinalities": [int(c) for c in gen.CRITEO_1TB_CARDINALITIES],
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -192,16 +194,73 @@ def run_peer(python: Path | str, row: str, data: RecData, timeout: float) -> dic
         return {"status": "ok", **json.loads(out.read_text())}
 
 
-def run_dtrain(data: RecData, args: argparse.Namespace) -> dict[str, Any]:
-    """PLACEHOLDER for the dtrain row: 2 ps + 2 workers training the same DLRM on ``data``.
+DTRAIN_TABLE_LR = DTRAIN_DENSE_LR = 0.05
 
-    To add it: train on ``data.train`` (the same files, in the same order, batch ``data.batch``
-    per step, tables of ``peers.table_rows(cardinalities, data.scale, data.cap)`` rows, Adagrad
-    lr 0.05), evaluate on ``data.test``, and return at least :data:`FIELDS` (samples/s over the
-    training loop only, as the peers do) with ``"status": "ok"``. The harness does the rest:
-    ratios, the table and the JSON.
-    """
-    raise NotImplementedError("the dtrain row is not written yet (benchmarks/rec_bench.py: run_dtrain)")
+
+def dtrain_pipeline(data: RecData, max_ids: int) -> str:
+    """The benchmark's DLRM as a dtrain pipeline: the peers' model (fixed tables of the peers' rows,
+    ids folded by modulo, row-wise Adagrad on the tables, Adagrad on the MLPs), 2 ps + 2 workers,
+    each replica a batch of ``data.batch`` per step, one pass over the training files, asynchronous,
+    default settings otherwise."""
+    sys.path.insert(0, str(PEERS.parent))
+    import peers
+
+    cards = data.cardinalities or peers.CRITEO_1TB_CARDINALITIES
+    rows = peers.table_rows(cards, data.scale, data.cap)
+    multi = int(data.meta.get("multi_hot", 0))
+    cats = ", ".join(f"{{name: C{i + 1}" + (f", max_ids: {max_ids}}}" if i < multi else "}") for i in range(26))
+    tables = "\n".join(f"    C{i + 1}: {{num_embeddings: {n}, dim: 16, optimizer: {{name: rowwise_adagrad, "
+                       f"lr: {DTRAIN_TABLE_LR}}}}}" for i, n in enumerate(rows))
+    return f"""name: rec-bench
+cluster: {{jobs: {{ps: 2, worker: 2}}}}
+model:
+  features:
+    dense: [{", ".join(f"I{i}" for i in range(1, 14))}]
+    categorical: [{cats}]
+  tables:
+{tables}
+  dlrm: {{bottom: [64, 16], interaction: dot, top: [64, 1]}}
+  loss: bce_with_logits
+data: {{source: "{data.train}", eval_source: "{data.test}", batch_size: {data.batch}, epochs: 1}}
+optimizer: {{name: adagrad, lr: {DTRAIN_DENSE_LR}}}
+training: {{mode: async, seed: {data.seed}}}
+summary: {{tensorboard: false}}
+"""
+
+
+def run_dtrain(data: RecData, args: argparse.Namespace) -> dict[str, Any]:
+    """The dtrain row: :func:`dtrain_pipeline` run by ``dtrain run`` on its embedded cluster (a fresh
+    process, as a user runs it); samples/s over the training loop (summary.json's ``train_s``: the
+    replicas' first step to their last, start-up and the final evaluation excluded, as the peers
+    time theirs), the held-out log loss and AUC from its final evaluation, peak RSS of its largest
+    process (the run's own telemetry is not needed: ``ru_maxrss`` of the children)."""
+    import resource
+
+    with tempfile.TemporaryDirectory(prefix="rec-bench-dtrain-") as tmp:
+        pipeline = Path(tmp) / "rec.yaml"
+        pipeline.write_text(dtrain_pipeline(data, int(data.meta.get("max_ids", MAX_IDS))))
+        run_dir = Path(tmp) / "run"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(pipeline), "--run-dir", str(run_dir)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+                                env=dict(os.environ, PYTHONWARNINGS="ignore"), start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"status": "failed", "error": f"timed out after {args.timeout} s"}
+        summary_path = run_dir / "summary.json"
+        if proc.returncode != 0 or not summary_path.exists():
+            return {"status": "failed", "error": f"dtrain run exited {proc.returncode}: {log[-2000:]}"}
+        s = json.loads(summary_path.read_text())
+        rss = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+        ev = s.get("eval") or {}
+        return {"status": "ok", "samples": s["samples"], "seconds": s["train_s"],
+                "samples_per_s": s["samples_per_sec"], "eval_logloss": ev.get("log_loss"), "eval_auc": ev.get("auc"),
+                "eval_seconds": None, "rss_mb": round(rss / 1024, 1), "global_step": s["global_step"],
+                "wall_s": s["wall_s"]}
 
 
 ROWS: dict[str, Row] = {
@@ -210,7 +269,7 @@ ROWS: dict[str, Row] = {
     "torch": Row("torch", "plain PyTorch (sparse EmbeddingBag + Adagrad), 1 process", _peer("torch", sys.executable)),
     "dtrain": Row("dtrain", "dtrain, 2 ps + 2 workers", run_dtrain),
 }
-DEFAULT_ROWS = ("torchrec", "torch")  # "dtrain" only with --with-dtrain
+DEFAULT_ROWS = ("torchrec", "torch", "dtrain")
 
 
 def measure(row: Row, data: RecData, args: argparse.Namespace) -> dict[str, Any]:
@@ -243,7 +302,8 @@ def summarize(names: list[str], runs: list[dict[str, Any]]) -> dict[str, dict[st
         ratios = [r["samples_per_s"] / ref[r["rep"]] for r in ok if r["rep"] in ref]
         s: dict[str, Any] = {"status": "ok", "reps": len(ok)}
         for k in FIELDS:
-            s[k] = statistics.median(r[k] for r in ok)
+            values = [r[k] for r in ok if r[k] is not None]
+            s[k] = statistics.median(values) if values else None
         s["ratio_to_torchrec"] = statistics.median(ratios) if ratios else None
         s["ratio_range"] = [min(ratios), max(ratios)] if ratios else None
         out[name] = s
@@ -261,8 +321,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         ratio = "–" if s["ratio_to_torchrec"] is None else f"{s['ratio_to_torchrec']:.2f}"
         if s["ratio_range"] and s["reps"] > 1:
             ratio += f" ({s['ratio_range'][0]:.2f}–{s['ratio_range'][1]:.2f})"
+        evals = "-" if s["eval_seconds"] is None else f"{s['eval_seconds']:.1f}"  # (dtrain's is inside its run)
         lines.append(f"| {label} | {s['samples_per_s']:,.0f} | {ratio} | {s['eval_logloss']:.4f} | "
-                     f"{s['eval_auc']:.4f} | {s['eval_seconds']:.1f} | {s['rss_mb']:,.0f} |")
+                     f"{s['eval_auc']:.4f} | {evals} | {s['rss_mb']:,.0f} |")
     notes = [f"{name}: {s['status']}: {s['error']}" for name, s in summary.items() if s["status"] != "ok"]
     return "\n".join(lines + [""] + notes)
 
@@ -293,7 +354,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", help="a directory of train*.tsv[.gz] and test*.tsv[.gz] files: no generation")
     ap.add_argument("--cache", default=str(RESULTS / "rec-data"), help="where generated data is kept for reuse")
     ap.add_argument("--only", help="comma-separated rows (torchrec, torch, dtrain)")
-    ap.add_argument("--with-dtrain", action="store_true", help="add the dtrain row (a placeholder for now)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row and repetition")
     ap.add_argument("--tiny", action="store_true", help="4,000 rows in 2 files, scale 0.001: that it runs")
@@ -301,11 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.tiny:
         args.rows, args.files, args.scale = 4000, 2, 0.001
-    names = args.only.split(",") if args.only else [*DEFAULT_ROWS, *(["dtrain"] if args.with_dtrain else [])]
+    names = args.only.split(",") if args.only else list(DEFAULT_ROWS)
     if bad := [n for n in names if n not in ROWS]:
         ap.error(f"--only: {', '.join(bad)} not among {', '.join(ROWS)}")
-    if "dtrain" in names and not args.with_dtrain:
-        ap.error("--only dtrain: the dtrain row runs only with --with-dtrain")
     args.names = names
     return args
 

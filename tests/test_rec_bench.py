@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+import dtrain
+
 from tests.helpers.paths import ROOT
 
 BENCH = ROOT / "benchmarks" / "rec_bench.py"
@@ -117,7 +119,7 @@ def _check(doc: dict) -> None:
     assert 0 <= r["eval_auc"] <= 1
     assert r["eval_seconds"] >= 0 and r["rss_mb"] > 0
     assert r["ratio_to_torchrec"] is None  # the TorchRec row did not run
-    (run,) = doc["runs"]
+    run = next(r for r in doc["runs"] if r["row"] == "torch")
     assert run["threads"] == 1 and run["batch"] == 1024
 
 
@@ -143,16 +145,18 @@ def test_rec_bench_torch_row_on_given_files(tmp_path):
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not GENERATOR.exists(), reason="examples/make_criteo_like.py (the generator) is not here yet")
-def test_rec_bench_tiny_torch_row(tmp_path):
-    """``--tiny``: the generator's data (2 training files and a held-out one), the torch row."""
+def test_rec_bench_tiny_torch_and_dtrain_rows(tmp_path):
+    """``--tiny``: the generator's data (2 training files and a held-out one), the torch and dtrain rows."""
     out = tmp_path / "rec.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--only", "torch", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--only", "torch,dtrain", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     doc = json.loads(out.read_text())
     _check(doc)
     assert doc["settings"]["tiny"] is True and doc["data"]["meta"]["files"] == 2
     assert doc["results"]["torch"]["samples"] == doc["data"]["meta"]["rows"] == 4000
+    dt = doc["results"]["dtrain"]  # one pass: each replica's full batches of its own files
+    assert dt["status"] == "ok" and 0 < dt["samples"] <= 4000 and dt["samples"] % 1024 == 0, dt
 
 
 def _bench():
@@ -163,14 +167,27 @@ def _bench():
     return bench
 
 
-def test_rec_bench_dtrain_row_is_a_placeholder_run_only_on_request():
+def test_the_dtrain_row_trains_the_peers_model(tmp_path):
+    """The dtrain row's pipeline is valid and is the peers' model: their table rows, their learning
+    rate, the multi-hot features' bound, the same batch and files."""
     bench = _bench()
-    assert bench.parse_args([]).names == ["torchrec", "torch"]
-    assert bench.parse_args(["--with-dtrain"]).names == ["torchrec", "torch", "dtrain"]
-    with pytest.raises(NotImplementedError):
-        bench.run_dtrain(None, None)
-    failed = bench.measure(bench.ROWS["dtrain"], None, None)
-    assert failed["status"] == "failed" and "NotImplementedError" in failed["error"]
+    assert bench.parse_args([]).names == ["torchrec", "torch", "dtrain"]
+    sys.path.insert(0, str(ROOT / "benchmarks" / "rec"))
+    import peers
+
+    data = bench.RecData(dir=str(tmp_path), train=f"{tmp_path}/train/*.tsv", test=f"{tmp_path}/test/*.tsv",
+                         scale=0.01, cap=1000, batch=256, meta={"multi_hot": 3, "max_ids": 4})
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    for d in ("train", "test"):
+        (tmp_path / d / "a.tsv").write_text("0" + "\t1" * 13 + "\tab" * 26 + "\n")
+    spec = dtrain.loads(bench.dtrain_pipeline(data, 4), base_dir=str(tmp_path))
+    rows = peers.table_rows(peers.CRITEO_1TB_CARDINALITIES, 0.01, 1000)
+    assert [spec.model.tables[f"C{i + 1}"].num_embeddings for i in range(26)] == rows and max(rows) == 1000
+    assert [f.max_ids for f in spec.model.features.categorical[:4]] == [4, 4, 4, 1]
+    assert spec.data.batch_size == 256 and spec.data.source == data.train and spec.data.eval_source == data.test
+    assert spec.model.tables["C1"].optimizer.lr == bench.DTRAIN_TABLE_LR == spec.optimizer.lr
+    assert spec.cluster.num_tasks("ps") == 2 and spec.cluster.num_tasks("worker") == 2
 
 
 def test_rec_bench_torchrec_row_is_skipped_without_the_peer_env(tmp_path):
