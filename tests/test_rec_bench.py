@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import dtrain
-
 from tests.helpers.paths import ROOT
 
 BENCH = ROOT / "benchmarks" / "rec_bench.py"
