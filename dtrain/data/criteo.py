@@ -49,6 +49,19 @@ _LUT = np.full(256, 255, dtype=np.uint8)  # ASCII byte -> hex digit value (255: 
 _LUT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
 _LUT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
 _LUT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+
+
+def _pair_table() -> np.ndarray:
+    """Two ASCII hex digits read as one little-endian uint16 -> the byte they spell (0xFFFF: not hex)."""
+    codes = np.arange(1 << 16)
+    first, second = _LUT[codes & 0xFF], _LUT[codes >> 8]
+    ok = (first != 255) & (second != 255)
+    table = np.full(1 << 16, 0xFFFF, dtype=np.uint16)
+    table[ok] = (first[ok].astype(np.uint16) << 4) | second[ok]
+    return table
+
+
+_PAIR = _pair_table()
 _COMMA = ord(",")
 _INTEGER = re.compile(r"^[+-]?[0-9]{1,18}$")
 
@@ -288,12 +301,15 @@ def hex_ids(strings: Any) -> tuple[np.ndarray, np.ndarray]:
     data = data[offs[0]:offs[-1]]
     offs = offs - offs[0]
     lens = np.diff(offs)
-    if ((lens == 8) | (lens == 0)).all():  # Criteo's case: 8 digits or empty, one id per field
-        nib = _LUT[data.reshape(-1, 8)]
-        if not (nib == 255).any():
-            pairs = np.ascontiguousarray((nib[:, 0::2] << 4) | nib[:, 1::2])
+    full = lens == 8
+    if (full | (lens == 0)).all():  # Criteo's case: 8 digits or empty, one id per field
+        pairs = _PAIR[data.view("<u2")]  # two digits at a time: one table lookup per byte of the id
+        if not (pairs > 0xFF).any():
+            ids = pairs.astype(np.uint8).view(">u4")
+            if len(ids) == n:  # no empty field
+                return ids.astype(np.int64), np.ones(n, dtype=np.int64)
             out = np.full(n, MISSING_ID, dtype=np.int64)
-            out[lens == 8] = pairs.view(">u4").ravel()
+            out[full] = ids
             return out, np.ones(n, dtype=np.int64)
     return _hex_lists(data, offs, lens, arr)
 
