@@ -33,7 +33,7 @@ import numpy as np
 
 from .features import MISSING_ID, CategoricalColumn, RecordLayout, dense_transform
 from .shards import BadRecordError
-from .sources import CRITEO_SUFFIXES
+from .sources import CRITEO_SUFFIXES  # noqa: F401 - re-exported: the format's file names
 
 CRITEO_DENSE: tuple[str, ...] = tuple(f"I{i}" for i in range(1, 14))
 CRITEO_CATEGORICAL: tuple[str, ...] = tuple(f"C{i}" for i in range(1, 27))
@@ -70,11 +70,6 @@ class CriteoError(BadRecordError):
     """A Criteo file that cannot be read as the layout says: names the file, the line and the field.
     A :class:`~dtrain.data.shards.BadShardError` (so ``data.skip_bad_files`` can skip the file
     mid-run) and a ValueError."""
-
-
-def is_criteo(path: str) -> bool:
-    """Whether ``path`` names a Criteo-layout file (``.tsv`` or ``.tsv.gz``)."""
-    return path.lower().endswith(CRITEO_SUFFIXES)
 
 
 def criteo_layout(dense: tuple[str, ...] = CRITEO_DENSE, categorical: tuple[str, ...] = CRITEO_CATEGORICAL,
