@@ -107,7 +107,8 @@ def _hex_lists(codes: np.ndarray, lengths: np.ndarray, empty: np.ndarray) -> pa.
 
 
 def _hidden_weight(values: np.ndarray, salt: int) -> np.ndarray:
-    """A normal(0, 1) weight per value, from the value alone (no table: 1TB's 40M values need none)."""
+    """A normal(0, 1) weight per value, computed from the value and ``salt`` (Box-Muller on two
+    hashed uniforms): 1TB's 40M values need no stored table."""
     u1 = (_mix32(values, salt).astype(np.float64) + 0.5) / 2**32
     u2 = (_mix32(values, salt ^ 0x5BD1E995).astype(np.float64) + 0.5) / 2**32
     return np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)
@@ -119,32 +120,38 @@ class _Model:
     def __init__(self, seed: int, scale: float, multi_hot: int, max_ids: int, zipf_a: float, noise: float):
         rng = np.random.default_rng([seed, 0])
         self.cards = cardinalities(scale)
-        salts = rng.integers(1, 2**31, (len(self.cards), 3))
-        self.salts = [int(s) for s in salts.ravel()]  # 3 per feature: ranking, hex code, hidden weights
+        # Per feature: the ranking's stride and offset, the hex code's key, the hidden weights' key.
+        self.salts = rng.integers(1, 2**31, (len(self.cards), 4)).tolist()
         self.stride = []  # the ranking rank -> (stride * rank + offset) % card: a bijection (gcd 1)
         for f, card in enumerate(self.cards):
-            a = 2 * self.salts[3 * f] + 1
+            a = 2 * self.salts[f][0] + 1
             while math.gcd(a, card) != 1:
                 a += 2
             self.stride.append(a % card or 1)
         self.multi_hot, self.max_ids, self.zipf_a, self.noise = multi_hot, max_ids, zipf_a, noise
-        self.tables = [_hidden_weight(np.arange(card), self.salts[3 * f + 2]) if card <= 1 << 22 else None
+        self.tables = [_hidden_weight(np.arange(card), self.salts[f][3]) if card <= 1 << 22 else None
                        for f, card in enumerate(self.cards)]  # the same weights, looked up (faster)
         self.dense_w = rng.standard_normal(len(CRITEO_DENSE))
         self.mu = rng.uniform(0.0, 4.0, len(CRITEO_DENSE))
         self.sigma = rng.uniform(0.5, 1.5, len(CRITEO_DENSE))
         self.shift = np.where(np.arange(len(CRITEO_DENSE)) % 6 == 1, 3, 0)  # I2, I8: may go negative
+        pilot = [self._count(np.random.default_rng([seed, 1, j]), j, 100_000) for j in range(len(CRITEO_DENSE))]
+        self.t_mean = [float(np.log1p(np.maximum(v, 0)).mean()) for v in pilot]  # to standardise the linear term
+        self.t_std = [float(np.log1p(np.maximum(v, 0)).std()) + 1e-9 for v in pilot]
         self.threshold = 0.0  # then from a pilot sample of logits (the same for every file)
         self.threshold = float(np.quantile(self.rows(np.random.default_rng([seed, 1]), 100_000)[2], 1 - POSITIVE))
+
+    def _count(self, rng: np.random.Generator, j: int, n: int) -> np.ndarray:
+        """``n`` values of integer feature ``j``: log-normal counts, shifted below 0 for some features."""
+        return np.floor(np.exp(rng.normal(self.mu[j], self.sigma[j], n))) - self.shift[j]
 
     def rows(self, rng: np.random.Generator, n: int) -> tuple[list[np.ndarray], list[tuple], np.ndarray]:
         """(dense columns (float64, NaN = empty), categorical (values, lengths, empty mask), logits)."""
         dense = []
         logit = np.zeros(n)
         for j in range(len(CRITEO_DENSE)):
-            v = np.floor(np.exp(rng.normal(self.mu[j], self.sigma[j], n))) - self.shift[j]
-            t = np.log1p(np.maximum(v, 0))
-            logit += self.dense_w[j] * (t - t.mean()) / (t.std() + 1e-9)
+            v = self._count(rng, j, n)
+            logit += self.dense_w[j] * (np.log1p(np.maximum(v, 0)) - self.t_mean[j]) / self.t_std[j]
             v[rng.random(n) < MISSING_DENSE] = np.nan
             dense.append(v)
         cats = []
@@ -153,8 +160,8 @@ class _Model:
             lengths = rng.integers(1, self.max_ids + 1, n) if multi else np.ones(n, np.int64)
             total = int(lengths.sum())
             rank = _zipf(rng, self.zipf_a, card, total)
-            value = (rank * self.stride[f] + self.salts[3 * f + 1]) % card  # a seeded ranking
-            w = self.tables[f][value] if self.tables[f] is not None else _hidden_weight(value, self.salts[3 * f + 2])
+            value = (rank * self.stride[f] + self.salts[f][1]) % card  # a seeded ranking
+            w = self.tables[f][value] if self.tables[f] is not None else _hidden_weight(value, self.salts[f][3])
             sums = np.add.reduceat(w, np.cumsum(lengths) - lengths) / lengths
             empty = rng.random(n) < MISSING_CAT
             logit += np.where(empty, 0.0, sums)
@@ -169,7 +176,7 @@ class _Model:
         for name, v in zip(CRITEO_DENSE, dense, strict=True):
             columns[name] = pa.array(np.nan_to_num(v).astype(np.int64), mask=np.isnan(v))
         for f, (name, (value, lengths, empty)) in enumerate(zip(CRITEO_CATEGORICAL, cats, strict=True)):
-            columns[name] = _hex_lists(_mix32(value, self.salts[3 * f] ^ 0x9E3779B9), lengths, empty)
+            columns[name] = _hex_lists(_mix32(value, self.salts[f][2]), lengths, empty)
         return pa.table(columns)
 
 

@@ -273,14 +273,18 @@ def hash64(strings: Iterable[str] | np.ndarray) -> np.ndarray:
     """Stable 64-bit ids for strings: blake2b (digest_size=8) of each string's UTF-8 bytes, read
     little-endian, masked to non-negative (``& (2**63 - 1)``). The same string gives the same id
     on every machine and in every run (unlike Python's ``hash``). Each distinct string is hashed
-    once."""
-    values = np.asarray(list(strings) if not isinstance(strings, np.ndarray) else strings, dtype=object)
-    if values.ndim != 1:
-        values = values.reshape(-1)
+    once. A numpy bytes array (dtype ``S``) is hashed as its bytes."""
+    values = (strings if isinstance(strings, np.ndarray) else np.asarray(list(strings), dtype=object)).reshape(-1)
     if not len(values):
         return np.empty(0, dtype=np.int64)
-    uniq, inverse = np.unique(values.astype(str), return_inverse=True)
-    digests = b"".join(hashlib.blake2b(str(s).encode("utf-8"), digest_size=8).digest() for s in uniq)
+    if values.dtype.kind not in "US":  # (str objects: numpy's own strings sort and compare faster)
+        if not all(isinstance(v, str) for v in values):
+            bad = next(v for v in values if not isinstance(v, str))
+            raise TypeError(f"hash64 hashes strings, got {type(bad).__name__} {bad!r}")
+        values = values.astype(str)
+    uniq, inverse = np.unique(values, return_inverse=True)
+    raw = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in uniq.tolist()]  # 'S': the bytes
+    digests = b"".join(hashlib.blake2b(b, digest_size=8).digest() for b in raw)
     hashed = np.frombuffer(digests, dtype="<u8") & np.uint64(MAX_ID)
     return hashed.astype(np.int64)[inverse.reshape(-1)]
 

@@ -154,6 +154,14 @@ def test_a_layout_naming_columns_criteo_lacks_is_refused(tmp_path):
         read_criteo(path, RecordLayout(("I14",), (CategoricalColumn("C0"),)))
 
 
+def test_a_truncated_gzip_file_is_named(tmp_path):
+    path = write(tmp_path / "t.tsv.gz", HAND * 2000)
+    path.write_bytes(path.read_bytes()[:-200])
+    for read in (lambda: read_criteo(path, LAYOUT), lambda: count_lines(str(path))):
+        with pytest.raises(CriteoError, match=f"^{path}: cannot be read: .*runcated"):
+            read()
+
+
 def test_count_lines_streams_and_checks_the_first_line(tmp_path):
     assert count_lines(str(write(tmp_path / "a.tsv.gz", HAND * 1000))) == 3000
     with pytest.raises(CriteoError, match=r"b.tsv:1: has 3 tab-separated field\(s\)"):

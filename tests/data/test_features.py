@@ -172,6 +172,9 @@ def test_hash64_is_blake2b_little_endian_masked():
             for s in ["68fd1e64", "", "café"]]
     assert got.dtype == np.int64 and got.tolist() == [want[0], want[1], want[2], want[0]]
     assert (got >= 0).all() and hash64([]).shape == (0,)
+    assert hash64(np.array(["café", "x"])).tolist() == hash64(np.array(["café".encode(), b"x"])).tolist()
+    with pytest.raises(TypeError, match="hash64 hashes strings, got int 7"):
+        hash64(["a", 7])
 
 
 def test_dense_transform_is_log1p_of_the_positive_part_missing_zero():
