@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtrain.data.features import CategoricalColumn, RecordLayout, Records
@@ -60,20 +61,72 @@ class FeatureTables(nn.ModuleDict):
         return ids if n is None else torch.remainder(ids, n)
 
     def table_ids(self, records: Records) -> dict[str, torch.Tensor]:
-        """Per table weight name: the sorted unique rows (on the CPU) the records look up."""
+        """Per table weight name: the sorted unique rows (on the CPU) the records look up. The
+        tables folded by modulo are sorted together in one pass (each table's rows shifted into a
+        range of its own), the others one by one."""
         found: dict[str, list[torch.Tensor]] = {name: [] for name in self}
         for feature, table in self.features:
             found[table].append(self.fold(table, records.features[feature][0]))
-        return {f"tables.{name}.weight": torch.unique(torch.cat(ids).cpu()) if ids else
-                torch.empty(0, dtype=torch.int64) for name, ids in found.items()}
+        out: dict[str, torch.Tensor] = {}
+        shifted, bounds, start = [], [], 0
+        for name, ids in found.items():
+            if name in self._modulo and ids:
+                shifted.append(torch.cat(ids).cpu() + start)
+                bounds.append((name, start))
+                start += self._modulo[name]
+            else:
+                out[name] = torch.unique(torch.cat(ids).cpu()) if ids else torch.empty(0, dtype=torch.int64)
+        if shifted:
+            rows = torch.unique(torch.cat(shifted))
+            cuts = torch.searchsorted(rows, torch.tensor([b for _, b in bounds] + [start])).tolist()
+            for (name, base), lo, hi in zip(bounds, cuts[:-1], cuts[1:], strict=True):
+                out[name] = rows[lo:hi] - base
+        return {f"tables.{name}.weight": out.get(name, torch.empty(0, dtype=torch.int64)) for name in self}
 
     def forward(self, records: Records) -> list[torch.Tensor]:
         """The pooled rows of every feature, in ``model.features`` order: each (batch, dim)."""
+        tables = list(self.values())
+        if tables and all(t.gathered for t in tables) and len({t.dim for t in tables}) == 1:
+            return self._batched(records)
         out = []
         for feature, table in self.features:
             ids, offsets, weights = records.features[feature]
             out.append(self[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
         return out
+
+    def _batched(self, records: Records) -> list[torch.Tensor]:
+        """:meth:`forward` for gathered tables of one width, as FBGEMM's table-batched bags do it: every
+        table's gathered rows side by side, every feature's bags in one ``embedding_bag`` (mean pooling
+        as a sum weighted by 1 / the bag's length); the rows' gradients reach each table's leaf."""
+        base, start = {}, 0
+        for name, t in self.items():
+            if t.ids is None or t.rows is None:
+                raise RuntimeError(f"table {t.name}: no rows gathered for this step")
+            base[name], start = start, start + len(t.ids)
+        rows = torch.cat([t.rows for t in self.values()])
+        known = torch.cat([t.ids for t in self.values()])
+        weighted = any(records.features[f][2] is not None or self[t].mode == "mean" for f, t in self.features)
+        index, offsets, folded, weights, total = [], [], [], [], 0
+        batch = 0
+        for feature, table in self.features:
+            ids, starts, w = records.features[feature]
+            batch = len(starts)
+            f = self.fold(table, ids)
+            folded.append(f)
+            index.append(torch.searchsorted(self[table].ids, f) + base[table])
+            offsets.append(starts + total)
+            total += len(ids)
+            if weighted:
+                if self[table].mode == "mean":  # (sum and mean share one bag call: mean is a weighted sum)
+                    sizes = torch.diff(starts, append=torch.tensor([len(ids)], device=starts.device))
+                    w = torch.repeat_interleave(1.0 / sizes.clamp(min=1).to(rows.dtype), sizes)
+                weights.append(w if w is not None else torch.ones(len(ids), dtype=rows.dtype, device=rows.device))
+        index_t, folded_t = torch.cat(index), torch.cat(folded)
+        if index_t.numel() and (int(index_t.max()) >= len(known) or not bool((known[index_t] == folded_t).all())):
+            raise RuntimeError("the batch has ids that were not gathered for their tables")
+        pooled = F.embedding_bag(index_t, rows, torch.cat(offsets), mode="sum",
+                                 per_sample_weights=torch.cat(weights) if weighted else None)
+        return list(pooled.view(len(self.features), batch, -1).unbind(0))
 
 
 def _dynamic(table: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -122,8 +175,10 @@ class DLRM(nn.Module):
         if self.interaction == "dot":
             n = len(dims) + 1
             crossed = bottom[-1] + n * (n - 1) // 2
-            # Not a buffer: no state to save or ship, recomputed where the model is built.
-            self._pairs = torch.tril_indices(n, n, offset=-1, device="cpu")
+            # The pairs (i > j), as positions in the flattened (n, n) products: index_select's backward
+            # costs about half of advanced indexing's. Not a buffer: no state to save or ship.
+            rows, cols = torch.tril_indices(n, n, offset=-1, device="cpu")
+            self._pairs = rows * n + cols
         else:
             crossed = bottom[-1] + sum(dims)
         self.top = _mlp(top, crossed, last_activation=False)
@@ -141,7 +196,7 @@ class DLRM(nn.Module):
             products = torch.bmm(stacked, stacked.transpose(1, 2))
             if self._pairs.device != products.device:
                 self._pairs = self._pairs.to(products.device)
-            crossed = torch.cat([dense, products[:, self._pairs[0], self._pairs[1]]], dim=1)
+            crossed = torch.cat([dense, products.flatten(1).index_select(1, self._pairs)], dim=1)
         else:
             crossed = torch.cat([dense, *pooled], dim=1)
         return self.top(crossed)
