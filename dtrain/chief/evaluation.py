@@ -55,6 +55,17 @@ def evaluate(session: Any, model: torch.nn.Module) -> dict[str, Any]:
     return result
 
 
+MODEL_PT_TABLE_BYTES = 2 << 30
+"""The most float32 bytes of table rows ``model.pt`` holds whole (the chief assembles them in its
+memory to write it); a model with larger tables gets a ``model.pt`` of its dense parameters, and its
+tables stay in the checkpoints (docs/recommendation.md)."""
+
+
+def tables_fit_model_pt(plan: Any) -> bool:
+    """Whether ``plan``'s tables are small enough for the chief to write them into ``model.pt``."""
+    return sum(t.rows * t.dim * 4 for t in plan.tables) <= MODEL_PT_TABLE_BYTES
+
+
 def assemble(session: Any, model: torch.nn.Module, buffers: list[torch.Tensor], with_tables: bool = True
               ) -> torch.nn.Module:
     """``model`` with the ps's parameters (and, ``with_tables``, the sparse tables' rows, whole)."""

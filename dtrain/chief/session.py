@@ -410,7 +410,11 @@ class Session:
 
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
         self.shards.close_data_plane()
-        model = evaluation.assemble(self, model, self.shards.pull_params(for_eval=True))
+        whole = evaluation.tables_fit_model_pt(self.plan)
+        if not whole:
+            logger.warning("model.pt holds the dense parameters only: the tables' rows (more than %d MiB) stay in the "
+                           "checkpoints", evaluation.MODEL_PT_TABLE_BYTES >> 20)
+        model = evaluation.assemble(self, model, self.shards.pull_params(for_eval=True), with_tables=whole)
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
             raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.global_step}: "

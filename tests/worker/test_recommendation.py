@@ -265,3 +265,18 @@ def test_min_count_keeps_rare_ids_out(inproc_client, tmp_path, small_ids):
     everyone = run_small(inproc_client, tmp_path / "all", small_ids_spec(1, "max_rows: 1000"), small_ids)
     rare, common = result.summary["tables"]["C1"], everyone.summary["tables"]["C1"]
     assert rare["live_rows"] < common["live_rows"] and rare["rejected"] > 0 and common["rejected"] == 0
+
+
+def test_tables_too_large_for_model_pt_stay_in_the_checkpoints(inproc_client, tmp_path, raw, monkeypatch):
+    """Past the size the chief assembles, model.pt holds the dense parameters only (no table is
+    pulled whole into the chief), and the final evaluation still reads the rows from the ps."""
+    from dtrain.chief import evaluation
+
+    spec = rec_spec(2)
+    monkeypatch.setattr(evaluation, "MODEL_PT_TABLE_BYTES", sum(TABLE_ROWS.values()) * 4 * 4 - 1)
+    x, y = pack(spec, raw)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run",
+                        data=(da.from_array(x, chunks=(200, x.shape[1])), da.from_array(y, chunks=200)))
+    assert result.summary["status"] == "completed" and 0.5 < result.summary["eval"]["auc"] <= 1
+    state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert not any(k.startswith("tables.") for k in state) and "top.0.weight" in state
