@@ -70,17 +70,27 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     now = time.time()
     payload = {"format": FORMAT, "step": int(step), "shards": shards, "replicas": replicas or {},
                "spec": spec_data, "pipeline_hash": pipeline_hash, "time": now, "layout": layout or {}}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
     path = directory / f"ckpt-{step:08d}.pt"
-    atomic_write(path, data, sync_dir=False)
-    manifest = {"step": int(step), "file": path.name, "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(), "pipeline_hash": pipeline_hash, "time": now}
+    # Serialised straight into the file (no second copy of the shards' states as bytes in memory),
+    # then hashed as written, chunk by chunk: the manifest, written last, commits the checkpoint.
+    atomic_write(path, lambda f: torch.save(payload, f), sync_dir=False)
+    size, digest = _digest(path)
+    manifest = {"step": int(step), "file": path.name, "bytes": size,
+                "sha256": digest, "pipeline_hash": pipeline_hash, "time": now}
     atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode(), sync_dir=False)
     fsync_dir(directory)
     _retain(directory, path, keep, keep_every_n_hours)
     return path
+
+
+def _digest(path: Path, chunk: int = 1 << 22) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
 
 
 def _step_of(path: Path) -> int:

@@ -14,9 +14,10 @@ import logging
 import math
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dtrain.spec.errors import RunDirError
 
@@ -62,16 +63,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None], sync_dir: bool = True) -> None:
     """Temp file, fsync, rename (then the directory fsynced unless ``sync_dir`` is false, for a
     caller that syncs it once after several writes): readers see the old file or the new one,
     never a torn one (used for checkpoints, manifests, summary.json and model.pt). The temp file
-    is created exclusively with a random name and never through a symbolic link."""
+    is created exclusively with a random name and never through a symbolic link. ``data``: the
+    bytes, or a function that writes them into the open file (a large checkpoint is serialised
+    straight to disk, never held whole in memory as bytes)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
