@@ -50,3 +50,12 @@ def test_readme_states_the_trust_model():
     assert "authenticated once, at its handshake" in section
     assert "no integrity or confidentiality" in section
     assert "Security.temporary()" in section and "without `--host` listens on every interface" in section
+
+
+def test_the_recommendation_guides_pipeline_validates_and_plans():
+    """docs/recommendation.md's pipeline (with a table without a vocabulary) is a real one."""
+    text = (ROOT / "docs" / "recommendation.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S) if "dlrm" in b]
+    spec = dtrain.loads(block, filename="docs/recommendation.md", base_dir=ROOT / "pipelines")
+    plan = dtrain.compile(spec)
+    assert {t.name: t.partition for t in plan.tables} == {"tables.C1.weight": "mod", "tables.C2.weight": "hash"}

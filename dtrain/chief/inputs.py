@@ -89,8 +89,16 @@ def _as_ids(manifest: Manifest, spec: Any) -> Manifest:
 
 @lru_cache(maxsize=4)
 def file_stats(train: Manifest, standardize: bool, task: str | None, readers: int) -> DataStats:
-    """One pass over the training shards with Dask (one task per shard, ``readers`` threads)."""
+    """One pass over the training shards with Dask (one task per shard, ``readers`` threads); none
+    for packed recommendation records (``Manifest.layout``: ids, never standardised, binary labels
+    as numbers unless ``data.task`` says classification), so a large dataset is not read at start:
+    a bad line then fails the run when a replica reads it, after a checkpoint."""
     import dask
+
+    if train.layout is not None:
+        if task == "classification":
+            return DataStats(train.rows, task, 2, (0, 1), train.feature_shape, True)
+        return DataStats(train.rows, task or "regression", None, None, train.feature_shape, True)
 
     parts = [dask.delayed(_shard_moments)(train, s) for s in train.shards]
     total = dask.delayed(_sum)(parts)

@@ -5,6 +5,8 @@ torch's own ``nn.EmbeddingBag(ids, offsets, per_sample_weights)`` (sparse gradie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dask.array as da
 import numpy as np
 import pytest
@@ -280,3 +282,54 @@ def test_tables_too_large_for_model_pt_stay_in_the_checkpoints(inproc_client, tm
     assert result.summary["status"] == "completed" and 0.5 < result.summary["eval"]["auc"] <= 1
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert not any(k.startswith("tables.") for k in state) and "top.0.weight" in state
+
+
+def test_a_malformed_criteo_line_fails_the_run_naming_file_line_and_field_after_a_checkpoint(inproc_client,
+                                                                                            tmp_path):
+    """Criteo-layout files read by the replicas: a bad categorical on line 500 of the last file
+    fails the run (exit 1 from the CLI) naming file, line and field; the last good step is
+    checkpointed for --resume."""
+    import importlib.util
+
+    from dtrain.chief import checkpoint as ckpt
+    from tests.helpers.paths import ROOT
+
+    gen_spec = importlib.util.spec_from_file_location("make_criteo_like", ROOT / "examples" / "make_criteo_like.py")
+    gen = importlib.util.module_from_spec(gen_spec)
+    gen_spec.loader.exec_module(gen)
+    files = gen.generate(tmp_path / "data", rows=5000, files=5, seed=1, gzip=False)
+    (tmp_path / "train").mkdir()
+    for f in files[:4]:
+        f.rename(tmp_path / "train" / f.name)
+    cats = ", ".join(f"{{name: C{i}}}" for i in range(1, 27))
+    tables = ", ".join(f"C{i}: {{num_embeddings: 1000, dim: 4}}" for i in range(1, 27))
+    spec = dtrain.loads(f"""
+name: criteo-bad-line
+cluster: {{jobs: {{ps: 1, worker: 2}}}}
+model:
+  features: {{dense: [I1, I2, I3], categorical: [{cats}]}}
+  tables: {{{tables}}}
+  dlrm: {{bottom: [4], top: [1]}}
+  loss: bce_with_logits
+data: {{source: "{tmp_path}/train/", eval_source: "{files[4]}", batch_size: 100, epochs: 1, shuffle: false,
+       readers: 1, prefetch: 1, shuffle_buffer: 200}}
+optimizer: {{name: adagrad, lr: 0.05}}
+training: {{mode: sync, seed: 0}}
+checkpoint: {{every_steps: 2}}
+summary: {{tensorboard: false}}
+""")
+    from dtrain.chief.inputs import file_input
+
+    plan = dtrain.compile(spec, data=file_input(spec, with_stats=False))
+    bad = Path(plan.data.replicas[0].parts[-1].path)  # the file replica 0 reads last
+    assert len(plan.data.replicas[0].parts) == 2
+    lines = bad.read_text().split("\n")
+    fields = lines[499].split("\t")
+    fields[16] = "zz12"  # C3
+    lines[499] = "\t".join(fields)
+    bad.write_text("\n".join(lines))
+    with pytest.raises(dtrain.RunError, match=rf"{bad.name}:500: C3: 'zz12' is not a hexadecimal id"):
+        dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    latest = ckpt.latest(tmp_path / "run")  # (one reader, a small window: the bad file is read late)
+    summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
+    assert latest is not None and latest.step == summary["global_step"] >= 2
