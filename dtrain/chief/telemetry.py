@@ -54,7 +54,8 @@ def shard_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str,
     """A shard's figures: its counters, applies per second and busy share since ``prev``."""
     base = prev or {}
     wall = cur.get("wall_s", 0.0) - base.get("wall_s", 0.0)
-    out = {k: cur[k] for k in ("pushes", "applies", "bytes_in", "bytes_out", "dropped", "staleness") if k in cur}
+    out = {k: cur[k] for k in ("pushes", "applies", "bytes_in", "bytes_out", "dropped", "staleness", "tables")
+           if k in cur}
     if wall > 0 and cur.get("pushes"):
         out["applies_per_s"] = (cur.get("applies", 0) - base.get("applies", 0)) / wall
         out["busy_frac"] = _share(cur.get("busy_s", 0.0) - base.get("busy_s", 0.0), wall)

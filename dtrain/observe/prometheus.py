@@ -48,7 +48,18 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dtrain_shard_bytes_in": ("counter", "Gradient bytes into a ps shard", SHARD),
     "dtrain_shard_bytes_out": ("counter", "Parameter bytes out of a ps shard", SHARD),
     "dtrain_shard_staleness": ("histogram", "Global steps between a push's pull and its apply", SHARD),
+    "dtrain_table_rows": ("gauge", "Rows a ps shard holds of a table", SHARD + ("table",)),
+    "dtrain_table_bytes": ("gauge", "Bytes of a table's rows, optimizer state and index on a ps shard",
+                           SHARD + ("table",)),
+    "dtrain_table_admitted": ("counter", "Ids a ps shard admitted to a table without a vocabulary",
+                              SHARD + ("table",)),
+    "dtrain_table_evicted": ("counter", "Rows a ps shard evicted from a table without a vocabulary",
+                             SHARD + ("table",)),
+    "dtrain_table_rejected": ("counter", "Row gradients a ps shard dropped for ids not admitted",
+                              SHARD + ("table",)),
 }
+_TABLE_KEYS = {"live_rows": "dtrain_table_rows", "bytes": "dtrain_table_bytes", "admitted": "dtrain_table_admitted",
+               "evicted": "dtrain_table_evicted", "rejected": "dtrain_table_rejected"}
 
 # payload key -> series, for the plain per-replica and per-shard figures
 _REPLICA_KEYS = {"steps": "dtrain_replica_steps", "steps_per_s": "dtrain_replica_steps_per_second",
@@ -127,6 +138,10 @@ def _shard_samples(run: str, index: str, shard: dict) -> list[_Sample]:
         hist = None
     if hist is not None:
         out.append(("dtrain_shard_staleness", labels, hist))
+    for table, figures in (shard.get("tables") or {}).items():
+        name = str(table).removeprefix("tables.").removesuffix(".weight")
+        out += [(series, (*labels, name), v) for key, series in _TABLE_KEYS.items()
+                if (v := _num(figures.get(key))) is not None]
     return out
 
 

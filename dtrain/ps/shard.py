@@ -375,7 +375,12 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
     async def load(self) -> dict[str, Any] | None:
         """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
         with self.lock:
-            return None if self.meter is None else {**self.meter.snapshot(), "dropped": self.dropped_stale}
+            if self.meter is None:
+                return None
+            out = {**self.meter.snapshot(), "dropped": self.dropped_stale}
+            if self.tables:  # each table part's rows and counters (dtrain_table_* series)
+                out["tables"] = {name: part.stats() for name, part in self.tables.items()}
+            return out
 
     async def table_stats(self) -> dict[str, dict[str, int]]:
         """Per table, this task's part: rows held, bytes, and for a table without a vocabulary the

@@ -274,3 +274,21 @@ def test_register_says_when_the_scheduler_refuses(dask_client, caplog):
     with caplog.at_level(logging.WARNING, logger="dtrain.deploy.plugin"):
         assert register(client) is False
     assert "install dtrain where the scheduler runs" in caplog.text
+
+
+def test_a_shards_tables_become_table_series():
+    p = payload("r")
+    p["shards"]["1"]["tables"] = {"tables.C2.weight": {"live_rows": 41, "bytes": 9000, "admitted": 50, "evicted": 9,
+                                                       "rejected": 3, "capacity": 64},
+                                  "tables.C1.weight": {"live_rows": 500, "bytes": 32000}}
+    fams = families({"r": p})
+    kinds = {f.name: f.type for f in fams}
+    assert {k: v for k, v in kinds.items() if k.startswith("dtrain_table")} == {
+        "dtrain_table_rows": "gauge", "dtrain_table_bytes": "gauge", "dtrain_table_admitted": "counter",
+        "dtrain_table_evicted": "counter", "dtrain_table_rejected": "counter"}
+    got = samples(fams)
+    s1 = dict(run="r", job="ps", task="1", shard="1")
+    assert got["dtrain_table_rows", labels(**s1, table="C2")] == 41
+    assert got["dtrain_table_evicted_total", labels(**s1, table="C2")] == 9
+    assert got["dtrain_table_bytes", labels(**s1, table="C1")] == 32000
+    assert not [k for k in got if k[0] == "dtrain_table_admitted_total" and ("table", "C1") in k[1]]
