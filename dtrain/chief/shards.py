@@ -14,7 +14,6 @@ shards and frees their data planes within one lease (``lease_seconds``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import secrets
 import threading
@@ -26,23 +25,20 @@ from distributed import Future
 
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.deploy.cluster import Connection
-from dtrain.model.ids import home_part
-from dtrain.model.tables import div_starts
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
 from dtrain.plan.tables import (
-    merge_dynamic,
-    reshard_table,
-    restore_problem,
     table_config,
     table_layout,
-    to_storage,
 )
-from dtrain.ps.rows import pack_state, unpack_state
+from dtrain.ps.rows import pack_state
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
+
+from . import tables
+from .calls import call, calls, transfer_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +161,7 @@ class ShardGroup:
                 logger.info("%s: resharding %d shard(s) onto %d", checkpoint.path.name, old.num_shards,
                             layout.num_shards)
                 states = reshard(states, old, layout)
-        states = self._restore_tables(checkpoint, states, written)
+        states = tables.restore_tables(self.plan, checkpoint, states, written)
         if len(states) != len(self.handles) or any(
                 st["params"].numel() != s.numel for st, s in zip(states, self.plan.shards, strict=True)):
             raise RunError(f"{checkpoint.path} was written for a different model or placement "
@@ -174,46 +170,6 @@ class ShardGroup:
             packed = {n: pack_state(t) for n, t in (state.get("tables") or {}).items()}  # bfloat16 rows: int16 bits
             call(shard.set_state({**state, "tables": packed} if packed else state),
                  timeout=transfer_timeout(state["params"].numel()))
-
-    def _restore_tables(self, checkpoint: Checkpoint, states: list[dict[str, Any]],
-                        written: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each table's part states from the checkpoint, repartitioned when it was written by
-        another number of ps tasks or another ``embedding_partition``."""
-        if not self.plan.tables:
-            return states
-        recorded = {t["name"]: t for t in written.get("tables") or ()}
-        source = list(checkpoint.payload["shards"])  # the states as written: one part per old shard
-        run_optimizer = ((checkpoint.payload.get("spec") or {}).get("optimizer") or {}).get("name")
-        out = [dict(st) for st in states]
-        for table in self.plan.tables:
-            was = recorded.get(table.name)
-            why = (f"no such table for {table.name} (the pipeline's is {table.num_embeddings}x{table.dim})"
-                   if was is None else restore_problem(was, table, run_optimizer))
-            if why:
-                raise RunError(f"{checkpoint.path} holds {why}; use another --run-dir")
-            old = (int(was["parts"]), str(was["partition"]))
-            new = (len(table.parts), table.partition)
-            parts = [st["tables"][table.name] for st in source[:old[0]]]
-            if bool(was.get("dynamic")) != (table.dynamic is not None):
-                raise RunError(f"{checkpoint.path} holds {table.name} as a table "
-                               f"{'without' if was.get('dynamic') else 'with'} a vocabulary, the pipeline's is "
-                               f"{'with' if was.get('dynamic') else 'without'} one; use another --run-dir")
-            if table.dynamic is not None:
-                if old[0] != new[0]:  # every new part takes, from all the rows, those whose id lives there
-                    merged = merge_dynamic(parts)  # (the counters once, on the first part: they are summed)
-                    parts = [merged] + [{**merged, "counters": {}}] * (new[0] - 1)
-            elif old != new:
-                logger.info("%s: repartitioning table %s from %d %s part(s) onto %d %s", checkpoint.path.name,
-                            table.name, old[0], old[1], new[0], new[1])
-                parts = reshard_table(parts, table.num_embeddings, old, new)
-            if was.get("storage", "float32") != table.storage:  # converted, rounded to nearest
-                logger.info("%s: converting table %s from %s to %s", checkpoint.path.name, table.name,
-                            was.get("storage", "float32"), table.storage)
-                parts = to_storage(parts, table.storage)
-            for p in table.parts:
-                out[p.shard] = {**out[p.shard], "tables": {**(out[p.shard].get("tables") or {}),
-                                                            table.name: parts[p.part]}}
-        return out
 
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
@@ -248,7 +204,7 @@ class ShardGroup:
     def loads(self, timeout: float = 5) -> dict[int, dict[str, Any]]:
         """Every shard's telemetry (``ParameterShard.load``), asked of all at once; a shard that
         does not answer in ``timeout`` is left out (recovery notices a lost ps, not telemetry)."""
-        futures = _calls(self.handles, "load")
+        futures = calls(self.handles, "load")
         out = {}
         for j, f in enumerate(futures):
             try:
@@ -267,53 +223,18 @@ class ShardGroup:
         return [call(s.get_params(averaged), timeout=transfer_timeout(shard.numel, state_factor=1))[0]
                 for s, shard in zip(self.handles, self.plan.shards, strict=True)]
 
+    # ---- sparse tables (dtrain.chief.tables): evaluation, model.pt, summary.json
     def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of table ``name`` for global ``ids`` (any order), from the ps tasks holding them."""
-        table = next(t for t in self.plan.tables if t.name == name)
-        if table.partition == "hash":
-            part = home_part(ids, len(table.parts))
-        else:
-            part = ids % len(table.parts) if table.partition == "mod" else torch.searchsorted(
-                torch.tensor(div_starts(table.num_embeddings, len(table.parts))[1:-1]), ids, right=True)
-        out = torch.empty((len(ids), table.dim), dtype=torch.float32)
-        for p in range(len(table.parts)):
-            sel = torch.nonzero(part == p).flatten()
-            if len(sel):
-                out[sel] = call(self.handles[p].gather_rows(name, ids[sel]), timeout=transfer_timeout(len(sel) * table.dim))
-        return out
-
-    def table_stats(self, timeout: float = 10) -> dict[str, dict[str, Any]]:
-        """summary.json's ``tables``: per table its rows, bytes and (no vocabulary) admitted, evicted
-        and rejected, summed over the ps tasks, with each task's own figures under ``parts``."""
-        out: dict[str, dict[str, Any]] = {}
-        holders = sorted({p.shard for t in self.plan.tables for p in t.parts})
-        futures = _calls([self.handles[j] for j in holders], "table_stats")
-        for j, future in zip(holders, futures, strict=True):
-            for name, figures in call(future, timeout=timeout).items():
-                entry = out.setdefault(name.removeprefix("tables.").removesuffix(".weight"), {"parts": {}})
-                for key, value in figures.items():
-                    entry[key] = entry.get(key, 0) + value
-                entry["parts"][self.plan.shards[j].task] = figures
-        return out
+        return tables.gather_rows(self.handles, self.plan, name, ids)
 
     def pull_rows(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A table without a vocabulary, whole (for ``model.pt``): its ids, sorted, and their float32
-        rows, read part by part in chunks."""
-        table = next(t for t in self.plan.tables if t.name == name)
-        got = [self._read_part(table, part) for part in table.parts]
-        ids = torch.cat([g["ids"] for g in got])
-        rows = torch.cat([g["weight"].to(torch.float32) for g in got])
-        order = torch.argsort(ids)
-        return ids[order], rows[order]
+        return tables.pull_rows(self.handles, self.plan, name)
 
     def pull_table(self, name: str, chunk_rows: int = 1 << 20) -> torch.Tensor:
-        """The whole table ``name`` (for ``model.pt``), fetched in chunks of rows."""
-        table = next(t for t in self.plan.tables if t.name == name)
-        out = torch.empty((table.num_embeddings, table.dim), dtype=torch.float32)
-        for lo in range(0, table.num_embeddings, chunk_rows):
-            ids = torch.arange(lo, min(lo + chunk_rows, table.num_embeddings))
-            out[lo:lo + len(ids)] = self.gather_rows(name, ids)
-        return out
+        return tables.pull_table(self.handles, self.plan, name, chunk_rows)
+
+    def table_stats(self, timeout: float = 10) -> dict[str, dict[str, Any]]:
+        return tables.table_stats(self.handles, self.plan, timeout)
 
     def steps(self, timeout: float = 5) -> list[int]:
         return [call(s.current_step(), timeout=timeout) for s in self.handles]
@@ -372,36 +293,10 @@ class ShardGroup:
                       for s, shard in zip(self.handles, self.plan.shards, strict=True)]
             for table in self.plan.tables:
                 for part in table.parts:
-                    states[part.shard].setdefault("tables", {})[table.name] = self._read_part(table, part)
+                    states[part.shard].setdefault("tables", {})[table.name] = tables.read_part(self.handles, table, part)
             return states
         finally:
             self.release()
-
-    def _read_part(self, table: Any, part: Any) -> dict[str, Any]:
-        """One ps task's part of a table and its optimizer state, read in chunks of rows into
-        tensors allocated here once (the ps copies one chunk at a time, never its whole part)."""
-        handle, chunk_rows = self.handles[part.shard], TABLE_CHUNK_ROWS
-        if table.dynamic is not None:  # its live rows, chunk by chunk of slots, with their ids
-            chunks = [unpack_state(call(handle.read_part(table.name, lo, lo + chunk_rows),
-                                        timeout=transfer_timeout(chunk_rows * table.dim)))
-                      for lo in range(0, max(part.rows, 1), chunk_rows)]
-            return {**chunks[-1], **{k: torch.cat([c[k] for c in chunks]) for k in ("ids", "weight", "last", "freq")},
-                    "optimizer": {k: torch.cat([c["optimizer"][k] for c in chunks]) if isinstance(v, torch.Tensor)
-                                  else v for k, v in chunks[-1]["optimizer"].items()}}
-        out: dict[str, Any] = {}
-        for lo in range(0, max(part.rows, 1), chunk_rows):
-            hi = min(lo + chunk_rows, part.rows)
-            got = unpack_state(call(handle.read_part(table.name, lo, hi),
-                                    timeout=transfer_timeout((hi - lo) * table.dim)))
-            if not out:
-                out = {"weight": torch.empty((part.rows, table.dim), dtype=got["weight"].dtype), "optimizer": {
-                    k: torch.empty((part.rows, *v.shape[1:]), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
-                    for k, v in got["optimizer"].items()}}
-            out["weight"][lo:hi] = got["weight"]
-            for k, v in got["optimizer"].items():
-                if isinstance(v, torch.Tensor):
-                    out["optimizer"][k][lo:hi] = v
-        return out
 
     def stop_consistently(self) -> None:
         """A hook's stop: in sync mode every shard stops at the same step (held first, so no step
@@ -420,7 +315,7 @@ class ShardGroup:
         """Socket data plane fencing: the submission ``attempt`` owns each replica index, so the
         ps refuses pushes from that replica's earlier attempts (a hung worker that thaws after
         its replica was resubmitted elsewhere). Set before the (re)submission."""
-        futures = [f for replica, attempt in owners.items() for f in _calls(self.handles, "set_owner", replica, attempt)]
+        futures = [f for replica, attempt in owners.items() for f in calls(self.handles, "set_owner", replica, attempt)]
         for f in futures:
             try:
                 call(f, timeout=30)
@@ -470,35 +365,6 @@ class ShardGroup:
                     call(s.excuse(i, None, how), timeout=self.spec.training.barrier_timeout_s + 5)
                 except Exception as exc:  # a shard that does not answer is handled as lost next
                     logger.debug("retire failed: %s", exc)
-
-
-def call(future: Any, timeout: float = 30.0) -> Any:
-    """The result of an actor call, waiting at most ``timeout`` seconds."""
-    return future.result(timeout=timeout)
-
-
-def _calls(handles: list[Any], method: str, *args: Any) -> list[Any]:
-    """Start ``method(*args)`` on every handle at once, for the caller to collect one by one: a
-    lost shard's call is a failed future (a Dask actor whose worker is gone refuses the method at
-    once, RuntimeError "Worker holding Actor was lost"), like one that fails on its way."""
-    out: list[Any] = []
-    for h in handles:
-        try:
-            out.append(getattr(h, method)(*args))
-        except Exception as exc:
-            failed: concurrent.futures.Future = concurrent.futures.Future()
-            failed.set_exception(exc)
-            out.append(failed)
-    return out
-
-
-TABLE_CHUNK_ROWS = 1 << 18  # rows of a table part a snapshot reads per call (32 MiB at dim 32)
-
-
-def transfer_timeout(numel: int, state_factor: int = 4) -> float:
-    """A timeout for moving a shard's state (params and up to three optimizer tensors of float32)
-    through Dask: 60 s, plus 1 s per 20 MB (a slow 160 Mbit/s network)."""
-    return 60.0 + numel * 4 * state_factor / 20e6
 
 
 def _check_restorable(checkpoint: Checkpoint, spec: PipelineSpec) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import torch
 import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.chief import shards
+from dtrain.chief import tables as chief_tables
 from dtrain.model.tables import Table
 from tests.helpers.reference import max_abs_diff, single_process
 
@@ -114,7 +115,7 @@ def test_resume_restores_rows_and_their_adagrad_state_under_any_partition(inproc
     """Checkpointed at step 20 by 2 ps tasks (mod), resumed to step 40 as written, by 1 ps
     tasks, or partitioned div: every row and its accumulator come back where its id lives now, and
     training goes on exactly as an uninterrupted run's (sync, fixed seed)."""
-    monkeypatch.setattr(shards, "TABLE_CHUNK_ROWS", 999)  # each part (2500 rows) read in 3 chunks
+    monkeypatch.setattr(chief_tables, "TABLE_CHUNK_ROWS", 999)  # each part (2500 rows) read in 3 chunks
     full = table_spec(ids_file, 2, 2, "adagrad", steps=40)
     ref = dtrain.run(full, client=inproc_client, run_dir=tmp_path / "ref")
     dtrain.run(table_spec(ids_file, 2, 2, "adagrad", steps=20, checkpoint_every=10), client=inproc_client,
@@ -262,7 +263,7 @@ def test_compact_tables_train_checkpoint_and_resume_into_another_storage(inproc_
     trains close to the same table in float32, model.pt holds the bfloat16 values; the checkpoint keeps
     bfloat16 rows and a (rows,) accumulator, read in chunks; a resume onto 1 ps task in float32
     converts and repartitions them; a resume with another row optimizer is refused."""
-    monkeypatch.setattr(shards, "TABLE_CHUNK_ROWS", 999)
+    monkeypatch.setattr(chief_tables, "TABLE_CHUNK_ROWS", 999)
     every_table(monkeypatch, "float32", ROWWISE)
     wide = dtrain.run(table_spec(ids_file, 2, 2, "sgd", steps=20), client=inproc_client, run_dir=tmp_path / "wide")
     every_table(monkeypatch, "bfloat16", ROWWISE)
