@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .layers import NotAModuleError, build_layers, init_parameters
-from .recommendation import build_dlrm
+from .recommendation import build_dlrm, feed_features
 from .tables import swap_embeddings
 
 
@@ -108,6 +108,8 @@ def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None 
                             gathered_tables=gathered_tables)
     module = build_custom(model.module, model.kwargs, device, seed=seed)
     swap_embeddings(module, seed=seed or 0, gathered=gathered_tables)  # its sparse embeddings: ps tables
+    if model.features is not None:  # it takes packed records: dense and per-feature ids
+        feed_features(module, model.features.model_dump())
     return module
 
 
@@ -120,4 +122,6 @@ def build_model_skeleton(spec: Any) -> nn.Module:
         return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], "meta")
     module = build_custom(model.module, model.kwargs, "meta")
     swap_embeddings(module)
+    if model.features is not None:  # (its features' tables checked: ValueError naming the feature)
+        feed_features(module, model.features.model_dump())
     return module

@@ -213,3 +213,39 @@ def build_dlrm(features: Mapping[str, Any], tables: Mapping[str, Mapping[str, An
     if seed is not None and torch.device(device).type != "meta":
         init_parameters(model, seed)
     return model
+
+
+def feed_features(module: nn.Module, features: Mapping[str, Any]) -> nn.Module:
+    """A ``model.module`` with ``model.features``: it is called with the packed records and its
+    ``forward(dense, features)`` receives the dense tensor and, per feature name, ``(ids, offsets,
+    per_sample_weights)`` (``nn.EmbeddingBag``'s convention). Each feature's ids go unchanged to the
+    sparse embedding its ``table`` names (the module's attribute path, e.g. ``emb.users``), so the
+    rows a batch needs are known from the records (``module.table_ids``): no record pass. Parameter
+    names stay the module's own (``model.pt`` loads into the user's class). ValueError naming the
+    feature for a table that is not one of the module's sparse embeddings."""
+    from .tables import tables_of
+
+    layout = record_layout(features)
+    held = {name.removesuffix(".weight").removesuffix("weight").rstrip("."): name for name, _ in tables_of(module)}
+    routes: dict[str, list[str]] = {}
+    for f in features["categorical"]:
+        table = _table_name(f)
+        if table not in held:
+            raise ValueError(f"feature {f['name']!r} looks up {table!r}, which is not one of the module's sparse "
+                             f"embeddings ({', '.join(sorted(held)) or 'none'}): set the feature's table: to one of "
+                             "them (an nn.Embedding or nn.EmbeddingBag built with sparse=True)")
+        routes.setdefault(held[table], []).append(f["name"])
+
+    def unpack(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        records = layout.unpack(args[0])
+        return (records.dense, records.features)
+
+    def table_ids(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        records = layout.unpack(x)
+        return {weight: torch.unique(torch.cat([records.features[f][0] for f in names]).cpu())
+                for weight, names in routes.items()}
+
+    module.register_forward_pre_hook(unpack)
+    module.table_ids = table_ids  # (an instance attribute: the worker's router asks for it)
+    module.layout = layout
+    return module

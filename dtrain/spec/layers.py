@@ -170,8 +170,17 @@ class ModelSpec(Strict):
 
 
 def _check_recommendation(model: ModelSpec) -> None:
-    """``model.dlrm`` with ``model.features`` and ``model.tables``: one problem per key."""
+    """``model.dlrm`` with ``model.features`` and ``model.tables``, or ``model.module`` with
+    ``model.features`` (the module's own sparse embeddings are its tables): one problem per key."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
+    if model.module is not None and model.features is not None:
+        for key in ("layers", "input_shape", "tables", "dlrm"):
+            if getattr(model, key) is not None:
+                problems.append(((key,), f"a model.module with features takes its tables from its own sparse "
+                                         f"embeddings: remove '{key}'"))
+        if problems:
+            raise CrossFieldErrors(problems)
+        return
     for key in ("layers", "module", "input_shape"):
         if getattr(model, key) is not None:
             problems.append(((key,), f"a model with dlrm, features and tables is built from them: remove '{key}'"))

@@ -184,3 +184,19 @@ class Factors(nn.Module):
         u, i = x[:, 0].long(), x[:, 1].long()
         dot = (self.users(u) * self.items(i)).sum(-1)
         return dot + self.user_bias(u).squeeze(-1) + self.item_bias(i).squeeze(-1)
+
+
+class FeatureNet(nn.Module):
+    """A recommendation module fed by model.features: forward(dense, features) with each feature's
+    (ids, offsets, weights); two sparse bags (one shared by C1 and C3) and a linear head."""
+
+    def __init__(self, dense: int = 3, dim: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.ModuleDict({"a": nn.EmbeddingBag(300, dim, mode="sum", sparse=True),
+                                  "b": nn.EmbeddingBag(97, dim, mode="sum", sparse=True)})
+        self.head = nn.Linear(dense + 3 * dim, 1)
+
+    def forward(self, dense: torch.Tensor, features: dict) -> torch.Tensor:
+        pooled = [self.emb[t](features[f][0], features[f][1], per_sample_weights=features[f][2])
+                  for f, t in (("C1", "a"), ("C2", "b"), ("C3", "a"))]
+        return self.head(torch.cat([dense, *pooled], dim=1)).squeeze(-1)

@@ -333,3 +333,89 @@ summary: {{tensorboard: false}}
     latest = ckpt.latest(tmp_path / "run")  # (one reader, a small window: the bad file is read late)
     summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
     assert latest is not None and latest.step == summary["global_step"] >= 2
+
+
+# ------------------------------------------------------------------------------ a module fed by features
+
+def module_spec(num_ps: int) -> dtrain.PipelineSpec:
+    return dtrain.loads(f"""
+name: feature-module
+cluster: {{jobs: {{ps: {num_ps}, worker: 2}}}}
+model:
+  module: tests.helpers.models:FeatureNet
+  features:
+    dense: [I1, I2, I3]
+    categorical: [{{name: C1, table: emb.a}}, {{name: C2, table: emb.b, max_ids: 3, weighted: true}},
+                  {{name: C3, table: emb.a, max_ids: 2}}]
+  loss: bce_with_logits
+data: {{batch_size: {BATCH}, shuffle: false, test_fraction: 0.1}}
+optimizer: {{name: adagrad, lr: 0.1}}
+training: {{mode: sync, steps: {STEPS}, seed: 3}}
+summary: {{every_steps: 25, tensorboard: false}}
+""", base_dir=".")
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_a_module_fed_by_features_matches_single_process_torch_without_a_record_pass(inproc_client, tmp_path,
+                                                                                   num_ps, monkeypatch):
+    """forward(dense, features) on the replicas, its bags as ps tables, equals the same module
+    trained by plain torch (sparse Adagrad) on the same batches; no record pass runs."""
+    from dtrain.worker import tables as worker_tables
+    from tests.helpers.models import FeatureNet
+
+    rng = np.random.default_rng(5)
+    dense = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    spans = [(300, 1), (97, 3), (300, 2)]
+    cats = []
+    for rows, max_ids in spans:
+        lengths = rng.integers(0, max_ids + 1, ROWS) if max_ids > 1 else np.ones(ROWS, np.int64)
+        ids = (rng.zipf(1.4, int(lengths.sum())) - 1) % rows
+        cats.append((ids.astype(np.int64), lengths, rng.random(int(lengths.sum())).astype(np.float32) + 0.5))
+    y = ((cats[0][0] % 4) < 2).astype(np.float32)
+    spec = module_spec(num_ps)
+    layout = record_layout(spec.model.features.model_dump())
+    x = layout.pack(dense, [(i, n) for i, n, _ in cats], [None, cats[1][2], None])
+
+    def no_record_pass(*args, **kwargs):
+        raise AssertionError("a record pass ran")
+
+    monkeypatch.setattr(worker_tables, "ids_of", no_record_pass)
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run",
+                        data=(da.from_array(x, chunks=(200, x.shape[1])), da.from_array(y, chunks=200)))
+    assert result.summary["status"] == "completed"
+    assert sorted(t.name for t in result.plan.tables) == ["emb.a.weight", "emb.b.weight"]
+    mine = replica_rows(result.plan, 200)
+    reference = FeatureNet()
+    reference.load_state_dict(dtrain.build_model(spec).state_dict())  # the same names: model.pt loads into it
+    opts = [torch.optim.Adagrad([p for n, p in reference.named_parameters() if n.startswith("emb.")], lr=0.1),
+            torch.optim.Adagrad(reference.head.parameters(), lr=0.1)]
+    starts = [np.concatenate([[0], np.cumsum(n)]) for _, n, _ in cats]
+    for step in range(STEPS):
+        rows = np.concatenate([r[step * BATCH:(step + 1) * BATCH] for r in mine])
+        feats = {}
+        for name, (ids, _, w), start in zip(("C1", "C2", "C3"), cats, starts, strict=True):
+            pieces = [np.arange(start[r], start[r + 1]) for r in rows]
+            flat = np.concatenate(pieces).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])[:-1]])
+            feats[name] = (torch.from_numpy(ids[flat]), torch.from_numpy(offsets).long(),
+                           torch.from_numpy(w[flat]) if name == "C2" else None)
+        for opt in opts:
+            opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(
+            reference(torch.from_numpy(dense[rows]), feats), torch.from_numpy(y[rows])).backward()
+        for opt in opts:
+            opt.step()
+    assert reference.emb["a"].weight.grad.is_sparse
+    got, want = dict(result.model.named_parameters()), dict(reference.named_parameters())
+    assert got.keys() == want.keys()
+    assert max(float((got[k] - want[k]).detach().abs().max()) for k in got) <= TOLERANCE
+    assert float((got["emb.a.weight"] - dtrain.build_model(spec).emb["a"].weight).detach().abs().max()) > 1e-3
+
+
+def test_a_features_table_that_the_module_lacks_is_refused(tmp_path):
+    spec = module_spec(1)
+    bad = spec.model_dump(mode="json")
+    bad["model"]["features"]["categorical"][0]["table"] = "emb.c"
+    with pytest.raises(ValueError, match="feature 'C1' looks up 'emb.c', which is not one of the module's sparse "
+                                         "embeddings \\(emb.a, emb.b\\)"):
+        dtrain.build_model(dtrain.PipelineSpec.model_validate(bad))
