@@ -115,7 +115,8 @@ class TablePart:
         self.weight = torch.empty((len(self.rows), self.dim), dtype=STORAGE[storage])
         if init == "per_id":  # row i starts at id_rows(i) (dtrain.model.ids), chunk by chunk
             for lo in range(0, len(self.rows), CHUNK_ROWS):
-                ids = torch.as_tensor(self.rows[lo:lo + CHUNK_ROWS])
+                r = self.rows[lo:lo + CHUNK_ROWS]  # (arange: as_tensor would read the range id by id)
+                ids = torch.arange(r.start, r.stop, r.step, dtype=torch.int64)
                 self.weight[lo:lo + len(ids)] = id_rows(self.seed, name, ids, self.dim, init_std).to(self.weight.dtype)
         else:
             self._init(init_std, init)
