@@ -105,14 +105,21 @@ class TablePart:
 
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
                  init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32",
-                 init: str = "chunked"):
+                 init: str = "chunked", buffers: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None):
+        """``buffers``: where the part keeps its rows and optimizer state instead of tensors of its
+        own (views into a :class:`~dtrain.ps.groups.TableGroup`'s, already holding the optimizer's
+        initial state); the rows are initialised there."""
         if storage not in STORAGE:
             raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE))}")
         self.name, self.num_embeddings, self.dim = name, int(num_embeddings), int(dim)
         self.num_parts, self.part, self.strategy = int(num_parts), int(part), strategy
         self.storage, self.seed = storage, int(seed)
         self.rows = global_rows(self.num_embeddings, self.num_parts, self.part, strategy)
-        self.weight = torch.empty((len(self.rows), self.dim), dtype=STORAGE[storage])
+        shape = (len(self.rows), self.dim)
+        self.weight = torch.empty(shape, dtype=STORAGE[storage]) if buffers is None else buffers[0]
+        if tuple(self.weight.shape) != shape or self.weight.dtype != STORAGE[storage]:
+            raise ValueError(f"table {name}: a buffer of {tuple(self.weight.shape)} {self.weight.dtype} for rows of "
+                             f"{shape} {STORAGE[storage]}")
         if init == "per_id":  # row i starts at id_rows(i) (dtrain.model.ids), chunk by chunk
             for lo in range(0, len(self.rows), CHUNK_ROWS):
                 r = self.rows[lo:lo + CHUNK_ROWS]  # (arange: as_tensor would read the range id by id)
@@ -120,7 +127,9 @@ class TablePart:
                 self.weight[lo:lo + len(ids)] = id_rows(self.seed, name, ids, self.dim, init_std).to(self.weight.dtype)
         else:
             self._init(init_std, init)
-        self.optimizer: RowOptimizer = make_row_optimizer(len(self.rows), self.dim, optimizer_config)
+        self.optimizer: RowOptimizer = make_row_optimizer(0 if buffers else len(self.rows), self.dim, optimizer_config)
+        if buffers is not None:
+            self.optimizer.share(buffers[1])
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
 
