@@ -28,14 +28,21 @@ Pure torch: no Dask.
 from __future__ import annotations
 
 import json
-from itertools import pairwise
 from typing import Any
 
 import torch
 
 from dtrain.model.tables import global_rows
 
-from .rows import STORAGE, TablePart, _stream_seed, make_row_optimizer, round_stochastic, table_part
+from .rows import (
+    STORAGE,
+    TablePart,
+    _stream_seed,
+    make_row_optimizer,
+    round_stochastic,
+    table_part,
+    unique_rows,
+)
 
 __all__ = ["TableGroup", "table_parts"]
 
@@ -72,27 +79,33 @@ class TableGroup:
             views = (self.weight[lo:hi], {k: t[lo:hi] for k, t in state.items()})
             self.parts.append(TablePart(**settings, optimizer_config=optimizer_config, buffers=views))
         # Global id -> group row: id // num_parts (mod) or id (div), plus ``shift``; a member's rows
-        # are [starts[m], starts[m + 1]) of the group.
+        # are [starts[m], starts[m + 1]) of the group, its ids [lo, hi) (mod: and id % num_parts == part).
         shift = [lo if self.strategy == "mod" else lo - r.start for lo, r in zip(self.starts, spans, strict=False)]
         self._shift = torch.tensor(shift, dtype=torch.int64)
-        self._bounds = torch.tensor(list(pairwise(self.starts)), dtype=torch.int64).reshape(-1, 2)
+        ids = [(0, int(c["num_embeddings"])) if self.strategy == "mod" else (r.start, r.stop)
+               for c, r in zip(configs, spans, strict=True)]
+        self._ids = torch.tensor(ids, dtype=torch.int64).reshape(-1, 2)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (group rows, float32 row gradients)
 
-    def _rows(self, members: list[int], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the global ids side by side as int64, their group rows, the member of each)."""
+    def _flat(self, members: list[int], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the global ids side by side as int64, the member of each)."""
         flat = (torch.cat(ids) if len(ids) > 1 else ids[0]).to(torch.int64)
-        lens = torch.tensor([len(t) for t in ids])
-        which = torch.tensor(members).repeat_interleave(lens, output_size=len(flat))
+        lens = torch.tensor([t.shape[0] for t in ids])
+        return flat, torch.tensor(members).repeat_interleave(lens, output_size=flat.shape[0])
+
+    def _rows(self, members: list[int], ids: list[torch.Tensor]) -> torch.Tensor:
+        """The group rows of ``ids`` (checked: :meth:`valid`), one tensor of ids per member."""
+        flat, which = self._flat(members, ids)
         base = flat.div(self.num_parts, rounding_mode="floor") if self.strategy == "mod" else flat
-        return flat, base + self._shift[which], which
+        return base + self._shift.index_select(0, which)
 
     def valid(self, members: list[int], ids: list[torch.Tensor]) -> bool:
         """Whether every id is in its table and on this part (else the parts' ``check_ids`` say why)."""
         if not ids:
             return True
-        flat, rows, which = self._rows(members, ids)
-        bounds = self._bounds[which]
-        bad = (rows < bounds[:, 0]) | (rows >= bounds[:, 1])  # (a negative id falls below its table's rows)
+        flat, which = self._flat(members, ids)
+        bounds = self._ids.index_select(0, which)
+        bad = (flat < bounds[:, 0]) | (flat >= bounds[:, 1])
         if self.strategy == "mod" and self.num_parts > 1:
             bad |= flat.remainder(self.num_parts) != self.part
         return not bool(bad.any())
@@ -100,16 +113,16 @@ class TableGroup:
     def add_grad(self, members: list[int], ids: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Replica row gradients for this step (checked ids), as ``TablePart.add_grad`` per member."""
         if ids:
-            _, rows, _ = self._rows(members, ids)
-            self._pending.append((rows, (torch.cat(grads) if len(grads) > 1 else grads[0]).to(torch.float32)))
+            grad = torch.cat(grads) if len(grads) > 1 else grads[0]
+            self._pending.append((self._rows(members, ids), grad.to(torch.float32)))
 
     def gather(self, members: list[int], ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per member in ``members``, the float32 rows of its ``ids`` (checked), as ``TablePart.gather``
         (views into one tensor the group no longer holds)."""
         if not ids:
             return []
-        _, rows, _ = self._rows(members, ids)
-        return list(self.weight.index_select(0, rows).to(torch.float32).split([len(t) for t in ids]))
+        rows = self.weight.index_select(0, self._rows(members, ids)).to(torch.float32)
+        return list(rows.split([t.shape[0] for t in ids]))
 
     def clear(self) -> None:
         self._pending = []
@@ -130,7 +143,7 @@ class TableGroup:
         local = torch.cat([i for i, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
         grads = torch.cat([g for _, g in self._pending]) if len(self._pending) > 1 else self._pending[0][1]
         self._pending = []
-        rows, inverse = torch.unique(local, return_inverse=True)
+        rows, inverse = unique_rows(local)
         summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
         if scale != 1.0:
             summed.mul_(scale)

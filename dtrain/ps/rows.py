@@ -42,7 +42,7 @@ from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
 from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
 
 __all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "pack_state",
-           "round_stochastic", "row_state_bytes", "table_part", "unpack_state"]
+           "round_stochastic", "row_state_bytes", "table_part", "unique_rows", "unpack_state"]
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """A table's storage dtypes, by the name a ``Table`` and the plan give them."""
@@ -91,6 +91,15 @@ def unpack_state(state: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in state.items() if k != "weight_bits"}
     out["weight"] = state["weight"].view(torch.bfloat16)
     return out
+
+
+def unique_rows(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(local, return_inverse=True)``, through a stable sort: a step's rows come as a
+    few sorted runs (each push's ids are sorted), which a stable (merge) sort takes in one pass,
+    several times faster than ``unique``'s sort."""
+    ordered, order = torch.sort(local, stable=True)
+    rows, inverse = torch.unique_consecutive(ordered, return_inverse=True)
+    return rows, torch.empty_like(inverse).index_copy_(0, order, inverse)
 
 
 def _stream_seed(seed: int, name: str, part: int, step: int) -> int:
@@ -195,7 +204,7 @@ class TablePart:
         local = torch.cat([i for i, _ in self._pending])
         grads = torch.cat([g for _, g in self._pending])
         self._pending = []
-        rows, inverse = torch.unique(local, return_inverse=True)
+        rows, inverse = unique_rows(local)
         summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
         if scale != 1.0:
             summed.mul_(scale)

@@ -53,7 +53,7 @@ class SparseRows:
             group, m = where
             for slot in slots:
                 ids = entry[slot]
-                if ids is not None and len(ids):
+                if ids is not None and ids.numel():  # (numel: len() on a tensor is a Python call)
                     batch = batches.setdefault(group, ([], [], [], []))
                     batch[0].append(m)
                     batch[1].append(ids)
@@ -98,7 +98,7 @@ class SparseRows:
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)
-            if pull is not None and name in self.tables and (name in alone or not len(pull)):
+            if pull is not None and name in self.tables and (name in alone or not pull.numel()):
                 out[name] = self.tables[name].gather(pull)
         for group, (members, ids, _grads, names) in batches.items():
             out.update(zip(names, group.gather(members, ids), strict=True))
