@@ -66,6 +66,15 @@ class RowOptimizer:
         """The per-row state, by name (the first dimension of each is the part's row count)."""
         return {}
 
+    def share(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep the per-row state in ``tensors`` (by :meth:`tensors`' names: views into a table
+        group's state, ``dtrain.ps.groups``) instead of tensors of its own; they are used as they are."""
+        mine = self.tensors()
+        if sorted(tensors) != sorted(mine):
+            raise ValueError(f"{self.name} keeps state {sorted(mine) or 'none'}, not {sorted(tensors)}")
+        for key, t in tensors.items():
+            setattr(self, key, t)  # (each state tensor is the attribute of its name)
+
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step_count, **self.tensors()}
 

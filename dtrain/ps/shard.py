@@ -41,11 +41,10 @@ from dtrain.observe.meters import ShardMeter
 
 from .averages import make_average
 from .control import ShardControl
-from .dynamic import DynamicTablePart
 from .fastpath import DirectPush
 from .optim import make_optimizer
 from .replication import Apply, AsyncPolicy, StalenessGate
-from .rows import TablePart, pack_state, table_part, unpack_state
+from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
 from .sync_push import BarrierTimeout, SyncPush
 from .token_push import TokenPush, sync_for
@@ -81,8 +80,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
         # A table with its own optimizer config uses it, the others the run's.
-        self.tables: dict[str, TablePart | DynamicTablePart] = {
-            t["name"]: table_part(t, config["optimizer"]) for t in config.get("tables", ())}
+        # Parts that agree on their layout and row optimizer share buffers (ps/groups.py).
+        self._init_tables(config.get("tables", ()), config["optimizer"])
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
         self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
@@ -180,8 +179,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self.optimizer.step(self.param, grad, scale)
         if self.averages is not None:
             self.averages.update(self.param, self.step)
-        for part in self.tables.values():  # every part counts the step, touched or not (as torch's table)
-            part.apply(scale)
+        self._apply_rows(scale)
         if self.meter is not None:
             self.meter.applies += 1
             self.meter.busy_s += time.perf_counter() - t0
@@ -418,7 +416,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             for name, part in self.tables.items():
                 if name in (state.get("tables") or {}):
                     part.load_state(unpack_state(state["tables"][name]))
-                part.clear()
+            self._clear_rows()
             step = int(state["step"])
             self.sync.reset(step)
             self.policy.reset(step)

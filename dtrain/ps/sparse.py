@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 
+from .dynamic import DynamicTablePart
+from .groups import TableGroup, table_parts
 from .rows import TablePart, pack_state
 
 Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
+_Batch = tuple[list[int], list[Any], list[Any], list[str]]  # (members, tensors, gradients, names), one entry each
 
 
 def rows_bytes(sparse: Sparse) -> int:
@@ -24,18 +27,51 @@ def rows_bytes(sparse: Sparse) -> int:
 
 
 class SparseRows:
-    """Mixin: ``self.tables`` (name -> TablePart), ``self.index`` and ``self.error`` come from the shard."""
+    """Mixin: ``self.index`` and ``self.error`` come from the shard, which builds its tables with
+    :meth:`_init_tables`. The parts of a :class:`~dtrain.ps.groups.TableGroup` are served through
+    their group, a request's tables in one batch per group; the others part by part."""
 
-    tables: dict[str, TablePart]
+    tables: dict[str, TablePart | DynamicTablePart]
     index: int
     error: str | None
+
+    def _init_tables(self, configs: Any, run_optimizer: dict[str, Any]) -> None:
+        self.tables, self.table_groups = table_parts(configs, run_optimizer)
+        self._grouped = {name: (group, m) for group in self.table_groups for m, name in enumerate(group.names)}
+        self._alone = [part for name, part in self.tables.items() if name not in self._grouped]
+
+    def _batches(self, sparse: Sparse, slots: tuple[int, ...]) -> tuple[dict[TableGroup, _Batch], list[str]]:
+        """The request's entries ``slots`` (0 ids, 1 gradients, 2 next ids) per group (members, the
+        non-empty tensors of each slot, the members' names), and the names of the other tables."""
+        batches: dict[TableGroup, _Batch] = {}
+        alone = []
+        for name, entry in sparse.items():
+            where = self._grouped.get(name)
+            if where is None:
+                alone.append(name)
+                continue
+            group, m = where
+            for slot in slots:
+                ids = entry[slot]
+                if ids is not None and ids.numel():  # (numel: len() on a tensor is a Python call)
+                    batch = batches.setdefault(group, ([], [], [], []))
+                    batch[0].append(m)
+                    batch[1].append(ids)
+                    batch[2].append(entry[slot + 1] if slot == 0 else None)
+                    batch[3].append(name)
+        return batches, alone
 
     def _bad_ids(self, sparse: Sparse | None, replica: int) -> bool:
         """An id outside its table (or not on this task) fails the run, naming the table and the id;
         nothing is read or written (a custom module may compute ids the data checks never saw)."""
         if not sparse:
             return False
-        for name, (push_ids, _grads, pull_ids) in sparse.items():
+        batches, alone = self._batches(sparse, (0, 2))
+        if all(group.valid(b[0], b[1]) for group, b in batches.items()) and all(
+                name in self.tables and not self.tables[name].check_ids(sparse[name][0])
+                and not self.tables[name].check_ids(sparse[name][2]) for name in alone):
+            return False
+        for name, (push_ids, _grads, pull_ids) in sparse.items():  # (the first bad id, in the request's order)
             part = self.tables.get(name)
             why = f"no table {name!r} on ps shard {self.index}" if part is None else \
                 part.check_ids(push_ids) or part.check_ids(pull_ids)
@@ -45,18 +81,41 @@ class SparseRows:
         return False
 
     def _add_rows(self, sparse: Sparse | None) -> None:
-        for name, (ids, grads, _pull) in (sparse or {}).items():
+        if not sparse:
+            return
+        batches, alone = self._batches(sparse, (0,))
+        for group, (members, ids, grads, _names) in batches.items():
+            group.add_grad(members, ids, grads)
+        for name in alone:
+            ids, grads, _pull = sparse[name]
             if ids is not None and len(ids):
                 self.tables[name].add_grad(ids, grads)
 
     def _rows(self, sparse: Sparse | None) -> dict[str, torch.Tensor]:
         """The rows a replica asked for (its next batch's ids on this task), after the update."""
-        return {name: self.tables[name].gather(pull) for name, (_i, _g, pull) in (sparse or {}).items()
-                if pull is not None and name in self.tables}
+        if not sparse:
+            return {}
+        batches, alone = self._batches(sparse, (2,))
+        out = {}
+        for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)
+            if pull is not None and name in self.tables and (name in alone or not pull.numel()):
+                out[name] = self.tables[name].gather(pull)
+        for group, (members, ids, _grads, names) in batches.items():
+            out.update(zip(names, group.gather(members, ids), strict=True))
+        return out
 
     def _clear_rows(self) -> None:
-        for part in self.tables.values():
+        for group in self.table_groups:
+            group.clear()
+        for part in self._alone:
             part.clear()
+
+    def _apply_rows(self, scale: float) -> None:
+        """Every part's optimizer step (every part counts the step, touched or not, as torch's table)."""
+        for group in self.table_groups:
+            group.apply(scale)
+        for part in self._alone:
+            part.apply(scale)
 
     async def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of table ``name`` (global ``ids`` held by this task): evaluation and ``model.pt``."""

@@ -9,6 +9,7 @@ import asyncio
 import torch
 
 from dtrain.model.tables import init_rows
+from dtrain.ps.rows import TablePart
 from dtrain.ps.shard import ParameterShard
 
 N, D = 20, 3
@@ -79,3 +80,40 @@ def test_tables_travel_in_the_state_and_are_restored():
     assert torch.allclose(state["tables"]["0.weight"]["weight"][4], row[0])  # taken before the second step
     assert torch.allclose(fresh.tables["0.weight"].gather(torch.tensor([8])), row)
     assert fresh.tables["0.weight"].optimizer.step_count == 1
+
+
+def test_tables_that_batch_serve_their_rows_through_one_group():
+    """Three tables with one layout and optimizer share a group (ps/groups.py): the quorum's step,
+    the replies and a bad id's message are those of the tables alone."""
+    names = ("a.weight", "b.weight", "c.weight")
+    tables = [{"name": n, "num_embeddings": N + k, "dim": D, "num_parts": 2, "part": 0, "strategy": "mod",
+               "init_std": 1.0, "seed": 4} for k, n in enumerate(names)]
+    config = {"index": 0, "mode": "sync", "steps": 100, "num_replicas": 2, "replicas_to_aggregate": 2,
+              "optimizer": {"name": "adagrad", "lr": 0.5}, "barrier_timeout_s": 5, "tables": tables}
+    alone = {t["name"]: TablePart(**t, optimizer_config=config["optimizer"]) for t in tables}
+    pushes = [{"a.weight": (torch.tensor([2, 4]), torch.ones(2, D), torch.tensor([4, 6])),
+               "c.weight": (torch.tensor([0, 20]), torch.full((2, D), 2.0), torch.tensor([], dtype=torch.int64))},
+              {"a.weight": (torch.tensor([4]), torch.full((1, D), 3.0), torch.tensor([0])),
+               "b.weight": (torch.tensor([8]), torch.ones(1, D), torch.tensor([8, 10]))}]
+
+    async def main():
+        s = ParameterShard(config, torch.zeros(2))
+        replies = await asyncio.gather(*(s.push_sync(torch.ones(2), r, 0, sparse=p) for r, p in enumerate(pushes)))
+        bad = await s.pull(sparse={"b.weight": (None, None, torch.tensor([21]))})
+        return s, replies, bad, await s.stats()
+
+    s, replies, bad, stats = asyncio.run(main())
+    assert [g.names for g in s.table_groups] == [list(names)]
+    for push in pushes:
+        for name, (ids, grads, _) in push.items():
+            alone[name].add_grad(ids, grads)
+    for part in alone.values():
+        part.apply(0.5)
+    for push, reply in zip(pushes, replies, strict=True):
+        assert reply[4].keys() == push.keys()
+        for name, (_, _, pull) in push.items():
+            assert torch.equal(reply[4][name], alone[name].gather(pull))
+    for name in names:
+        assert torch.equal(s.tables[name].weight, alone[name].weight)
+        assert s.tables[name].optimizer.step_count == 1
+    assert bad[4] == {} and stats["error"] == "replica -1: id 21 is outside table b.weight (num_embeddings 21, ids 0..20)"
