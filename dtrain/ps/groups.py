@@ -73,11 +73,16 @@ class TableGroup:
         self.weight = torch.empty((total, self.dim), dtype=STORAGE[self.storage])
         self.optimizer = make_row_optimizer(total, self.dim, optimizer_config)  # (its initial state, every row)
         state = self.optimizer.tensors()
+        # The rows not drawn yet (a per_id member's, drawn on first use: TablePart.ensure); the
+        # other members' are drawn at construction.
+        self.fresh = torch.tensor([c.get("init") == "per_id" for c in configs]).repeat_interleave(
+            torch.tensor([len(r) for r in spans]), output_size=total)
         self.parts: list[TablePart] = []
         for c, lo, hi in zip(configs, self.starts, self.starts[1:], strict=False):
             settings = {k: v for k, v in c.items() if k not in ("optimizer", "dynamic")}
             views = (self.weight[lo:hi], {k: t[lo:hi] for k, t in state.items()})
-            self.parts.append(TablePart(**settings, optimizer_config=optimizer_config, buffers=views))
+            self.parts.append(TablePart(**settings, optimizer_config=optimizer_config, buffers=views,
+                                        fresh=self.fresh[lo:hi]))
         # Global id -> group row: id // num_parts (mod) or id (div), plus ``shift``; a member's rows
         # are [starts[m], starts[m + 1]) of the group, its ids [lo, hi) (mod: and id % num_parts == part).
         shift = [lo if self.strategy == "mod" else lo - r.start for lo, r in zip(self.starts, spans, strict=False)]
@@ -121,8 +126,20 @@ class TableGroup:
         (views into one tensor the group no longer holds)."""
         if not ids:
             return []
-        rows = self.weight.index_select(0, self._rows(members, ids)).to(torch.float32)
+        index = self._rows(members, ids)
+        self._ensure(index)
+        rows = self.weight.index_select(0, index).to(torch.float32)
         return list(rows.split([t.shape[0] for t in ids]))
+
+    def _ensure(self, rows: torch.Tensor) -> None:
+        """Draw the group rows among ``rows`` that no member has drawn yet (TablePart.ensure)."""
+        need = rows[self.fresh.index_select(0, rows)]
+        if need.numel():
+            unique = torch.unique(need)
+            cuts = self._cuts(unique)
+            for m, part in enumerate(self.parts):
+                if cuts[m + 1] > cuts[m]:
+                    part.ensure(unique[cuts[m]:cuts[m + 1]] - self.starts[m])
 
     def clear(self) -> None:
         self._pending = []
@@ -147,6 +164,7 @@ class TableGroup:
         summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
         if scale != 1.0:
             summed.mul_(scale)
+        self._ensure(rows)
         w = self.weight.index_select(0, rows).to(torch.float32)
         # Each member's rows are one run of the sorted unique rows: [cuts[m], cuts[m + 1]).
         cuts: list[int] | None = None

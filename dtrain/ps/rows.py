@@ -114,7 +114,8 @@ class TablePart:
 
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
                  init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32",
-                 init: str = "chunked", buffers: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None):
+                 init: str = "chunked", buffers: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+                 fresh: torch.Tensor | None = None):
         """``buffers``: where the part keeps its rows and optimizer state instead of tensors of its
         own (views into a :class:`~dtrain.ps.groups.TableGroup`'s, already holding the optimizer's
         initial state); the rows are initialised there."""
@@ -129,11 +130,14 @@ class TablePart:
         if tuple(self.weight.shape) != shape or self.weight.dtype != STORAGE[storage]:
             raise ValueError(f"table {name}: a buffer of {tuple(self.weight.shape)} {self.weight.dtype} for rows of "
                              f"{shape} {STORAGE[storage]}")
-        if init == "per_id":  # row i starts at id_rows(i) (dtrain.model.ids), chunk by chunk
-            for lo in range(0, len(self.rows), CHUNK_ROWS):
-                r = self.rows[lo:lo + CHUNK_ROWS]  # (arange: as_tensor would read the range id by id)
-                ids = torch.arange(r.start, r.stop, r.step, dtype=torch.int64)
-                self.weight[lo:lo + len(ids)] = id_rows(self.seed, name, ids, self.dim, init_std).to(self.weight.dtype)
+        # per_id: row i starts at id_rows(i) (dtrain.model.ids), drawn the first time the row is read
+        # or updated (``fresh`` marks the rows not drawn yet; a group passes a view of its own): a
+        # table of 10**8 rows starts at once, and its untouched rows take no memory (the storage is
+        # allocated, its pages are not written).
+        self.init_std = float(init_std)
+        self._fresh: torch.Tensor | None = None
+        if init == "per_id":
+            self._fresh = torch.ones(len(self.rows), dtype=torch.bool) if fresh is None else fresh
         else:
             self._init(init_std, init)
         self.optimizer: RowOptimizer = make_row_optimizer(0 if buffers else len(self.rows), self.dim, optimizer_config)
@@ -179,9 +183,22 @@ class TablePart:
         ids = ids.to(torch.int64)
         return ids // self.num_parts if self.strategy == "mod" else ids - self.rows.start
 
+    def ensure(self, local: torch.Tensor) -> None:
+        """Draw the initial values of the ``local`` rows not drawn yet (per_id: see ``__init__``)."""
+        if self._fresh is None or not local.numel():
+            return
+        need = local[self._fresh.index_select(0, local)]
+        if need.numel():
+            need = torch.unique(need)
+            ids = need * self.num_parts + self.part if self.strategy == "mod" else need + self.rows.start
+            self.weight[need] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)
+            self._fresh[need] = False
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
-        return self.weight.index_select(0, self._local(ids)).to(torch.float32)
+        local = self._local(ids)
+        self.ensure(local)
+        return self.weight.index_select(0, local).to(torch.float32)
 
     lookup = gather  # (no side effect: the same for a replica's step and an evaluation)
 
@@ -208,6 +225,7 @@ class TablePart:
         summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
         if scale != 1.0:
             summed.mul_(scale)
+        self.ensure(rows)
         w = self.weight.index_select(0, rows).to(torch.float32)
         self.optimizer.step(w, rows, summed)
         if self.weight.dtype != torch.float32:
@@ -224,6 +242,7 @@ class TablePart:
     def chunk(self, start: int, stop: int) -> dict[str, Any]:
         """Rows ``[start, stop)`` (local) and their optimizer state, copied; the step count whole."""
         state = self.optimizer.state_dict()
+        self.ensure(torch.arange(start, min(stop, len(self.rows))))  # (a checkpoint holds every row's value)
         return {"weight": self.weight[start:stop].clone(),
                 "optimizer": {k: v[start:stop].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}}
 
@@ -245,6 +264,8 @@ class TablePart:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         self.weight.copy_(state["weight"])
+        if self._fresh is not None:
+            self._fresh.zero_()  # (every row's value came with the state)
         self._pending = []
 
     @property

@@ -40,10 +40,15 @@ def own_ids(part: TablePart, gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.tensor(list(part.rows))[k]
 
 
+def values(part: TablePart) -> torch.Tensor:
+    """A part's rows as a checkpoint reads them (rows not drawn yet are drawn: per_id)."""
+    return part.chunk(0, len(part.rows))["weight"]
+
+
 def same(group: TableGroup, parts: dict[str, TablePart]) -> None:
     for name, mine in zip(group.names, group.parts, strict=True):
         theirs = parts[name]
-        assert torch.equal(mine.weight, theirs.weight), name
+        assert torch.equal(values(mine), values(theirs)), name
         a, b = mine.optimizer.state_dict(), theirs.optimizer.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor)
                                             else a[k] == b[k] for k in a), name
@@ -95,7 +100,7 @@ def test_small_updates_round_stochastically_per_table():
     cs = configs(2, 0, "mod", "bfloat16")
     group = TableGroup(cs, {"name": "sgd", "lr": 1e-4})
     parts = alone(cs, {"name": "sgd", "lr": 1e-4})
-    before = group.weight.clone()
+    before = torch.cat([values(p) for p in group.parts])  # (every row drawn: what changes is updates)
     train(group, parts, steps=3)
     assert not torch.equal(group.weight, before)
 
@@ -121,7 +126,7 @@ def test_gather_reads_rows_and_leaves_the_callers_ids_alone():
     ids = torch.tensor([3, 0, 3])
     kept = ids.clone()
     (rows,) = group.gather([4], [ids])
-    assert torch.equal(rows, group.parts[4].weight[[3, 0, 3]]) and torch.equal(ids, kept)
+    assert torch.equal(rows, values(group.parts[4])[[3, 0, 3]]) and torch.equal(ids, kept)
     assert group.gather([], []) == []
 
 
@@ -195,3 +200,24 @@ def test_which_tables_batch():
     assert type(tables["g"]).__name__ == "DynamicTablePart" and isinstance(tables["b"], TablePart)
     assert groups[0].nbytes == groups[0].weight.nbytes + groups[0].optimizer.row_sum.nbytes
     assert sum(tables[n].nbytes for n in groups[0].names) == groups[0].nbytes
+
+
+
+def test_per_id_rows_are_drawn_on_first_use_and_untouched_rows_take_no_memory():
+    """A per_id part of 20M rows starts without writing its rows (the process's RSS grows by the
+    mark of rows not drawn, 1 byte a row, not by 640 MB of rows); a gather draws exactly the rows
+    it reads (id_rows of their ids), and a checkpoint's chunk draws the rest."""
+    import psutil
+
+    from dtrain.model.ids import id_rows
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    part = TablePart("big.weight", 40_000_000, 8, 2, 1, "mod", 0.5, 3, OPTIMIZERS["sgd"], init="per_id")
+    grown = me.memory_info().rss - before
+    assert grown < 100 * 2**20, grown  # (eager: 20M x 8 float32 rows = 640 MB)
+    ids = torch.tensor([1, 39_999_999, 77, 1])
+    assert torch.equal(part.gather(ids), id_rows(3, "big.weight", ids, 8, 0.5))
+    assert int((~part._fresh).sum()) == 3  # rows 0, 38, 19999999 only
+    small = TablePart("t.weight", 30, 4, 2, 0, "mod", 0.5, 3, OPTIMIZERS["sgd"], init="per_id")
+    assert torch.equal(small.chunk(0, 15)["weight"], id_rows(3, "t.weight", torch.arange(0, 30, 2), 4, 0.5))
