@@ -68,6 +68,20 @@ class FeatureTables(nn.ModuleDict):
         self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
         self._modulo = {name: int(t["num_embeddings"]) for name, t in tables.items()
                         if t.get("num_embeddings") and t.get("fold", "modulo") == "modulo"}
+        # lookup's one pass: each read modulo table's rows shifted to a range of their own, in table order
+        read = {t for _f, t in self.features}
+        self._shift: dict[str, int] = {}
+        start = 0
+        for name in self:
+            if name in self._modulo and name in read:
+                self._shift[name], start = start, start + self._modulo[name]
+        # (on the CPU, built under any device context: not buffers, no state to save or ship)
+        self._starts = torch.tensor([*self._shift.values(), start], dtype=torch.int64, device="cpu")
+        self._shifted = [f for f, t in self.features if t in self._shift]
+        self._folds = torch.tensor([self._modulo[t] for _f, t in self.features if t in self._shift],
+                                   dtype=torch.int64, device="cpu")
+        self._bases = torch.tensor([self._shift[t] for _f, t in self.features if t in self._shift],
+                                   dtype=torch.int64, device="cpu")
 
     def fold(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``table`` that ``ids`` (non-negative int64) look up."""
@@ -82,31 +96,25 @@ class FeatureTables(nn.ModuleDict):
         """The rows the records look up (:class:`Lookup`). The tables folded by modulo are sorted
         together in one pass (each table's rows shifted into a range of its own, every feature's ids
         at once), the others one by one."""
-        shift: dict[str, int] = {}
-        start = 0
-        for name in self:
-            if name in self._modulo and any(t == name for _f, t in self.features):
-                shift[name], start = start, start + self._modulo[name]
-        found: dict[str, list[torch.Tensor]] = {name: [] for name in self if name not in shift}
+        found: dict[str, list[torch.Tensor]] = {name: [] for name in self if name not in self._shift}
         for feature, table in self.features:
             if table in found:
                 found[table].append(self.fold(table, records.features[feature][0]))
         out = {name: torch.unique(torch.cat(ids).cpu()) if ids else torch.empty(0, dtype=torch.int64)
                for name, ids in found.items()}
         index = None
-        if shift:
-            modulo = [(records.features[f][0], t) for f, t in self.features if t in shift]
-            flat = torch.cat([ids for ids, _t in modulo])
-            sizes = torch.tensor([len(ids) for ids, _t in modulo], device=flat.device)
-            folds = torch.tensor([self._modulo[t] for _ids, t in modulo], device=flat.device)
-            bases = torch.tensor([shift[t] for _ids, t in modulo], device=flat.device)
+        if self._shift:
+            read = [records.features[f][0] for f in self._shifted]
+            flat = torch.cat(read)
+            sizes = torch.tensor([len(i) for i in read], device=flat.device)
+            folds, bases = self._folds.to(flat.device), self._bases.to(flat.device)
             keys = torch.remainder(flat, folds.repeat_interleave(sizes)) + bases.repeat_interleave(sizes)
             rows, inverse = torch.unique(keys, return_inverse=True)
             rows = rows.cpu()
-            cuts = torch.searchsorted(rows, torch.tensor([*shift.values(), start])).tolist()
-            for (name, base), lo, hi in zip(shift.items(), cuts[:-1], cuts[1:], strict=True):
-                out[name] = rows[lo:hi] - base
-            if len(modulo) == len(self.features):  # every row side by side, in table order: inverse indexes them
+            counts = torch.diff(torch.searchsorted(rows, self._starts))
+            out.update(zip(self._shift, (rows - self._starts[:-1].repeat_interleave(counts)).split(counts.tolist()),
+                           strict=True))
+            if len(read) == len(self.features):  # every row side by side, in table order: inverse indexes them
                 index = inverse
         ids = {f"tables.{name}.weight": out.get(name, torch.empty(0, dtype=torch.int64)) for name in self}
         return Lookup(records, ids, index)
