@@ -15,6 +15,7 @@ Pure torch: no Dask, no spec objects (the builders take the spec's dumped sectio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,19 @@ def _table_name(feature: Mapping[str, Any]) -> str:
     return feature.get("table") or feature["name"]
 
 
+@dataclass
+class Lookup:
+    """What one batch's records look up: the records unpacked, each table's sorted unique rows
+    (``ids``: weight name -> int64, on the CPU), and, when every feature's table is folded by
+    modulo, ``index``: every feature's ids (in ``model.features`` order) as positions into the
+    tables' unique rows side by side (torch.unique's inverse), the ``embedding_bag`` index of the
+    table-batched forward. Computed once for the ids a replica routes, reused by that batch's forward."""
+
+    records: Records
+    ids: dict[str, torch.Tensor]
+    index: torch.Tensor | None = None
+
+
 class FeatureTables(nn.ModuleDict):
     """The tables of ``model.tables`` by name, and the features that look them up, pooled per
     example. A model holds it as ``tables``: its weights are ``tables.<name>.weight``."""
@@ -54,6 +68,20 @@ class FeatureTables(nn.ModuleDict):
         self.features = [(f["name"], _table_name(f)) for f in features["categorical"]]
         self._modulo = {name: int(t["num_embeddings"]) for name, t in tables.items()
                         if t.get("num_embeddings") and t.get("fold", "modulo") == "modulo"}
+        # lookup's one pass: each read modulo table's rows shifted to a range of their own, in table order
+        read = {t for _f, t in self.features}
+        self._shift: dict[str, int] = {}
+        start = 0
+        for name in self:
+            if name in self._modulo and name in read:
+                self._shift[name], start = start, start + self._modulo[name]
+        # (on the CPU, built under any device context: not buffers, no state to save or ship)
+        self._starts = torch.tensor([*self._shift.values(), start], dtype=torch.int64, device="cpu")
+        self._shifted = [f for f, t in self.features if t in self._shift]
+        self._folds = torch.tensor([self._modulo[t] for _f, t in self.features if t in self._shift],
+                                   dtype=torch.int64, device="cpu")
+        self._bases = torch.tensor([self._shift[t] for _f, t in self.features if t in self._shift],
+                                   dtype=torch.int64, device="cpu")
 
     def fold(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``table`` that ``ids`` (non-negative int64) look up."""
@@ -61,59 +89,72 @@ class FeatureTables(nn.ModuleDict):
         return ids if n is None else torch.remainder(ids, n)
 
     def table_ids(self, records: Records) -> dict[str, torch.Tensor]:
-        """Per table weight name: the sorted unique rows (on the CPU) the records look up. The
-        tables folded by modulo are sorted together in one pass (each table's rows shifted into a
-        range of its own), the others one by one."""
-        found: dict[str, list[torch.Tensor]] = {name: [] for name in self}
-        for feature, table in self.features:
-            found[table].append(self.fold(table, records.features[feature][0]))
-        out: dict[str, torch.Tensor] = {}
-        shifted, bounds, start = [], [], 0
-        for name, ids in found.items():
-            if name in self._modulo and ids:
-                shifted.append(torch.cat(ids).cpu() + start)
-                bounds.append((name, start))
-                start += self._modulo[name]
-            else:
-                out[name] = torch.unique(torch.cat(ids).cpu()) if ids else torch.empty(0, dtype=torch.int64)
-        if shifted:
-            rows = torch.unique(torch.cat(shifted))
-            cuts = torch.searchsorted(rows, torch.tensor([b for _, b in bounds] + [start])).tolist()
-            for (name, base), lo, hi in zip(bounds, cuts[:-1], cuts[1:], strict=True):
-                out[name] = rows[lo:hi] - base
-        return {f"tables.{name}.weight": out.get(name, torch.empty(0, dtype=torch.int64)) for name in self}
+        """Per table weight name: the sorted unique rows (on the CPU) the records look up."""
+        return self.lookup(records).ids
 
-    def forward(self, records: Records) -> list[torch.Tensor]:
-        """The pooled rows of every feature, in ``model.features`` order: each (batch, dim)."""
+    def lookup(self, records: Records) -> Lookup:
+        """The rows the records look up (:class:`Lookup`). The tables folded by modulo are sorted
+        together in one pass (each table's rows shifted into a range of its own, every feature's ids
+        at once), the others one by one."""
+        found: dict[str, list[torch.Tensor]] = {name: [] for name in self if name not in self._shift}
+        for feature, table in self.features:
+            if table in found:
+                found[table].append(self.fold(table, records.features[feature][0]))
+        out = {name: torch.unique(torch.cat(ids).cpu()) if ids else torch.empty(0, dtype=torch.int64)
+               for name, ids in found.items()}
+        index = None
+        if self._shift:
+            read = [records.features[f][0] for f in self._shifted]
+            flat = torch.cat(read)
+            sizes = torch.tensor([len(i) for i in read], device=flat.device)
+            folds, bases = self._folds.to(flat.device), self._bases.to(flat.device)
+            keys = torch.remainder(flat, folds.repeat_interleave(sizes)) + bases.repeat_interleave(sizes)
+            rows, inverse = torch.unique(keys, return_inverse=True)
+            rows = rows.cpu()
+            counts = torch.diff(torch.searchsorted(rows, self._starts))
+            out.update(zip(self._shift, (rows - self._starts[:-1].repeat_interleave(counts)).split(counts.tolist()),
+                           strict=True))
+            if len(read) == len(self.features):  # every row side by side, in table order: inverse indexes them
+                index = inverse
+        ids = {f"tables.{name}.weight": out.get(name, torch.empty(0, dtype=torch.int64)) for name in self}
+        return Lookup(records, ids, index)
+
+    def forward(self, records: Records, lookup: Lookup | None = None) -> list[torch.Tensor]:
+        """The pooled rows of every feature, in ``model.features`` order: each (batch, dim).
+        ``lookup``: the records' :meth:`lookup` (its index serves while the tables hold its rows)."""
         tables = list(self.values())
         if tables and all(t.gathered for t in tables) and len({t.dim for t in tables}) == 1:
-            return self._batched(records)
+            index = None
+            if lookup is not None and lookup.index is not None and all(lookup.ids[t.name] is t.ids for t in tables):
+                index = lookup.index
+            return self._batched(records, index)
         out = []
         for feature, table in self.features:
             ids, offsets, weights = records.features[feature]
             out.append(self[table](self.fold(table, ids), offsets=offsets, per_sample_weights=weights))
         return out
 
-    def _batched(self, records: Records) -> list[torch.Tensor]:
+    def _batched(self, records: Records, index: torch.Tensor | None = None) -> list[torch.Tensor]:
         """:meth:`forward` for gathered tables of one width, as FBGEMM's table-batched bags do it: every
         table's gathered rows side by side, every feature's bags in one ``embedding_bag`` (mean pooling
-        as a sum weighted by 1 / the bag's length); the rows' gradients reach each table's leaf."""
+        as a sum weighted by 1 / the bag's length); the rows' gradients reach each table's leaf.
+        ``index``: the bags' positions into those rows, known from the lookup that gathered them."""
         base, start = {}, 0
         for name, t in self.items():
             if t.ids is None or t.rows is None:
                 raise RuntimeError(f"table {t.name}: no rows gathered for this step")
             base[name], start = start, start + len(t.ids)
         rows = torch.cat([t.rows for t in self.values()])
-        known = torch.cat([t.ids for t in self.values()])
         weighted = any(records.features[f][2] is not None or self[t].mode == "mean" for f, t in self.features)
-        index, offsets, folded, weights, total = [], [], [], [], 0
+        parts, offsets, folded, weights, total = [], [], [], [], 0
         batch = 0
         for feature, table in self.features:
             ids, starts, w = records.features[feature]
             batch = len(starts)
-            f = self.fold(table, ids)
-            folded.append(f)
-            index.append(torch.searchsorted(self[table].ids, f) + base[table])
+            if index is None:
+                f = self.fold(table, ids)
+                folded.append(f)
+                parts.append(torch.searchsorted(self[table].ids, f) + base[table])
             offsets.append(starts + total)
             total += len(ids)
             if weighted:
@@ -121,10 +162,12 @@ class FeatureTables(nn.ModuleDict):
                     sizes = torch.diff(starts, append=torch.tensor([len(ids)], device=starts.device))
                     w = torch.repeat_interleave(1.0 / sizes.clamp(min=1).to(rows.dtype), sizes)
                 weights.append(w if w is not None else torch.ones(len(ids), dtype=rows.dtype, device=rows.device))
-        index_t, folded_t = torch.cat(index), torch.cat(folded)
-        if index_t.numel() and (int(index_t.max()) >= len(known) or not bool((known[index_t] == folded_t).all())):
-            raise RuntimeError("the batch has ids that were not gathered for their tables")
-        pooled = F.embedding_bag(index_t, rows, torch.cat(offsets), mode="sum",
+        if index is None:
+            index = torch.cat(parts)
+            known, folded_t = torch.cat([t.ids for t in self.values()]), torch.cat(folded)
+            if index.numel() and (int(index.max()) >= len(known) or not bool((known[index] == folded_t).all())):
+                raise RuntimeError("the batch has ids that were not gathered for their tables")
+        pooled = F.embedding_bag(index, rows, torch.cat(offsets), mode="sum",
                                  per_sample_weights=torch.cat(weights) if weighted else None)
         return list(pooled.view(len(self.features), batch, -1).unbind(0))
 
@@ -182,15 +225,24 @@ class DLRM(nn.Module):
         else:
             crossed = bottom[-1] + sum(dims)
         self.top = _mlp(top, crossed, last_activation=False)
+        self._ahead: tuple[torch.Tensor, int, Lookup] | None = None  # table_ids' batch, for its forward
 
     def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass)."""
-        return self.tables.table_ids(self.layout.unpack(x))
+        """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass).
+        The lookup is kept for ``x``'s forward, which then neither unpacks the records again nor
+        searches the gathered ids (a replica routes a batch's ids one step before it computes on it)."""
+        lookup = self.tables.lookup(self.layout.unpack(x))
+        # Keyed on the tensor itself (held, so its identity cannot pass to another) and its version
+        # counter: a batch buffer refilled in place (MemoryBatches alternates two) misses.
+        self._ahead = (x, x._version, lookup)
+        return lookup.ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        records = self.layout.unpack(x)
+        ahead, self._ahead = self._ahead, None
+        lookup = ahead[2] if ahead is not None and ahead[0] is x and ahead[1] == x._version else None
+        records = lookup.records if lookup is not None else self.layout.unpack(x)
         dense = self.bottom(records.dense)
-        pooled = self.tables(records)
+        pooled = self.tables(records, lookup)
         if self.interaction == "dot":
             stacked = torch.stack([dense, *pooled], dim=1)  # (batch, features + 1, dim)
             products = torch.bmm(stacked, stacked.transpose(1, 2))

@@ -11,6 +11,7 @@ crosses the wire. No Dask here.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -43,9 +44,36 @@ class TableRoute:
         return [torch.nonzero(part == p).flatten() for p in range(self.num_parts)]
 
 
+class Routed:
+    """One batch's ids of every table, routed at once: ``ids`` per table (sorted unique, on the
+    CPU) and side by side (``flat``, table after table); the blocks of (part, table) pairs,
+    part-major, as positions into ``flat`` (``order`` split by ``sizes``) and as ids (``blocks``)."""
+
+    def __init__(self, ids: list[torch.Tensor], flat: torch.Tensor, part: torch.Tensor, table: torch.Tensor,
+                 num_parts: int):
+        self.ids, self.flat = ids, flat
+        self.starts = [0, *accumulate(len(i) for i in ids)]  # each table's first position in flat
+        # A part's positions, ascending, run table after table, each table's ids sorted (as the ps
+        # expects them): a stable sort by (part, table) in one nonzero per part.
+        self.order = torch.cat([torch.nonzero(part == p).flatten() for p in range(num_parts)])
+        self.sizes = torch.bincount(part * len(ids) + table, minlength=num_parts * len(ids)).tolist()
+        self.blocks = flat[self.order].split(self.sizes)
+
+    def split(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``values`` (one per id of ``flat``) as the blocks."""
+        return values[self.order].split(self.sizes)
+
+    def positions(self) -> list[tuple[int, torch.Tensor]]:
+        """Per block: (its table, the positions of its ids in that table's ids)."""
+        tables = len(self.ids)
+        return [(b % tables, pos - self.starts[b % tables]) for b, pos in enumerate(self.order.split(self.sizes))]
+
+
 class SparseRouter:
     """Routes a replica's tables' rows (see the module docstring). ``num_shards``: the plan's shards
-    (the ps tasks come first: part ``p`` lives on shard ``p``)."""
+    (the ps tasks come first: part ``p`` lives on shard ``p``). Every table's ids are routed in one
+    pass (their parts computed side by side, sorted once by (part, table)); only the requests'
+    entries and the installing of each table's rows are per table."""
 
     def __init__(self, model: torch.nn.Module, plans: tuple[TablePlan, ...], num_shards: int,
                  device: torch.device, record: bool = False):
@@ -57,8 +85,17 @@ class SparseRouter:
             raise ValueError(f"the plan's tables {sorted(missing)} are not in the replica's model")
         self.num_shards = num_shards
         self.device = device
-        self.next: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # per table: (ids, positions per part)
-        self.current: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self.num_parts = max((r.num_parts for r in self.routes), default=1)
+        self._parts = torch.tensor([r.num_parts for r in self.routes], dtype=torch.int64)
+        kinds = {r.plan.partition for r in self.routes}
+        self._kind = kinds.pop() if len(kinds) == 1 else None  # one partitioning for every table: one pass
+        # div: each table's part bounds, a row per table (padded with bounds no id reaches)
+        self._bounds = torch.full((len(self.routes), self.num_parts - 1), torch.iinfo(torch.int64).max)
+        for t, r in enumerate(self.routes):
+            self._bounds[t, :len(r._bounds)] = r._bounds
+        self._one_width = len({r.plan.dim for r in self.routes}) == 1  # rows side by side in one tensor
+        self.next: Routed | None = None
+        self.current: Routed | None = None
         self.rows_moved = 0  # rows received, for the benchmark's bytes per step
 
     @property
@@ -69,37 +106,69 @@ class SparseRouter:
         """The next batch's ids per table: the model's input for a ``model.layers`` table (the
         first layer), what a record pass sees for a custom module's tables (:func:`ids_of`)."""
         seen = table_ids(self.model, inputs, self.record)
-        self.next = [(seen[r.plan.name], r.split(seen[r.plan.name])) for r in self.routes]
+        ids = [seen[r.plan.name] for r in self.routes]
+        counts = [len(i) for i in ids]
+        flat = torch.cat(ids)
+        table = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(counts))
+        self.next = Routed(ids, flat, self._part_of(flat, table, counts), table, self.num_parts)
+
+    def _part_of(self, ids: torch.Tensor, table: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """:meth:`TableRoute.part_of` of every table's ids side by side (``table``: each id's table)."""
+        if self._kind == "mod":
+            return torch.remainder(ids, self._parts[table])
+        if self._kind == "div":
+            return (ids.unsqueeze(1) >= self._bounds[table]).sum(1)
+        return torch.cat([r.part_of(i) for r, i in zip(self.routes, ids.split(counts), strict=True)])
 
     def requests(self, with_grads: bool) -> list[dict[str, tuple[Any, Any, Any]]]:
         """Per shard: table name -> (pushed ids, their row gradients, wanted ids of the next batch)."""
+        cur, nxt = self.current, self.next
+        assert nxt is not None, "plan_next first"
+        grads = self._grads(cur) if with_grads and cur is not None else None
         out: list[dict[str, tuple[Any, Any, Any]]] = [{} for _ in range(self.num_shards)]
-        for t, route in enumerate(self.routes):
-            name = route.plan.name
-            grads = route.module.rows.grad if with_grads and route.module.rows is not None else None
-            for p in range(route.num_parts):
-                push_ids = push_grads = None
-                if grads is not None and self.current:
-                    ids, positions = self.current[t]
-                    push_ids = ids[positions[p]]
-                    push_grads = grads.detach().to("cpu")[positions[p]]
-                nids, npos = self.next[t]
-                out[p][name] = (push_ids, push_grads, nids[npos[p]])
+        for p in range(self.num_parts):
+            for t, route in enumerate(self.routes):
+                if p < route.num_parts:
+                    b = p * len(self.routes) + t
+                    push = (cur.blocks[b], grads[b]) if grads is not None and cur is not None else (None, None)
+                    out[p][route.plan.name] = (*push, nxt.blocks[b])
         return out
+
+    def _grads(self, routed: Routed) -> list[torch.Tensor] | None:
+        """The current rows' gradients per block (None when a table has none: no push at all)."""
+        grads = [r.module.rows.grad if r.module.rows is not None else None for r in self.routes]
+        if any(g is None for g in grads):
+            return None
+        if self._one_width:
+            return list(routed.split(torch.cat(grads).detach().to("cpu")))  # type: ignore[arg-type]
+        return [grads[t].detach().to("cpu")[pos] for t, pos in routed.positions()]  # type: ignore[union-attr]
 
     def take(self, replies: list[tuple[Any, ...]]) -> None:
         """Install the next batch's rows from the replies (their fifth elements) and make it current."""
-        for t, route in enumerate(self.routes):
-            ids, positions = self.next[t]
-            rows = torch.empty((len(ids), route.plan.dim), dtype=torch.float32)
-            for p in range(route.num_parts):
-                got = replies[p][4].get(route.plan.name) if len(replies[p]) > 4 else None
-                if got is None:
+        nxt = self.next
+        assert nxt is not None, "plan_next first"
+        got: list[torch.Tensor | None] = []  # per block
+        for p in range(self.num_parts):
+            rows = replies[p][4] if len(replies[p]) > 4 else {}
+            for route in self.routes:
+                block = rows.get(route.plan.name) if p < route.num_parts else None
+                if block is None and p < route.num_parts:
                     raise RuntimeError(f"ps shard {p} sent no rows of table {route.plan.name} (stopped or failed)")
-                rows[positions[p]] = got
-            self.rows_moved += len(ids)
+                got.append(block)
+        if self._one_width:
+            rows = torch.empty((len(nxt.flat), self.routes[0].plan.dim), dtype=torch.float32)
+            rows[nxt.order] = torch.cat([g for g in got if g is not None])
+            per_table = list(rows.split([len(i) for i in nxt.ids]))
+        else:
+            per_table = [torch.empty((len(i), r.plan.dim), dtype=torch.float32)
+                         for i, r in zip(nxt.ids, self.routes, strict=True)]
+            for (t, pos), g in zip(nxt.positions(), got, strict=True):
+                if g is not None:
+                    per_table[t][pos] = g
+        for route, ids, rows in zip(self.routes, nxt.ids, per_table, strict=True):
             route.module.gather(ids.to(self.device), rows.to(self.device))
-        self.current = self.next
+        self.rows_moved += len(nxt.flat)
+        self.current = nxt
 
 
 def table_ids(model: torch.nn.Module, inputs: torch.Tensor, record: bool) -> dict[str, torch.Tensor]:
