@@ -450,8 +450,11 @@ class Session:
     def _summary(self, status: str, error: str | None, final_eval: dict[str, Any], wall_s: float) -> dict[str, Any]:
         last_loss = next((r["loss"] for r in reversed(self.records) if r.get("loss") is not None), None)
         train_s = getattr(self, "train_s", None) or (time.time() - getattr(self, "t_train", time.time()))
+        # The chief's step comes from its last poll; a checkpoint written since (before failing, on
+        # an interrupt) holds the ps's own, newer step: a summary never names a step older than it.
+        step = max(self.global_step, self.saver.last_step or 0)
         summary = {
-            "name": self.spec.name, "status": status, "global_step": self.global_step,
+            "name": self.spec.name, "status": status, "global_step": step,
             "final_loss": last_loss, "eval": final_eval or None, "wall_s": round(wall_s, 3),
             "samples_per_sec": (self.samples / train_s) if train_s > 0 else None,
             "mode": self.spec.training.mode, "replication": self.spec.training.replication,
