@@ -150,12 +150,13 @@ class TableSpec(Strict):
             if self.max_rows is None:
                 problems.append((("max_rows",), "a table without num_embeddings needs max_rows, the most rows it "
                                                 "may hold (it bounds the ps's memory), e.g. max_rows: 1000000"))
-            if "fold" in self.model_fields_set:
+            # (a default value is harmless, so that a dumped spec validates again)
+            if self.fold != type(self).model_fields["fold"].default:
                 problems.append((("fold",), "fold maps ids into a fixed number of rows; a table without "
                                             "num_embeddings keeps every id: remove fold"))
         else:
             for key in ("max_rows", "min_count", "ttl_steps", "eviction"):
-                if key in self.model_fields_set:
+                if getattr(self, key) != type(self).model_fields[key].default:
                     problems.append(((key,), f"{key} applies to a table without num_embeddings (a fixed table "
                                              f"holds every row): remove {key}, or num_embeddings"))
         if problems:
