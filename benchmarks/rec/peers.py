@@ -14,7 +14,8 @@ Both rows train exactly the same model on the same batches, one torch thread, on
   kernel call) with ``EXACT_ROWWISE_ADAGRAD`` applied inside its backward, so no gradient of a
   table is ever materialised. This is the fair peer: it is the kernel and the optimizer that
   TorchRec's sharded modules run (an unsharded ``EmbeddingBagCollection`` with a torch optimizer
-  is some 40x slower on CPU: shared/peers/torchrec-cpu.md), without a process group to shard
+  is some 40x slower on CPU: about 3,000 against 127,000 samples/s on 26 tables of 100,000 rows,
+  embeddings alone, batch 1024, one thread), without a process group to shard
   over when there is one process.
 - ``torch``: what a PyTorch user writes without TorchRec: one ``nn.EmbeddingBag(mode="sum",
   sparse=True)`` per table and ``torch.optim.Adagrad`` on their sparse gradients (element-wise

@@ -1,5 +1,5 @@
 """dtrain.ps.tokens (TensorFlow's token queue) without a cluster: the checklist's rows S1-S9 with
-TensorFlow's values (sync_replicas_optimizer_test: /work/shared/reviews/tf-semantics.md §3.4), X1, X2."""
+TensorFlow's values (TensorFlow's sync_replicas_optimizer_test), X1, X2."""
 
 from __future__ import annotations
 
