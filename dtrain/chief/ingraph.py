@@ -184,7 +184,7 @@ class InGraphDriver:
               related: Sequence[Future] = ()) -> None:
         """Wait for ``futures``, raising the first error (named after the task that failed first,
         among ``related`` then ``futures``); gives up after call_timeout_s (a task pinned to a lost
-        worker's address would wait forever: ../shared/dask-notes.md §4)."""
+        worker's address would wait forever)."""
         deadline = time.monotonic() + self.timeout
         labels = labels or {}
         while True:

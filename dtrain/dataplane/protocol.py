@@ -2,7 +2,7 @@
 per replica and shard, with Dask kept as the control plane (``training.transport: socket``).
 
 Why: with actor calls as the data plane every step pays Dask's framing, per-message buffer
-allocation and thread hand-offs on the replica's own core (../shared/ps-data-plane.md measured
+allocation and thread hand-offs on the replica's own core (measured:
 0.75x plain PyTorch with 1 replica that way, 0.93x with a raw socket). Here the ps actor opens a
 listener and hands out its port; a replica connects once, then every step is one
 ``sendall`` of the gradient and one ``recv_into`` of the parameters, into preallocated buffers,

@@ -8,7 +8,7 @@ worker-ttl so that a hung worker is dropped in seconds rather than Dask's defaul
 
 The embedded cluster speaks TLS with a per-run certificate (``distributed.Security.temporary()``,
 held only in memory): a plain ``tcp://`` scheduler on 127.0.0.1 would run pickled code for any
-local user who finds its port (../shared/dask-notes.md §6), and only this process holds the key.
+local user who finds its port, and only this process holds the key.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit
 
 
 def dask_config(spec: PipelineSpec, embedded: bool = True) -> dict[str, Any]:
-    """Dask settings dtrain runs with (see ../shared/dask-notes.md §6); ``embedded``: for the
+    """Dask settings dtrain runs with; ``embedded``: for the
     cluster dtrain starts (a cluster of the user's keeps its own way of starting processes)."""
     config = {
         "distributed.scheduler.worker-ttl": f"{spec.cluster.worker_ttl_s}s",

@@ -3,7 +3,7 @@
 Each shard holds its variables as one contiguous float32 buffer; a :class:`ShardLayout` knows,
 from the Plan, which slice of which parameter every part of every shard buffer is. Replicas keep
 one persistent parameter buffer and two alternating gradient buffers per shard (fresh multi-MB
-tensors every step cost page faults: ../shared/ps-data-plane.md), so a step allocates nothing.
+tensors every step cost page faults), so a step allocates nothing.
 """
 
 from __future__ import annotations

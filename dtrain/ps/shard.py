@@ -3,7 +3,7 @@
 ``ParameterShard`` is a plain class. The session creates it as a Dask Actor pinned to its ps
 task's worker, but nothing here imports Dask: every public method is ``async def`` (it runs on
 the worker's event loop, so a waiting sync replica never blocks other calls — a blocking method
-would stall every actor on that worker: ../shared/dask-notes.md §1) and only does brief tensor
+would stall every actor on that worker) and only does brief tensor
 math (an apply on a few MB takes well under a millisecond).
 
 Wire protocol (one round trip per shard per step, one flat tensor each way):

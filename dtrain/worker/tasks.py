@@ -3,7 +3,7 @@
 The replica task rebuilds its ps handles from ``(address, key)`` pairs instead of receiving
 Actor objects: a task that receives an actor depends on the actor's key and is failed by the
 scheduler the moment that ps dies, whereas a rebuilt handle lets the replica notice (its calls
-time out) and lets the session recover (../shared/dask-notes.md §4). It also leaves its thread
+time out) and lets the session recover. It also leaves its thread
 slot (``secede``) so a long training loop does not starve other tasks on that worker.
 
 In-graph replication's tasks (below the replica task) are what the step graphs built by the

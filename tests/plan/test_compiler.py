@@ -1,4 +1,4 @@
-"""Tests for dtrain.compiler: spec -> Plan, pure, with DESIGN.md's `dtrain plan --json` contract."""
+"""Tests for dtrain.compiler: spec -> Plan, pure, with the `dtrain plan --json` contract (README, Command line)."""
 
 from __future__ import annotations
 
