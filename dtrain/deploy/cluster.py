@@ -83,7 +83,7 @@ DASK_ENV = {  # the worker processes' environment at their start (the nannies' p
     # Dask sets MALLOC_TRIM_THRESHOLD_=65536 for nanny-spawned workers, which also turns off
     # glibc's dynamic mmap threshold: every activation and buffer over 128 KB is then mmapped and
     # unmapped each step (page faults: torch compute measured ~45% slower in such a worker).
-    # Keep them on the heap instead (../shared/ps-data-plane.md: per-step allocation halves speed).
+    # Keep them on the heap instead (measured: per-step allocation halves speed).
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
     "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
     # Embedded workers share the terminal: only their warnings and errors (read at import).
