@@ -88,3 +88,46 @@ def test_axis_1_partitions_on_cuda_match_the_cpu_run(inproc_client, tmp_path):
     cpu, gpu = _final_parameters(tmp_path / "cpu"), _final_parameters(tmp_path / "cuda")
     for k in cpu:
         assert torch.allclose(cpu[k], gpu[k], rtol=1e-3, atol=1e-4), k
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_dlrm_on_cuda_replicas_matches_the_cpu_run(inproc_client, tmp_path):
+    """The DLRM over packed Criteo-layout records (multi-hot, fixed and vocabulary-free tables on the
+    CPU ps): GPU replicas in sync give the CPU replicas' model to float32 rounding of other kernels."""
+    import dask.array as da
+    import numpy as np
+
+    from dtrain.model.recommendation import record_layout
+
+    text = """
+name: dlrm-cuda
+cluster: {jobs: {ps: 2, worker: 2}}
+model:
+  features: {dense: [I1, I2], categorical: [{name: C1}, {name: C2, max_ids: 3, weighted: true}]}
+  tables: {C1: {num_embeddings: 500, dim: 4, init_std: 0.3}, C2: {dim: 4, max_rows: 1000, init_std: 0.3}}
+  dlrm: {bottom: [8, 4], top: [8, 1]}
+  loss: bce_with_logits
+data: {batch_size: 32, shuffle: false}
+optimizer: {name: adagrad, lr: 0.1}
+training: {mode: sync, steps: 30, seed: 3}
+summary: {tensorboard: false}
+"""
+    rng = np.random.default_rng(0)
+    n = 1600
+    lengths = rng.integers(0, 4, n)
+    cats = [(rng.integers(0, 10**6, n), np.ones(n, np.int64)), (rng.zipf(1.3, int(lengths.sum())), lengths)]
+    y = (cats[0][0] % 3 == 0).astype(np.float32)
+    dense = rng.normal(size=(n, 2)).astype(np.float32)
+    runs = {}
+    for name, extra in {"cpu": "", "cuda": GPU}.items():
+        spec = dtrain.loads(text + extra)
+        x = record_layout(spec.model.features.model_dump()).pack(
+            dense, cats, [None, np.ones(int(lengths.sum()), np.float32)])
+        runs[name] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / name,
+                                data=(da.from_array(x, chunks=(200, x.shape[1])), da.from_array(y, chunks=200)))
+        assert runs[name].summary["status"] == "completed"
+    assert {s["device"] for s in runs["cuda"].replica_stats} == {"cuda:0"}
+    cpu, gpu = _final_parameters(tmp_path / "cpu"), _final_parameters(tmp_path / "cuda")
+    assert cpu.keys() == gpu.keys() and torch.equal(cpu["tables.C2.row_ids"], gpu["tables.C2.row_ids"])
+    for k in cpu:
+        assert torch.allclose(cpu[k].float(), gpu[k].float(), rtol=1e-3, atol=1e-4), k
