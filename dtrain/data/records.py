@@ -84,15 +84,8 @@ def _csr(arr: Any, where: Any, name: str) -> tuple[np.ndarray, np.ndarray, np.nd
     """(values int64, lengths, null rows) of a categorical column (a combined pyarrow array), before
     null rows get their MISSING_ID."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    null = np.asarray(arr.is_null())
-    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
-        lengths = np.asarray(pc.list_value_length(arr).fill_null(0), dtype=np.int64)
-        flat = arr.flatten()
-    else:
-        lengths = (~null).astype(np.int64)
-        flat = arr.drop_null()
+    flat, lengths, null = _flatten(arr)
     if pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
         codes = flat.dictionary_encode()
         hashed = hash64(codes.dictionary.to_numpy(zero_copy_only=False))
@@ -168,13 +161,17 @@ def read_records(table: Any, layout: RecordLayout, path: str, first_row: int = 0
 def _csr_weights(arr: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(weights float32 (NaN for a null weight), lengths, null rows) of a weights column."""
     import pyarrow as pa
+
+    flat, lengths, null = _flatten(arr)
+    return np.asarray(flat.cast(pa.float32()).to_numpy(zero_copy_only=False), dtype=np.float32), lengths, null
+
+
+def _flatten(arr: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(the values side by side, each row's count, the null rows) of a list or a scalar column."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     null = np.asarray(arr.is_null())
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
-        lengths = np.asarray(pc.list_value_length(arr).fill_null(0), dtype=np.int64)
-        flat = arr.flatten()
-    else:
-        lengths = (~null).astype(np.int64)
-        flat = arr.drop_null()
-    return np.asarray(flat.cast(pa.float32()).to_numpy(zero_copy_only=False), dtype=np.float32), lengths, null
+        return arr.flatten(), np.asarray(pc.list_value_length(arr).fill_null(0), dtype=np.int64), null
+    return arr.drop_null(), (~null).astype(np.int64), null

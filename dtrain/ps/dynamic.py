@@ -29,7 +29,7 @@ import torch
 from dtrain.model.ids import home_part, id_rows
 
 from .idmap import IdMap
-from .rows import STORAGE, _stream_seed, make_row_optimizer, round_stochastic
+from .rows import STORAGE, _stream_seed, make_row_optimizer, round_stochastic, sum_rows
 
 SKETCH_DEPTH = 2
 EMPTY_ID = -1
@@ -197,12 +197,7 @@ class DynamicTablePart:
     def apply(self, scale: float = 1.0) -> None:
         """One optimizer step with the step's gradients summed per row and multiplied by ``scale``."""
         if self._pending:
-            local = torch.cat([i for i, _ in self._pending])
-            grads = torch.cat([g for _, g in self._pending])
-            rows, inverse = torch.unique(local, return_inverse=True)
-            summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
-            if scale != 1.0:
-                summed.mul_(scale)
+            rows, summed = sum_rows(self._pending, self.dim, scale)
         else:
             rows, summed = torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim))
         self._pending = []

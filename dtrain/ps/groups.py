@@ -40,8 +40,8 @@ from .rows import (
     _stream_seed,
     make_row_optimizer,
     round_stochastic,
+    sum_rows,
     table_part,
-    unique_rows,
 )
 
 __all__ = ["TableGroup", "table_parts"]
@@ -157,13 +157,8 @@ class TableGroup:
             for part in self.parts:
                 part.optimizer.step_count += 1
             return
-        local = torch.cat([i for i, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
-        grads = torch.cat([g for _, g in self._pending]) if len(self._pending) > 1 else self._pending[0][1]
+        rows, summed = sum_rows(self._pending, self.dim, scale)
         self._pending = []
-        rows, inverse = unique_rows(local)
-        summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
-        if scale != 1.0:
-            summed.mul_(scale)
         self._ensure(rows)
         w = self.weight.index_select(0, rows).to(torch.float32)
         # Each member's rows are one run of the sorted unique rows: [cuts[m], cuts[m + 1]).

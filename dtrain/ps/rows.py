@@ -102,6 +102,19 @@ def unique_rows(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, torch.empty_like(inverse).index_copy_(0, order, inverse)
 
 
+def sum_rows(pending: list[tuple[torch.Tensor, torch.Tensor]], dim: int, scale: float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's pushed (rows, gradients) pairs -> (its unique rows, sorted, and each row's gradients
+    summed in the order they came, times ``scale``)."""
+    local = torch.cat([i for i, _ in pending]) if len(pending) > 1 else pending[0][0]
+    grads = torch.cat([g for _, g in pending]) if len(pending) > 1 else pending[0][1]
+    rows, inverse = unique_rows(local)
+    summed = torch.zeros((len(rows), dim), dtype=torch.float32).index_add_(0, inverse, grads)
+    if scale != 1.0:
+        summed.mul_(scale)
+    return rows, summed
+
+
 def _stream_seed(seed: int, name: str, part: int, step: int) -> int:
     """The rounding generator's seed for one step of one part (stable across processes)."""
     return (int(seed) * 1_000_033 + zlib.crc32(name.encode()) * 7_919 + int(part) * 104_729
@@ -218,13 +231,8 @@ class TablePart:
         if not self._pending:
             self.optimizer.step(torch.empty((0, self.dim)), torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim)))
             return
-        local = torch.cat([i for i, _ in self._pending])
-        grads = torch.cat([g for _, g in self._pending])
+        rows, summed = sum_rows(self._pending, self.dim, scale)
         self._pending = []
-        rows, inverse = unique_rows(local)
-        summed = torch.zeros((len(rows), self.dim), dtype=torch.float32).index_add_(0, inverse, grads)
-        if scale != 1.0:
-            summed.mul_(scale)
         self.ensure(rows)
         w = self.weight.index_select(0, rows).to(torch.float32)
         self.optimizer.step(w, rows, summed)
