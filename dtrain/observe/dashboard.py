@@ -4,7 +4,8 @@ A static page rebuilt from the latest payloads and reloaded by the browser every
 not a Bokeh server app: it needs no session per viewer on the scheduler, no websocket, and it
 shows the same figures as ``/metrics`` and ``/dtrain/data.json`` (docs/observability.md, "The
 dashboard page"). Per run: the per-shard load (busy share, bytes), each replica's time split into
-compute, data and ps, the replicas' step rates, the staleness histogram, and the findings.
+compute, data and ps, the replicas' step rates, the staleness histogram, the sparse tables' rows
+(and evictions), and the findings.
 
 Drawing takes a fraction of a second per run, and the handler runs on the scheduler's event
 loop, so the drawing runs on one thread of its own (a page left open in several tabs costs the
@@ -106,6 +107,48 @@ def _shard_plots(payload: dict) -> list[Any]:
     volume.xaxis.axis_label, volume.yaxis.axis_label = "shard", "bytes"
     volume.legend.location = "top_left"
     return [load, volume]
+
+
+TABLE_FIGURES = ("live_rows", "bytes", "admitted", "evicted", "rejected")
+
+
+def table_figures(payload: dict) -> dict[str, dict[str, float]]:
+    """Per sparse table (``tables.C1.weight`` -> ``C1``), its figures summed over the shards that
+    hold a part of it (:data:`TABLE_FIGURES`; a table with a vocabulary has rows and bytes only)."""
+    out: dict[str, dict[str, float]] = {}
+    for _, shard in _entries(payload, "shards"):
+        tables = shard.get("tables")
+        if not isinstance(tables, dict):
+            continue
+        for name, figures in tables.items():
+            if not isinstance(figures, dict):
+                continue
+            entry = out.setdefault(str(name).removeprefix("tables.").removesuffix(".weight"), {})
+            for key in TABLE_FIGURES:
+                if (v := figure(figures.get(key))) is not None:
+                    entry[key] = entry.get(key, 0.0) + v
+    return out
+
+
+def _table_plots(payload: dict) -> list[Any]:
+    """Rows per table (evicted ones beside them, for tables without a vocabulary)."""
+    from bokeh.models import ColumnDataSource
+
+    tables = table_figures(payload)
+    if not tables:
+        return []
+    names = list(tables)
+    data = {"table": names, **{k: [tables[n].get(k, 0.0) for n in names] for k in TABLE_FIGURES}}
+    fig = _figure("Table rows (all ps tasks)", x_range=names,
+                  tooltips=[("table", "@table"), ("rows", "@live_rows{0,0}"), ("bytes", "@bytes{0.0 b}"),
+                            ("admitted", "@admitted{0,0}"), ("evicted", "@evicted{0,0}"),
+                            ("rejected", "@rejected{0,0}")])
+    fig.vbar_stack(["live_rows", "evicted"], x="table", width=0.8, source=ColumnDataSource(data),
+                   color=["#17becf", "#bcbd22"], legend_label=["live rows", "evicted"])
+    fig.xaxis.major_label_orientation = math.pi / 3
+    fig.xaxis.axis_label, fig.yaxis.axis_label = "table", "rows"
+    fig.legend.location = "top_left"
+    return [fig]
 
 
 def _replica_plots(payload: dict) -> list[Any]:
@@ -234,7 +277,7 @@ def render_page(payloads: dict[str, dict]) -> str:
             sections.append(("<h2>Earlier runs</h2>", f"<p>{html.escape(EARLIER)}</p>", []))
         try:
             figs = _shard_plots(payload) + _replica_plots(payload) + _staleness_plot(payload) \
-                if n < PLOTTED_RUNS else []
+                + _table_plots(payload) if n < PLOTTED_RUNS else []
             sections.append((_header(run, payload), _findings(payload), figs))
         except Exception as exc:  # one run's malformed payload never blanks the others
             logger.debug("dtrain dashboard: skipping run %r (%s: %s)", run, type(exc).__name__, exc)

@@ -292,3 +292,19 @@ def test_a_shards_tables_become_table_series():
     assert got["dtrain_table_evicted_total", labels(**s1, table="C2")] == 9
     assert got["dtrain_table_bytes", labels(**s1, table="C1")] == 32000
     assert not [k for k in got if k[0] == "dtrain_table_admitted_total" and ("table", "C1") in k[1]]
+
+
+def test_the_page_sums_each_tables_parts_and_draws_them():
+    from dtrain.observe.dashboard import table_figures
+
+    p = payload("r")
+    p["shards"]["0"]["tables"] = {"tables.C2.weight": {"live_rows": 40, "admitted": 50, "evicted": 10, "bytes": 100},
+                                  "tables.C1.weight": {"live_rows": 7, "bytes": 20}}
+    p["shards"]["1"]["tables"] = {"tables.C2.weight": {"live_rows": 2, "admitted": 3, "evicted": 1, "bytes": 5,
+                                                       "rejected": None}, "junk": "x"}
+    figures = table_figures(p)
+    assert figures == {"C2": {"live_rows": 42, "admitted": 53, "evicted": 11, "bytes": 105},
+                       "C1": {"live_rows": 7, "bytes": 20}}
+    assert table_figures(payload("r")) == {}  # no tables: no panel
+    page = render_page({"r": p})
+    assert "Table rows (all ps tasks)" in page and "Table rows" not in render_page({"r": payload("r")})
