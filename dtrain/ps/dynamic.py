@@ -151,11 +151,14 @@ class DynamicTablePart:
     def _create(self, ids: np.ndarray) -> None:
         """Rows for ``ids`` (unique, absent), evicting first when the cap requires it."""
         ids = ids[: self.cap]  # (a single request larger than the whole cap keeps its first rows)
+        if not len(ids):
+            return
         if self.index.size + len(ids) > self.cap:
             self._evict_for(self.index.size + len(ids) - self.cap)
         if len(self.free) < len(ids):
             self._grow(self.index.size + len(ids))
-        slots = np.array([self.free.pop() for _ in range(len(ids))], dtype=np.int64)
+        slots = np.array(self.free[-len(ids):][::-1], dtype=np.int64)  # (as pops from the end would take them)
+        del self.free[-len(ids):]
         self.index.put(ids, slots)
         self.ids[slots] = ids
         self.last[slots] = self.clock

@@ -23,10 +23,10 @@ FEATURES = [("C1", "A", 1, False), ("C2", "B", 3, True), ("C3", "A", 2, False), 
 TABLE_ROWS = {"A": 300, "B": 97, "C": 50}
 
 
-def rec_spec(num_ps: int, optimizer: str = "{name: adagrad, lr: 0.1}", tables: str = "") -> dtrain.PipelineSpec:
+def rec_spec(num_ps: int) -> dtrain.PipelineSpec:
     cats = ", ".join(f"{{name: {n}, table: {t}, max_ids: {m}, weighted: {str(w).lower()}}}"
                      for n, t, m, w in FEATURES)
-    table_lines = "\n".join(f"    {t}: {{num_embeddings: {r}, dim: 4, init_std: 0.5{tables}}}"
+    table_lines = "\n".join(f"    {t}: {{num_embeddings: {r}, dim: 4, init_std: 0.5}}"
                             for t, r in TABLE_ROWS.items())
     return dtrain.loads(f"""
 name: dlrm-fidelity
@@ -40,7 +40,7 @@ model:
   dlrm: {{bottom: [8, 4], interaction: dot, top: [8, 1]}}
   loss: bce_with_logits
 data: {{batch_size: {BATCH}, shuffle: false, test_fraction: 0.1}}
-optimizer: {optimizer}
+optimizer: {{name: adagrad, lr: 0.1}}
 training: {{mode: sync, steps: {STEPS}, seed: 3}}
 summary: {{every_steps: 25, tensorboard: false}}
 """, base_dir=".")
