@@ -302,15 +302,50 @@ def hex_ids(strings: Any) -> tuple[np.ndarray, np.ndarray]:
     lens = np.diff(offs)
     full = lens == 8
     if (full | (lens == 0)).all():  # Criteo's case: 8 digits or empty, one id per field
-        pairs = _PAIR[data.view("<u2")]  # two digits at a time: one table lookup per byte of the id
-        if not (pairs > 0xFF).any():
-            ids = pairs.astype(np.uint8).view(">u4")
+        ids = _eight_digit_ids(data)
+        if ids is not None:
             if len(ids) == n:  # no empty field
-                return ids.astype(np.int64), np.ones(n, dtype=np.int64)
+                return ids, np.ones(n, dtype=np.int64)
             out = np.full(n, MISSING_ID, dtype=np.int64)
             out[full] = ids
             return out, np.ones(n, dtype=np.int64)
+    elif ((lens % 9 == 8) | (lens == 0)).all():  # perhaps lists of 8-digit ids: checked, else the general case
+        out_lists = _eight_digit_lists(data, offs, lens)
+        if out_lists is not None:
+            return out_lists
     return _hex_lists(data, offs, lens, arr)
+
+
+def _eight_digit_ids(data: np.ndarray) -> np.ndarray | None:
+    """int64 ids of ``data``, a run of 8-hex-digit ids without separators, or None when a byte is
+    not a hex digit (the general case then names it)."""
+    pairs = _PAIR[data.view("<u2")]  # two digits at a time: one table lookup per byte of the id
+    if (pairs > 0xFF).any():
+        return None
+    return pairs.astype(np.uint8).view(">u4").astype(np.int64)
+
+
+def _eight_digit_lists(data: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The multi-hot form of Criteo's case: every field empty (one :data:`MISSING_ID`) or a
+    comma-separated list of 8-digit ids, a comma at every 9th byte of its field and nowhere else;
+    None otherwise."""
+    comma = data == _COMMA
+    at = np.flatnonzero(comma)
+    count = (lens + 1) // 9  # ids per field (0 for an empty one)
+    if len(at) != int((count - (lens > 0)).sum()):
+        return None
+    field = np.repeat(np.arange(len(lens)), np.maximum(count - 1, 0))  # each comma's field, were all in place
+    if ((at - offs[:-1][field]) % 9 != 8).any():
+        return None
+    ids = _eight_digit_ids(data[~comma])
+    if ids is None:
+        return None
+    lengths = np.maximum(count, 1).astype(np.int64)
+    if (lens > 0).all():
+        return ids, lengths
+    out = np.full(int(lengths.sum()), MISSING_ID, dtype=np.int64)
+    out[np.repeat(lens > 0, lengths)] = ids
+    return out, lengths
 
 
 def _hex_lists(data: np.ndarray, offs: np.ndarray, lens: np.ndarray, arr: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -102,6 +102,29 @@ def test_hex_ids_match_python_int_parsing():
     assert hex_ids(["7fffffffffffffff"])[0].tolist() == [2**63 - 1]
 
 
+
+@pytest.mark.parametrize("odd", [None, "123456789,1234567", "1234567,123456789", "12345678,,2345678", "1234567x"])
+def test_lists_of_eight_digit_ids_match_python_int_parsing(odd):
+    """Criteo's multi-hot case (8-digit ids, commas every 9th byte, empty fields) takes a shortcut;
+    fails if it misplaces an empty field's missing id, miscounts a list, or accepts a field that only
+    looks like that case (right length, commas elsewhere), which must reach the general parser."""
+    rng = np.random.default_rng(1)
+    fields = [",".join(f"{int(v):08x}" for v in rng.integers(0, 2**32, int(rng.integers(0, 4)))) for _ in range(300)]
+    if odd is not None:
+        fields[150] = odd
+    want = []
+    for f in fields:
+        tokens = f.split(",") if f else []
+        if any(not t or any(c not in "0123456789abcdefABCDEF" for c in t) for t in tokens):
+            with pytest.raises(ValueError, match="row 150"):
+                hex_ids(fields)
+            return
+        want.append([int(t, 16) for t in tokens] or [MISSING_ID])
+    values, lengths = hex_ids(fields)
+    assert lengths.tolist() == [len(w) for w in want]
+    assert values.tolist() == [v for w in want for v in w]
+
+
 BAD = [  # (line 3 of 4 replaced by ..., the message after "FILE:")
     (line(1, I4="x1"), r"3: I4: 'x1' is not an integer"),
     (line(1, I4="1.5"), r"3: I4: '1.5' is not an integer"),

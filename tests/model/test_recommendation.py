@@ -1,6 +1,7 @@
 """The DLRM's lookup without a cluster: the records unpacked and the bags' index computed for a
 batch's table ids serve that batch's forward (bit for bit what a fresh forward computes), and never
-another batch's: a buffer refilled in place, a different tensor, or tables holding other rows."""
+another batch's: a buffer refilled in place, a different tensor, or tables holding other rows. The
+bags' sum (pooled_rows) has torch's embedding_bag values and gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.data.features import RecordLayout
-from dtrain.model.recommendation import build_dlrm, record_layout
+from dtrain.model.recommendation import build_dlrm, pooled_rows, record_layout
 from dtrain.model.tables import tables_of
 
 FEATURES = {"dense": ["I1", "I2"],
@@ -82,3 +83,24 @@ def test_a_stale_lookup_is_never_used(models):
     model.table_ids(x)
     gather(model, both, full)
     assert torch.equal(model(x), model(x.clone()))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_rows_equal_embedding_bag_in_values_and_gradients(weighted):
+    """Fails if the index_add backward misses a bag's ids (wrong bag of an index: empty bags, the
+    last bag), ignores the per-sample weights, or adds into the wrong rows."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(30, 5, generator=g, dtype=torch.float64)
+    sizes = torch.tensor([2, 0, 3, 1, 0, 4])  # empty bags inside and a non-empty last one
+    index = torch.randint(0, 30, (int(sizes.sum()),), generator=g)
+    index[:2] = 7  # an id twice in one bag: its gradient counts twice
+    offsets = torch.cumsum(sizes, 0) - sizes
+    weights = torch.rand(len(index), generator=g, dtype=torch.float64) if weighted else None
+    upstream = torch.randn(len(sizes), 5, generator=g, dtype=torch.float64)
+    ours, ref = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    out = pooled_rows(ours, index, offsets, weights)
+    expected = torch.nn.functional.embedding_bag(index, ref, offsets, mode="sum", per_sample_weights=weights)
+    torch.testing.assert_close(out, expected)
+    out.backward(upstream)
+    expected.backward(upstream)
+    torch.testing.assert_close(ours.grad, ref.grad)
