@@ -1,21 +1,29 @@
-"""Atomic checkpoints of every shard, with a manifest and a checksum.
+"""Atomic checkpoints: each ps task writes its own part, the chief commits them with a manifest.
 
 Layout under ``<run_dir>/checkpoints/``::
 
-    ckpt-00000500.pt     torch.save of {"format", "step", "shards": [...], "replicas": {...},
-                         "spec": <the pipeline as JSON data>, "pipeline_hash", "time",
-                         "layout": {"variables", "parts", "shard_numel"}}
-    ckpt-00000500.json   manifest: {"step", "file", "bytes", "sha256", "pipeline_hash"}
-    invalid/             checkpoints found corrupt, moved aside (never deleted)
+    ckpt-00000500/             one directory per checkpoint
+        shard-00000.pt         a ps task's part, written by that task (ps/part_writer.py):
+        shard-00001.pt         torch.save of {"params", "optimizer_state", "step", "tables", ...}
+    ckpt-00000500.json         manifest, written by the chief once every part is durable:
+                               {"format": 2, "step", "dir", "parts": [{"shard", "file", "bytes",
+                               "sha256"}], "spec", "pipeline_hash", "time", "layout", "replicas"}
+    invalid/                   checkpoints found corrupt, moved aside (never deleted)
 
-A checkpoint is written to a temp file, fsynced and renamed, then its manifest the same way,
-then the directory is fsynced: a crash leaves either the old set or the new one. The newest
-checkpoint whose bytes match its manifest's sha256, that loads with ``weights_only=True`` and
-whose shards agree on one step (sync) is used to resume. A newer one whose *content* is bad
-(truncated, corrupt, unloadable) is moved into ``invalid/`` with a warning; one that cannot be
-*read* (an I/O error: a file system problem that may pass) stops the resume with an error naming
-it, and so does a directory holding checkpoints none of which is valid: never a silent restart
-from step 0, and never a fall back past a checkpoint that may be fine.
+The manifest commits the checkpoint: a directory without one is a write that never finished and
+does not exist (it is removed at the next save). A part is written to a temp file, fsynced and
+renamed, its directory fsynced; the manifest the same way, then ``checkpoints/``. The newest
+checkpoint whose manifest and parts agree (every part present with its size; the sha256 of each is
+checked where the part is read: on its ps task when it restores, or here) is used to resume. A
+newer one whose *content* is bad (a missing or truncated part, a checksum mismatch, unloadable) is
+moved into ``invalid/`` with a warning; one that cannot be *read* (an I/O error: a file system
+problem that may pass) stops the resume with an error naming it, and so does a directory holding
+checkpoints none of which is valid: never a silent restart from step 0, and never a fall back past
+a checkpoint that may be fine.
+
+Checkpoints of format 1 (one file ``ckpt-<step>.pt`` written by the chief with the manifest
+``{"step", "file", "bytes", "sha256", ...}``, as dtrain wrote them before the ps tasks wrote their
+own parts) are still read, verified and restored; :func:`save` still writes one.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +42,16 @@ from typing import Any
 
 import torch
 
+from dtrain.ps.part_writer import read_part_file
 from dtrain.spec.errors import RunError
 
 from .rundir import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")  # 8 digits, more past step 99,999,999
+FORMAT = 1  # one file, written by the chief
+PARTS_FORMAT = 2  # a directory of parts, one per ps task, and the chief's manifest
+_NAME = re.compile(r"^ckpt-(\d{8,})(\.pt)?$")  # 8 digits, more past step 99,999,999; a file or a directory
 
 
 class CheckpointError(RunError):
@@ -49,9 +60,40 @@ class CheckpointError(RunError):
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A verified checkpoint: its step, its path (the directory of parts, or a format-1 file) and
+    its payload (``spec``, ``layout``, ``replicas``, ...; ``payload["shards"]``, every part loaded,
+    is read on first use: a restore onto the same placement never reads it in the chief)."""
+
     step: int
     path: Path
     payload: dict[str, Any]
+
+    @property
+    def parts(self) -> list[dict[str, Any]] | None:
+        """The manifest's parts (``shard``, ``file``, ``bytes``, ``sha256``), None for format 1."""
+        return self.payload.get("parts") if self.payload.get("format") == PARTS_FORMAT else None
+
+
+class _PartsPayload(dict):  # type: ignore[type-arg]
+    """A format-2 manifest as a payload: ``["shards"]`` loads every part (verified) on first use."""
+
+    def __init__(self, manifest: dict[str, Any], directory: Path):
+        super().__init__(manifest)
+        self._directory = directory
+
+    def __missing__(self, key: str) -> Any:
+        if key != "shards":
+            raise KeyError(key)
+        states = []
+        for part in sorted(self["parts"], key=lambda p: int(p["shard"])):
+            state = read_part_file(self._directory / part["file"], int(part["bytes"]), str(part["sha256"]))
+            state.pop("part_format", None)
+            states.append(state)
+        self["shards"] = states
+        return states
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self or key == "shards" else default
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -83,6 +125,39 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     return path
 
 
+def begin(run_dir: Path, step: int) -> Path | None:
+    """The empty directory the ps tasks write the checkpoint of ``step`` into (a leftover of an
+    unfinished write of the same step, never committed, is removed first); None when a checkpoint of
+    that step is committed already (a resumed run that stops where it resumed: the same state)."""
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        fsync_dir(directory.parent)
+    parts = directory / f"ckpt-{step:08d}"
+    if parts.with_suffix(".json").exists():
+        return None
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir()
+    fsync_dir(directory)
+    return parts
+
+
+def commit(parts_dir: Path, step: int, parts: list[dict[str, Any]], *, spec_data: dict[str, Any],
+           pipeline_hash: str, replicas: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+           keep: int = 3, keep_every_n_hours: float | None = None) -> Path:
+    """Commit the checkpoint whose ``parts`` (``shard``, ``file``, ``bytes``, ``sha256``: every ps
+    task's, durable) are in ``parts_dir``: its manifest written atomically, then retention
+    (:func:`to_delete`). Returns ``parts_dir``."""
+    manifest = {"format": PARTS_FORMAT, "step": int(step), "dir": parts_dir.name,
+                "parts": sorted(parts, key=lambda p: int(p["shard"])), "spec": spec_data,
+                "pipeline_hash": pipeline_hash, "time": time.time(), "layout": layout or {},
+                "replicas": replicas or {}}
+    atomic_write(parts_dir.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode(), sync_dir=False)
+    fsync_dir(parts_dir.parent)
+    _retain(parts_dir.parent, parts_dir, keep, keep_every_n_hours)
+    return parts_dir
+
+
 def _digest(path: Path, chunk: int = 1 << 22) -> tuple[int, str]:
     """(size, sha256 hex) of a file, read in chunks."""
     h, size = hashlib.sha256(), 0
@@ -96,8 +171,12 @@ def _digest(path: Path, chunk: int = 1 << 22) -> tuple[int, str]:
 def _step_of(path: Path) -> int:
     m = _NAME.match(path.name)
     if m is None:
-        raise ValueError(f"{path.name} is not a checkpoint name (ckpt-<8-digit step>.pt)")
+        raise ValueError(f"{path.name} is not a checkpoint name (ckpt-<8-digit step>[.pt])")
     return int(m.group(1))
+
+
+def _manifest_of(path: Path) -> Path:
+    return path.with_suffix(".json")
 
 
 def to_delete(times: list[float], keep: int, keep_every_n_hours: float | None = None) -> list[int]:
@@ -130,38 +209,55 @@ def _written_at(path: Path) -> float:
 
 
 def _retain(directory: Path, current: Path, keep: int, keep_every_n_hours: float | None = None) -> None:
-    """Keep ``current`` (just written) and the newest ``keep - 1`` older checkpoints (plus one per
+    """Keep ``current`` (just committed) and the newest ``keep - 1`` older checkpoints (plus one per
     ``keep_every_n_hours``: :func:`to_delete`). Newer ones are left alone and not counted (a resume
-    moved the invalid newer ones aside already)."""
+    moved the invalid newer ones aside already). A deleted checkpoint loses its manifest first (it
+    no longer exists), then its parts. Directories without a manifest (writes that never finished)
+    and temp files of a writer killed mid-save go too."""
     step = _step_of(current)
     older = [p for p in list_checkpoints(directory.parent) if _step_of(p) <= step]
     times = [_written_at(p) for p in older] if keep_every_n_hours else [0.0] * len(older)
     for old in (older[i] for i in to_delete(times, keep, keep_every_n_hours)):
-        for p in (old, old.with_suffix(".json")):
-            p.unlink(missing_ok=True)
-    # Temp files of a writer killed mid-save (the run directory's lock makes this run the only
-    # writer: another pid's are stale).
+        _manifest_of(old).unlink(missing_ok=True)
+        _remove(old)
+    for p in directory.iterdir():
+        if _NAME.match(p.name) and p.is_dir() and p != current and not _manifest_of(p).exists():
+            _remove(p)
+    # (the run directory's lock makes this run the only writer: another pid's temp files are stale)
     for p in directory.glob(".ckpt-*.tmp-*"):
         if f".tmp-{os.getpid()}-" not in p.name:
             p.unlink(missing_ok=True)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint files by step, oldest first."""
+    """Checkpoints by step, oldest first: the directories with a manifest, and format-1 files."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))
+             and (m.group(2) or (p.is_dir() and _manifest_of(p).exists()))]
     return [p for _, p in sorted(found)]
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """Check a checkpoint against its manifest and load it (``weights_only=True``).
+    """Check a checkpoint against its manifest; returns its payload. A directory of parts: the
+    manifest, and every part present with its size (the parts' checksums are checked where they are
+    read: ``payload["shards"]``, or each ps task's ``load_part``). A format-1 file: its size and
+    sha256, and it is loaded (``weights_only=True``).
 
-    Raises ValueError saying what is wrong with its content (missing or foreign manifest, size or
-    checksum mismatch, unloadable, shards of a sync run at different steps) and OSError when it
-    cannot be read at all.
+    Raises ValueError saying what is wrong with its content (missing or foreign manifest, a missing
+    part, size or checksum mismatch, unloadable, shards of a sync run at different steps) and
+    OSError when it cannot be read at all.
     """
+    if path.is_dir():
+        return _verify_parts(path)
     manifest_path = path.with_suffix(".json")
     if not manifest_path.exists():
         raise ValueError(f"{path.name}: no manifest {manifest_path.name} (a save cut short?)")
@@ -194,6 +290,34 @@ def verify(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path.name}: a sync checkpoint whose shards are at different steps {steps} "
                          "(inconsistent; written by an interrupted save of an older dtrain)")
     return payload
+
+
+def _verify_parts(path: Path) -> dict[str, Any]:
+    manifest_path = _manifest_of(path)
+    if not manifest_path.exists():
+        raise ValueError(f"{path.name}: no manifest {manifest_path.name} (a save cut short?)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: manifest {manifest_path.name} is not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("dir") != path.name:
+        raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this checkpoint")
+    if manifest.get("format") != PARTS_FORMAT:
+        raise ValueError(f"{path.name}: unknown checkpoint format {manifest.get('format')!r} (this dtrain reads "
+                         f"{FORMAT} and {PARTS_FORMAT})")
+    if manifest.get("step") != _step_of(path):
+        raise ValueError(f"{path.name}: holds step {manifest.get('step')!r}, not the step its name says")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise ValueError(f"{path.name}: no parts in its manifest")
+    for part in parts:
+        f = path / str(part.get("file"))
+        if not f.is_file():
+            raise ValueError(f"{path.name}: part {part.get('file')} is missing")
+        if f.stat().st_size != part.get("bytes"):
+            raise ValueError(f"{path.name}: part {f.name} has {f.stat().st_size} bytes, the manifest says "
+                             f"{part.get('bytes')} (truncated?)")
+    return _PartsPayload(manifest, path)
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
@@ -236,10 +360,10 @@ def quarantine(path: Path) -> Path:
     while target.exists():
         target = invalid / f"{path.stem}.{n}{path.suffix}"
         n += 1
+    manifest = _manifest_of(path)
+    if manifest.exists():  # (first: a checkpoint without its manifest no longer exists)
+        os.replace(manifest, target.with_suffix(".json") if path.suffix else target.with_name(target.name + ".json"))
     os.replace(path, target)
-    manifest = path.with_suffix(".json")
-    if manifest.exists():
-        os.replace(manifest, target.with_suffix(".json"))
     fsync_dir(invalid)
     fsync_dir(path.parent)
     return target

@@ -46,7 +46,9 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     if (run_dir / ".lock").exists():  # one in use says so first (a running run has checkpoints from step 0)
         with RunDirLock(run_dir):
             pass
-    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt")) if (run_dir / "checkpoints").is_dir() else []
+    from .checkpoint import list_checkpoints
+
+    ckpts = list_checkpoints(run_dir)
     if ckpts and not resume:
         raise RunDirError(f"{run_dir} already holds {len(ckpts)} checkpoint(s) (newest {ckpts[-1].name}); "
                           "pass --resume to continue from it, or choose another --run-dir")

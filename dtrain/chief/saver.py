@@ -1,22 +1,27 @@
 """The chief's checkpoint saver, with the meaning of TensorFlow's CheckpointSaverHook.
 
 :class:`Saver` decides when a checkpoint is due (``checkpoint.every_steps`` or
-``checkpoint.every_secs``), snapshots every shard at one consistent step and writes it through
-:mod:`dtrain.chief.checkpoint` (atomic files, retention). Like the CheckpointSaverHook, a fresh
-run saves once right after initialisation (the initial step), then at each interval, and once
-at the end.
+``checkpoint.every_secs``). Like the CheckpointSaverHook, a fresh run saves once right after
+initialisation (the initial step), then at each interval, and once at the end.
+
+A checkpoint is written by the ps tasks, each its own part, from a snapshot taken at one
+consistent step (:meth:`ShardGroup.write_parts`): training stalls only while the shards are held
+for the snapshot; the parts are written in the background, and the saver commits the checkpoint
+(its manifest, :func:`dtrain.chief.checkpoint.commit`) once every part is durable, polled from the
+session's loop. A checkpoint that falls due while the previous one is still being written waits
+for it (never two writers on one shard; training is held meanwhile), counted in ``summary.json``'s
+``checkpoint_waits``. The checkpoints at the start, at the end, on an interrupt and before
+failing also wait for their own to be committed, and a run that fails commits the one being
+written first.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-
-from dtrain.spec.errors import RunError
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint as ckpt_io
 from . import data_report
@@ -28,63 +33,104 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Pending:
+    """A checkpoint whose parts are being written."""
+
+    step: int
+    directory: Path
+    started: float
+    replicas: dict[str, Any] = field(default_factory=dict)
+
+
 class Saver:
-    """Checkpoint cadence and saving for one session (see the module docstring)."""
+    """Checkpoint cadence, writing and committing for one session (see the module docstring)."""
 
     def __init__(self, session: Session):
         self.session = session
-        self.last_step = 0
+        self.last_step = 0  # the step of the newest checkpoint committed (or restored)
         self.last_time = time.monotonic()
+        self._due_step = 0  # the step the cadence counts from (a skipped checkpoint's too)
         self.written: list[str] = []
+        self.pending: _Pending | None = None
+        self.waited = 0  # checkpoints that fell due while the previous one was being written
+        self.wait_s = 0.0  # and the seconds they waited for it (training held meanwhile)
+        self.stalls: list[float] = []  # seconds the shards were held, per checkpoint
+        self.write_s: list[float] = []  # seconds from the hold to the commit, per checkpoint
 
     def restored(self, step: int) -> None:
-        """The ps was restored from the checkpoint at ``step``: the next interval counts from it."""
-        self.last_step, self.last_time = step, time.monotonic()
+        """The ps was restored from the checkpoint at ``step``: the next interval counts from it,
+        and a checkpoint being written by the shards that were lost is abandoned (never committed)."""
+        self.last_step = self._due_step = step
+        self.last_time = time.monotonic()
 
-    def save(self, stop: bool = False) -> Path | None:
-        """Snapshot every shard at one consistent step and write it atomically; with ``stop``,
-        every shard stops at that step too (the interrupt path).
+    def abandon(self) -> None:
+        """The shards writing the pending checkpoint are being replaced: it is never committed (its
+        directory goes at the next commit)."""
+        if self.pending is not None:
+            logger.warning("checkpoint of step %d abandoned: its ps tasks are being replaced", self.pending.step)
+        self.pending = None
 
-        Applies pause for the snapshot: in async mode at once; in sync mode at the newest step any
-        shard has reached, once the lagging shards have applied it (they are at most one step
-        behind, and the replicas' gradients for that step are already on their way). A sync
-        snapshot whose shards still disagree, or parameters that became non-finite, are never
-        written (RunError): a checkpoint must always be safe to resume from.
-        """
+    def save(self, stop: bool = False, wait: bool = True) -> Path | None:
+        """Start a checkpoint at one consistent step (with ``stop``, every shard stops there too);
+        once the one being written (if any) is committed (counted in ``waited``). With ``wait``,
+        returns after this one is committed (its path); without (the periodic checkpoints), once its
+        parts are being written: :meth:`poll` commits it.
+
+        The shards refuse to write parameters that became non-finite, and a sync snapshot whose
+        shards disagree on the step is never written (RunError): a checkpoint is always safe to
+        resume from."""
         s = self.session
-        spec = s.spec.checkpoint
-        if spec is None:
+        if s.spec.checkpoint is None:
             return None
+        if self.pending is not None:  # never two writers on one shard: the next one waits
+            self.waited += 1
+            t_wait = time.monotonic()
+            self.finish(wait=True)
+            self.wait_s += time.monotonic() - t_wait
         t0 = time.monotonic()
-        states = s.shards.snapshot(stop=stop)
-        steps = [int(st["step"]) for st in states]
-        if s.spec.training.mode == "sync" and len(set(steps)) != 1:
-            raise RunError(f"the shards did not agree on one step for a checkpoint ({steps}); no checkpoint written")
-        for i, st in enumerate(states):
-            if not bool(torch.isfinite(st["params"]).all()):
-                raise RunError(f"the parameters of shard {i} became non-finite (NaN or inf) at step {st['step']}; "
-                               "no checkpoint written (lower optimizer.lr, check the data, or add a nan_guard hook "
-                               "to stop at the first non-finite gradient)")
-        step = steps[0]
+        step, directory = s.shards.write_parts(lambda st: ckpt_io.begin(s.run_dir, st), stop=stop)
+        if directory is None:  # a checkpoint of this step is on disk already (a resume that did not move)
+            self.last_step = self._due_step = max(self.last_step, step)
+            return ckpt_io.checkpoint_dir(s.run_dir) / f"ckpt-{step:08d}"
+        self.stalls.append(time.monotonic() - t0)
         local = {str(k): v for k, v in s.local_steps.items()}
-        path = ckpt_io.save(s.run_dir, step, states, spec_data=s.spec.model_dump(mode="json"),
-                            pipeline_hash=s.plan.pipeline_hash,
-                            replicas={"local_steps": local, **data_report.positions(s, step)},
-                            layout=checkpoint_layout(s.spec, s.plan), keep=spec.keep,
-                            keep_every_n_hours=spec.keep_every_n_hours)
-        self.last_step, self.last_time = step, time.monotonic()
+        self.pending = _Pending(step, directory, t0, {"local_steps": local, **data_report.positions(s, step)})
+        self._due_step, self.last_time = step, time.monotonic()
+        return self.finish(wait=True) if wait else None
+
+    def poll(self) -> Path | None:
+        """Commit the checkpoint being written once every part is (its path), else None."""
+        return self.finish(wait=False) if self.pending is not None else None
+
+    def finish(self, wait: bool = True) -> Path | None:
+        """Commit the checkpoint being written when its parts are (``wait``: block until they are)."""
+        s, pending = self.session, self.pending
+        if pending is None:
+            return None
+        parts = s.shards.parts_written(pending.directory, wait=wait)
+        if parts is None:
+            return None
+        self.pending = None
+        spec = s.spec.checkpoint
+        path = ckpt_io.commit(pending.directory, pending.step, parts,
+                              spec_data=s.spec.model_dump(mode="json"), pipeline_hash=s.plan.pipeline_hash,
+                              replicas=pending.replicas, layout=checkpoint_layout(s.spec, s.plan), keep=spec.keep,
+                              keep_every_n_hours=spec.keep_every_n_hours)
+        self.last_step = max(self.last_step, pending.step)
         self.written.append(path.name)
-        logger.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - t0)
+        self.write_s.append(time.monotonic() - pending.started)
+        logger.info("checkpoint %s (%.2f s; training held %.3f s)", path.name, self.write_s[-1], self.stalls[-1])
         for h in s.hooks:
-            h.on_checkpoint(step, str(path))
+            h.on_checkpoint(pending.step, str(path))
         return path
 
     def due(self) -> bool:
         spec = self.session.spec.checkpoint
         step = self.session.global_step
-        if spec is None or step == self.last_step:
+        if spec is None or step == self._due_step:
             return False
-        if spec.every_steps and step // spec.every_steps > self.last_step // spec.every_steps:
+        if spec.every_steps and step // spec.every_steps > self._due_step // spec.every_steps:
             return True
         return bool(spec.every_secs and time.monotonic() - self.last_time >= spec.every_secs)
 

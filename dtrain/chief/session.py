@@ -29,6 +29,7 @@ from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
+from dtrain.ps.part_writer import BadPartError
 from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import replica_task
@@ -230,6 +231,7 @@ class Session:
             self.shards.stop_renewing()
             with signals.deferred():
                 if status != "completed":
+                    self._commit_pending()
                     self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional
                     self._cancel()
                 for h in self.hooks:
@@ -262,9 +264,10 @@ class Session:
     def start_generation(self, checkpoint: ckpt_io.Checkpoint | None) -> None:
         """Create the ps actors (restored from ``checkpoint`` when given) and start the replicas."""
         self.write_cluster_info()
+        self.saver.abandon()  # (a checkpoint the previous generation's shards were writing)
         self.shards.create(self.init_buffers)
         if checkpoint is not None:
-            self.shards.restore(checkpoint)
+            checkpoint = self._restore(checkpoint)
             self.global_step = checkpoint.step
             self.saver.restored(checkpoint.step)
             self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
@@ -279,6 +282,37 @@ class Session:
         if self.elastic is not None:
             self.elastic.retire_free()
         self.submit_replicas()
+
+    def _commit_pending(self) -> None:
+        """A failing or interrupted run still commits the checkpoint its shards were writing (a
+        snapshot taken before the failure); a shard that is gone loses it, said in the log."""
+        if self.saver.pending is None or not self.shards.handles:
+            return
+        step = self.saver.pending.step
+        try:
+            self.saver.finish(wait=True)
+        except Exception as exc:
+            self.saver.abandon()
+            logger.warning("the checkpoint of step %d could not be committed: %s", step, exc)
+
+    def _restore(self, checkpoint: ckpt_io.Checkpoint) -> ckpt_io.Checkpoint:
+        """Restore the shards from ``checkpoint``; one whose part its ps task finds corrupt or
+        truncated (the checksums are verified where the parts are read) is moved aside like any
+        invalid checkpoint, and the next newest valid one is restored instead. Returns the one used."""
+        while True:
+            try:
+                self.shards.restore(checkpoint)
+                return checkpoint
+            except BadPartError as exc:
+                moved = ckpt_io.quarantine(checkpoint.path)
+                logger.warning("checkpoint %s is invalid (%s); moved it to %s and trying the previous one",
+                               checkpoint.path.name, exc, moved.parent)
+                previous = ckpt_io.latest(self.run_dir)
+                if previous is None:
+                    raise ckpt_io.CheckpointError(
+                        f"no valid checkpoint in {ckpt_io.checkpoint_dir(self.run_dir)} ({exc}): moved to "
+                        "checkpoints/invalid/; to start over, use another --run-dir") from None
+                checkpoint = previous
 
     def _open_sinks(self) -> None:
         if not self.resume:
@@ -352,7 +386,9 @@ class Session:
                 self.shards.request_stop()
                 raise RunError(stats["error"])
             if self.saver.due():
-                self.recovery.guarded(self.saver.save)
+                self.recovery.guarded(self.saver.save, False, False)  # (written in the background)
+            elif self.saver.pending is not None:
+                self.recovery.guarded(self.saver.poll)
             failure = self._replica_failure()
             if failure:  # a lost stage's neighbours fail before the scheduler sees its worker gone: wait
                 if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0) \
@@ -462,6 +498,8 @@ class Session:
             "samples": self.samples, "train_s": round(train_s, 3), "pipeline_hash": self.plan.pipeline_hash,
             "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
             "recovery_log": self.recovery.log, "checkpoints": self.saver.written,
+            "checkpoint_waits": self.saver.waited,
+            "checkpoint_stall_s": round(sum(self.saver.stalls) + self.saver.wait_s, 3),
         }
         if self.spec.training.replication == "between_graph":
             t = self.spec.training

@@ -18,6 +18,8 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from dtrain.plan.tables import (
     table_config,
     table_layout,
 )
+from dtrain.ps.part_writer import part_name, written_report
 from dtrain.ps.rows import pack_state
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
@@ -149,7 +152,10 @@ class ShardGroup:
         each variable and its optimizer state reassembled and placed anew). A checkpoint of other
         variables (names, shapes) or another optimizer is refused with a RunError saying what
         differs."""
-        states = _check_restorable(checkpoint, self.spec)
+        _check_restorable(checkpoint, self.spec)
+        if self._restore_parts(checkpoint):
+            return
+        states = list(checkpoint.payload["shards"])
         if checkpoint.payload.get("pipeline_hash") not in (None, self.plan.pipeline_hash):
             logger.info("%s was written by another version of this pipeline (its variables and optimizer "
                         "match; settings such as the learning rate or steps may differ)", checkpoint.path.name)
@@ -170,6 +176,24 @@ class ShardGroup:
             packed = {n: pack_state(t) for n, t in (state.get("tables") or {}).items()}  # bfloat16 rows: int16 bits
             call(shard.set_state({**state, "tables": packed} if packed else state),
                  timeout=transfer_timeout(state["params"].numel()))
+
+    def _restore_parts(self, checkpoint: Checkpoint) -> bool:
+        """A checkpoint of parts written for this very placement: each ps task reads and verifies
+        its own part (``ParameterShard.load_part``), nothing passes through the chief. False when
+        the placement differs (the caller reshards through the chief)."""
+        parts = checkpoint.parts
+        written = checkpoint.payload.get("layout") or {}
+        if parts is None or not written.get("parts") or len(parts) != len(self.handles):
+            return False
+        if not ShardLayout.from_description(written).same_as(ShardLayout.from_plan(self.plan)):
+            return False
+        if table_layout(self.plan.tables) != (written.get("tables") or []):
+            return False
+        futures = [s.load_part(str(checkpoint.path / p["file"]), int(p["bytes"]), str(p["sha256"]))
+                   for s, p in zip(self.handles, sorted(parts, key=lambda p: int(p["shard"])), strict=True)]
+        for f, shard in zip(futures, self.plan.shards, strict=True):
+            call(f, timeout=transfer_timeout(shard.numel) + 600)
+        return True
 
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""
@@ -298,6 +322,51 @@ class ShardGroup:
         finally:
             self.release()
 
+    def write_parts(self, directory_for: Callable[[int], Path | None], stop: bool = False) -> tuple[int, Path | None]:
+        """Every shard starts writing its part of a checkpoint at one consistent step (held as
+        :meth:`snapshot` holds; with ``stop``, every shard also stops there) into
+        ``directory_for(step)``, and the hold ends once each has taken its copy-on-write snapshot
+        (``ParameterShard.write_part``). Returns (the step, the directory: None, and nothing written,
+        when ``directory_for`` gives none: a checkpoint of that step exists); RunError when the shards
+        disagree on the step or one refuses (non-finite parameters, a part still being written)."""
+        try:
+            steps = self.hold_consistent()
+            if self.spec.training.mode == "sync" and len(set(steps)) != 1:
+                raise RunError(f"the shards did not agree on one step for a checkpoint ({steps}); "
+                               "no checkpoint written")
+            if stop:
+                self.request_stop()
+            directory = directory_for(steps[0])
+            if directory is None:  # (written already)
+                return steps[0], None
+            started = [call(s.write_part(str(directory), part_name(i)), timeout=transfer_timeout(shard.numel))
+                       for i, (s, shard) in enumerate(zip(self.handles, self.plan.shards, strict=True))]
+        finally:
+            self.release()
+        if errors := [r["error"] for r in started if "error" in r]:
+            raise RunError(f"{errors[0]}; no checkpoint written (lower optimizer.lr, check the data, or add a "
+                           "nan_guard hook to stop at the first non-finite gradient)" if "non-finite" in errors[0]
+                           else f"{errors[0]}; no checkpoint written")
+        return int(started[0]["started"]), directory
+
+    def parts_written(self, directory: Path, wait: bool = False, timeout: float = 3600) -> list[dict[str, Any]] | None:
+        """Each shard's part in ``directory`` (``{"shard", "file", "bytes", "sha256"}``) once all are
+        written, None while one is still being written (``wait``: block until all are). A part whose
+        report lies beside it is written, whether or not its task is still there; for the others the
+        task is asked. RunError when a shard's writer failed."""
+        out = []
+        for i, s in enumerate(self.handles):
+            done = written_report(directory / part_name(i))
+            if done is None:
+                done = call(s.part_written(wait), timeout=timeout if wait else 30)
+                if done is None:
+                    return None
+                if "error" in done:
+                    raise RunError(f"ps shard {i} could not write its part of the checkpoint of step "
+                                   f"{done.get('step')}: {done['error']}")
+            out.append({"shard": i, **{k: done[k] for k in ("file", "bytes", "sha256")}})
+        return out
+
     def stop_consistently(self) -> None:
         """A hook's stop: in sync mode every shard stops at the same step (held first, so no step
         lands on one shard but not another); async simply stops."""
@@ -367,10 +436,9 @@ class ShardGroup:
                     logger.debug("retire failed: %s", exc)
 
 
-def _check_restorable(checkpoint: Checkpoint, spec: PipelineSpec) -> list[dict[str, Any]]:
-    """The checkpoint's shard states, once its variables and optimizer are known to be this
-    pipeline's (names and shapes; the optimizer's name: its settings, e.g. the learning rate, may
-    change on a resume)."""
+def _check_restorable(checkpoint: Checkpoint, spec: PipelineSpec) -> None:
+    """RunError unless the checkpoint's variables and optimizer are this pipeline's (names and
+    shapes; the optimizer's name: its settings, e.g. the learning rate, may change on a resume)."""
     payload = checkpoint.payload
     name = checkpoint.path.name
     written_opt = ((payload.get("spec") or {}).get("optimizer") or {}).get("name")
@@ -390,7 +458,6 @@ def _check_restorable(checkpoint: Checkpoint, spec: PipelineSpec) -> list[dict[s
             raise RunError(f"{name} holds other variables than the model ({'; '.join(problems[:5])}"
                            + (f"; {len(problems) - 5} more" if len(problems) > 5 else "")
                            + "): a resume needs the same model; start over in another --run-dir")
-    return list(payload["shards"])
 
 
 def _variables(spec: PipelineSpec) -> list[tuple[str, tuple[int, ...]]]:

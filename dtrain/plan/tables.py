@@ -247,8 +247,12 @@ def reshard_table(parts: list[dict[str, Any]], num_embeddings: int, old: tuple[i
                        for o, n in zip(opt, counts, strict=True))]
     regrouped = {k: regroup([o[k] for o in opt]) for k in rowwise}
     scalars = {k: v for k, v in opt[0].items() if k not in rowwise}
-    return [{"weight": weights[i], "optimizer": {**scalars, **{k: regrouped[k][i] for k in rowwise}}}
-            for i in range(new[0])]
+    out = [{"weight": weights[i], "optimizer": {**scalars, **{k: regrouped[k][i] for k in rowwise}}}
+           for i in range(new[0])]
+    if all(p.get("fresh") is not None for p in parts):  # rows not drawn yet stay so, wherever they go
+        for o, fresh in zip(out, regroup([p["fresh"] for p in parts]), strict=True):
+            o["fresh"] = fresh
+    return out
 
 
 def merge_dynamic(parts: list[dict[str, Any]]) -> dict[str, Any]:

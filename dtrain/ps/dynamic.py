@@ -235,10 +235,20 @@ class DynamicTablePart:
                 "optimizer": {k: v[t].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()},
                 "clock": self.clock, "counters": dict(self.counters)}
 
+    def live_state(self) -> dict[str, Any]:
+        """Every slot (a free one's id is -1) with its row, optimizer state, last use and use count,
+        the live arrays themselves (no copy: a checkpoint's part, written from a copy-on-write
+        snapshot); :meth:`load_state` keeps the slots in use."""
+        return {"ids": torch.from_numpy(self.ids), "weight": self.weight, "last": torch.from_numpy(self.last),
+                "freq": torch.from_numpy(self.freq), "optimizer": self.optimizer.state_dict(), "clock": self.clock,
+                "counters": dict(self.counters)}
+
     def load_state(self, state: dict[str, Any]) -> None:
-        """Rows from a state written by any number of parts (each row kept only if it lives here)."""
+        """Rows from a state written by any number of parts (each row kept only if it lives here;
+        slots marked free, id -1, skipped)."""
         ids = state["ids"].to(torch.int64)
-        mine = home_part(ids, self.num_parts) == self.part if len(ids) else torch.zeros(0, dtype=torch.bool)
+        mine = ((ids >= 0) & (home_part(ids, self.num_parts) == self.part) if len(ids)
+                else torch.zeros(0, dtype=torch.bool))
         ids = ids[mine]
         if len(ids) > self.cap:
             raise ValueError(f"table {self.name} part {self.part}: the state holds {len(ids)} rows for this part, "

@@ -247,6 +247,15 @@ class TablePart:
             return self.chunk(0, len(self.rows))
         return {"weight": self.weight, "optimizer": self.optimizer.state_dict()}
 
+    def live_state(self) -> dict[str, Any]:
+        """The live rows (in the storage dtype), optimizer state and, for rows initialised on first
+        use, which rows are not drawn yet (``fresh``: their stored values are meaningless): no copy,
+        no row drawn (a checkpoint's part, written from a copy-on-write snapshot)."""
+        out = {"weight": self.weight, "optimizer": self.optimizer.state_dict()}
+        if self._fresh is not None:
+            out["fresh"] = self._fresh
+        return out
+
     def chunk(self, start: int, stop: int) -> dict[str, Any]:
         """Rows ``[start, stop)`` (local) and their optimizer state, copied; the step count whole."""
         state = self.optimizer.state_dict()
@@ -272,8 +281,13 @@ class TablePart:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         self.weight.copy_(state["weight"])
-        if self._fresh is not None:
-            self._fresh.zero_()  # (every row's value came with the state)
+        fresh = state.get("fresh")
+        if self._fresh is not None:  # rows the state marks as not drawn yet are drawn on first use again
+            self._fresh.copy_(fresh) if fresh is not None else self._fresh.zero_()
+        elif fresh is not None and bool(fresh.any()):
+            rows = torch.nonzero(fresh).flatten()
+            ids = rows * self.num_parts + self.part if self.strategy == "mod" else rows + self.rows.start
+            self.weight[rows] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)
         self._pending = []
 
     @property

@@ -290,7 +290,7 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     # The shards pause at every multiple of every_steps until the chief has its snapshot: exactly
     # these checkpoints, however fast the steps go by between the chief's polls (and step 0's,
     # written at creation as TF's CheckpointSaverHook does).
-    assert written == ["ckpt-00000000.pt", "ckpt-00000020.pt", "ckpt-00000040.pt", "ckpt-00000060.pt"]
+    assert written == ["ckpt-00000000", "ckpt-00000020", "ckpt-00000040", "ckpt-00000060"]
     on_disk = [p.name for p in ckpt.list_checkpoints(run_dir)]
     assert on_disk == written[-2:]  # keep: 2
     assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if p.name.startswith(".")]  # no temp files
@@ -327,7 +327,7 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     first_run = len(before.splitlines())
     assert steps[first_run:] and all(60 < st <= 100 for st in steps[first_run:])
     assert 100 in steps[first_run:]
-    assert [p.name for p in ckpt.list_checkpoints(run_dir)][-1] == "ckpt-00000100.pt"
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)][-1] == "ckpt-00000100"
     assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 60
 
 

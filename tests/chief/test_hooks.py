@@ -129,7 +129,7 @@ hooks: [{{type: nan_guard}}]
     assert "nan_guard" in summary["error"]
     # Both replicas' forward after `after` good ones is NaN: the ps refused that update.
     assert summary["global_step"] == after
-    expected = [f"ckpt-{s:08d}.pt" for s in range(0, after + 1, 15)]  # (step 0: the saver's at creation)
+    expected = [f"ckpt-{s:08d}" for s in range(0, after + 1, 15)]  # (step 0: the saver's at creation)
     assert summary["checkpoints"] == expected
     last = ckpt.latest(run_dir)
     assert last is not None and last.path.name == expected[-1]
@@ -169,7 +169,7 @@ hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls_file}
             assert calls[i - 1] == ("before_step", v)
     ckpts = [v for e, v in calls if e == "on_checkpoint"]
     assert [c[0] for c in ckpts] == [int(n[5:13]) for n in summary["checkpoints"]]
-    assert ckpts[-1][0] == 40 and ckpts[-1][1].endswith("ckpt-00000040.pt")
+    assert ckpts[-1][0] == 40 and ckpts[-1][1].endswith("ckpt-00000040")
     assert all(0 < i < len(events) - 1 for i, e in enumerate(events) if e == "on_checkpoint")
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -225,7 +225,7 @@ hooks: [{{type: "tests.helpers.errors:RaiseAt", args: {{step: 20, error: {error}
     assert summary["stop_reason"] == f"{name} from a hook: raised by RaiseAt at step {seen_raised(tmp_path)}"
     assert 20 <= summary["global_step"] < 2000 and summary["recoveries"] == 0
     # The final checkpoint (at the stop step), the final evaluation and model.pt are written.
-    assert summary["checkpoints"][-1] == f"ckpt-{summary['global_step']:08d}.pt"
+    assert summary["checkpoints"][-1] == f"ckpt-{summary['global_step']:08d}"
     assert summary["eval"]["accuracy"] > 0.3 and (run_dir / "model.pt").is_file()
 
 
@@ -285,7 +285,7 @@ hooks: [{type: nan_guard, mode: warn}]
     assert summary["status"] == "completed" and "error" not in summary
     assert summary["stop_reason"].startswith("nan_guard: replica ") and "non-finite" in summary["stop_reason"]
     assert summary["global_step"] == 40
-    assert summary["checkpoints"] == [f"ckpt-{s:08d}.pt" for s in (0, 15, 30, 40)]
+    assert summary["checkpoints"] == [f"ckpt-{s:08d}" for s in (0, 15, 30, 40)]
     assert all(torch.isfinite(sh["params"]).all() for sh in ckpt.latest(run_dir).payload["shards"])
     model = torch.load(run_dir / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values())

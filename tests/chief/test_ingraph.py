@@ -14,6 +14,7 @@ import torch
 from distributed import get_task_stream
 
 import dtrain
+from dtrain.chief import checkpoint as ckpt
 from dtrain.chief.ingraph import InGraphDriver, new_driver
 from dtrain.chief.shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
@@ -207,7 +208,7 @@ def test_in_graph_checkpoints_pause_applies_without_changing_the_result(inproc_c
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     assert result.summary["status"] == "completed" and result.summary["global_step"] == 30
     assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE
-    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path / "run")]
     assert len(names) >= 2  # (the session saves when its poll sees every_steps passed)
 
 

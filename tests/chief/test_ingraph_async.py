@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-import torch
 from distributed import get_task_stream
 
 import dtrain
+from dtrain.chief import checkpoint
 from dtrain.chief.ingraph import new_driver
 from dtrain.chief.ingraph_async import AsyncInGraphDriver
 from tests.chief.test_ingraph import shard_steps, shards_for
@@ -130,7 +130,7 @@ def test_stop_at_step_checkpoints_and_resume(inproc_client, tmp_path):
     spec = async_spec(1, 2, 40, extra="checkpoint: {every_steps: 10}\nhooks: [{type: stop_at_step, last_step: 20}]")
     first = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
     assert first.summary["status"] == "completed" and first.summary["global_step"] == 20
-    ckpt = torch.load(sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=False)
+    ckpt = checkpoint.latest(run_dir).payload
     local = {int(k): v for k, v in ckpt["replicas"]["local_steps"].items()}
     assert ckpt["step"] == 20 and sum(local.values()) == 20
     resumed = dtrain.run(async_spec(1, 2, 40), client=inproc_client, run_dir=run_dir, resume=True)

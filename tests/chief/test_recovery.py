@@ -125,7 +125,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
     wait_for_step(proc, run_dir, random.Random("resume").randint(120, 200))
     kill_pid(proc.pid)  # the client process: scheduler and nannies die with it
     proc.communicate()
-    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    ckpts = dtrain_checkpoint.list_checkpoints(run_dir)
     assert ckpts and not (run_dir / "model.pt").exists()
     # Without --resume a run directory holding checkpoints is refused: exit 2, nothing started.
     code2, out2, err2 = finish(start_run("pipelines/digits_sync.yaml", run_dir, *settings), timeout=60)
@@ -156,7 +156,7 @@ def test_signal_writes_a_checkpoint_and_exits(tmp_path, sig, code):
     assert rc == code, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
-    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    ckpts = dtrain_checkpoint.list_checkpoints(run_dir)
     assert ckpts and int(ckpts[-1].name[5:13]) >= seen
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in children if psutil.pid_exists(p)], timeout=20)
     assert not alive, "the embedded cluster's processes outlived the run"

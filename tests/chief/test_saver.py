@@ -43,8 +43,8 @@ def test_a_fresh_run_saves_its_initial_step_and_a_resume_does_not_rewrite_it(inp
     summary = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary
     assert summary["status"] == "completed"
     # TF's CheckpointSaverHook saves in after_create_session, then at the end (no interval reached).
-    assert summary["checkpoints"] == ["ckpt-00000000.pt", "ckpt-00000030.pt"]
-    first = ckpt.verify(ckpt.checkpoint_dir(run_dir) / "ckpt-00000000.pt")
+    assert summary["checkpoints"] == ["ckpt-00000000", "ckpt-00000030"]
+    first = ckpt.verify(ckpt.checkpoint_dir(run_dir) / "ckpt-00000000")
     assert {sh["step"] for sh in first["shards"]} == {0}
     # Step 0's parameters are the seeded initial ones (the model built with training.seed).
     torch.manual_seed(spec.training.seed)
@@ -57,7 +57,7 @@ def test_a_fresh_run_saves_its_initial_step_and_a_resume_does_not_rewrite_it(inp
     longer = spec.model_copy(deep=True)
     longer.training.steps = 50
     s2 = dtrain.run(longer, client=inproc_client, run_dir=run_dir, resume=True).summary
-    assert s2["start_step"] == 30 and s2["checkpoints"] == ["ckpt-00000050.pt"]
+    assert s2["start_step"] == 30 and s2["checkpoints"] == ["ckpt-00000050"]
 
 
 # ------------------------------------------------------------------------------ X5: one cadence
@@ -106,7 +106,7 @@ def test_keep_every_n_hours_in_a_run(inproc_client, run_dir):
     # What survives is what the rule keeps: the newest 2, and one per 1.8 s among the older ones.
     assert ckpt.to_delete(times, keep=2, keep_every_n_hours=0.0005) == []
     assert on_disk[-2:] == [ckpt.checkpoint_dir(run_dir) / n for n in summary["checkpoints"][-2:]]
-    assert on_disk[0].name == "ckpt-00000000.pt"  # the oldest anchors the periods
+    assert on_disk[0].name == "ckpt-00000000"  # the oldest anchors the periods
     older = times[:-2]
     assert all(b - a >= 1.8 for a, b in zip(older, older[1:], strict=False))
     assert 3 <= len(on_disk) < 13  # some older ones kept, not all
