@@ -36,6 +36,7 @@ class Saver:
         self.last_step = 0
         self.last_time = time.monotonic()
         self.written: list[str] = []
+        self.saved: list[tuple[int, float]] = []  # (step, time) of each checkpoint written: the page's marks
 
     def restored(self, step: int) -> None:
         """The ps was restored from the checkpoint at ``step``: the next interval counts from it."""
@@ -74,6 +75,7 @@ class Saver:
                             keep_every_n_hours=spec.keep_every_n_hours)
         self.last_step, self.last_time = step, time.monotonic()
         self.written.append(path.name)
+        self.saved.append((step, time.time()))
         logger.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - t0)
         for h in s.hooks:
             h.on_checkpoint(step, str(path))
