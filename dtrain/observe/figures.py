@@ -12,6 +12,7 @@ the page needs nothing from outside the cluster), and colours and titles are ``d
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from . import style
@@ -49,23 +50,37 @@ if (s >= 60) return Math.floor(s / 60) + "m" + p(s % 60) + "s";
 return s + "s";"""
 
 
+# One formatter of each kind per run's figures (run_figures): Bokeh's drawing time grows with the
+# models on the page, and one model may serve every axis of a document.
+_shared = threading.local()
+
+
+def _once(key: tuple[str, str], make: Any) -> Any:
+    made = getattr(_shared, "models", None)
+    if made is None:
+        return make()
+    if key not in made:
+        made[key] = make()
+    return made[key]
+
+
 def _tick(code: str) -> Any:
     from bokeh.models import CustomJSTickFormatter
 
-    return CustomJSTickFormatter(code="const x = tick;" + code)
+    return _once(("tick", code), lambda: CustomJSTickFormatter(code="const x = tick;" + code))
 
 
 def _hover(code: str) -> Any:
     from bokeh.models import CustomJSHover
 
-    return CustomJSHover(code="const x = value;" + code)
+    return _once(("hover", code), lambda: CustomJSHover(code="const x = value;" + code))
 
 
 def _figure(title: str, tooltips: list[tuple[str, str]] | None = None, **kwargs: Any) -> Any:
     from bokeh.plotting import figure
 
     fig = figure(title=title, height=HEIGHT, sizing_mode="stretch_width", toolbar_location="right",
-                 tools="pan,wheel_zoom,box_zoom,save,reset", **kwargs)
+                 tools="xpan,xwheel_zoom,reset", **kwargs)
     if tooltips:
         from bokeh.models import HoverTool
 
@@ -73,6 +88,7 @@ def _figure(title: str, tooltips: list[tuple[str, str]] | None = None, **kwargs:
     fig.xgrid.grid_line_color = None
     fig.title.text_font_size = "13px"
     fig.toolbar.logo = None
+    fig.toolbar.active_scroll = None  # the page scrolls over a figure; a click on the tool zooms
     return fig
 
 
@@ -258,4 +274,8 @@ def _present_figures(key: str, src: dict[str, dict[str, list]]) -> list[Any]:
 
 def run_figures(key: str, src: dict[str, dict[str, list]]) -> list[Any]:
     """A run's figures (over time first, then the present), over sources named ``<key>/<source>``."""
-    return _time_figures(key, src) + _present_figures(key, src)
+    _shared.models = {}
+    try:
+        return _time_figures(key, src) + _present_figures(key, src)
+    finally:
+        _shared.models = None

@@ -39,12 +39,17 @@ hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!
     for j in range(2):
         assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{j}"[^}}]*\}} [1-9]', text), text
         assert re.search(rf'dtrain_shard_busy_ratio\{{[^}}]*shard="{j}"', text)
-    assert re.search(r'dtrain_global_step\{run="live"\} [1-9]', text)
+    # The run's series carry its id (one per start of the pipeline) and its name.
+    step = re.search(r'^dtrain_global_step\{(.*)\} ([0-9.e+]+)$', text, re.M)
+    assert step and float(step.group(2)) >= 1, text
+    run_labels = dict(re.findall(r'(\w+)="([^"]*)"', step.group(1)))
+    assert run_labels["name"] == "live" and re.fullmatch(r"live-[0-9a-f]{8}", run_labels["run"]), run_labels
+    assert run_labels["run"] == result.summary["run_id"]
     # Distributed's own series are still there: dtrain's are added to the same endpoint.
     assert "dask_scheduler_workers" in text
     # The dashboard page answered during the run, with its plots.
     page = taken[-1]["page"]
     assert taken[-1]["page_status"] == 200
-    for title in ("Per-shard load", "Replica time breakdown", "Replica step rate"):
+    for title in ("Per-shard load", "Time per replica", "Replica step rate", "Loss", "Global steps per second"):
         assert title in page
     assert taken[-1]["js_status"] == 200  # the page's Bokeh script, served by the scheduler too
