@@ -43,6 +43,7 @@ while (v >= 1000 && i < u.length - 1) { v /= 1000; i++; }
 return (x < 0 ? "-" : "") + String(Number(v.toPrecision(3))) + u[i];"""
 _JS_DURATION = """
 if (!isFinite(x)) return "-";
+if (Math.abs(x) < 60) return String(Number(x.toFixed(1))) + "s";
 const s = Math.round(x), p = (n) => String(n).padStart(2, "0");
 if (s >= 86400) return Math.floor(s / 86400) + "d" + p(Math.floor(s % 86400 / 3600)) + "h";
 if (s >= 3600) return Math.floor(s / 3600) + "h" + p(Math.floor(s % 3600 / 60)) + "m";

@@ -200,9 +200,11 @@ def human_count(n: float | None) -> str:
 
 
 def human_duration(seconds: float | None) -> str:
-    """``3725`` -> ``1h02m``, ``200`` -> ``3m20s``, ``42.5`` -> ``42s`` (the page's time axis)."""
+    """``3725`` -> ``1h02m``, ``200`` -> ``3m20s``, ``42.44`` -> ``42.4s`` (the page's time axis)."""
     if seconds is None or not math.isfinite(seconds):
         return "-"
+    if abs(seconds) < 60:
+        return f"{round(seconds, 1):g}s"
     s = int(round(seconds))
     if s >= 86400:
         return f"{s // 86400}d{s % 86400 // 3600:02d}h"

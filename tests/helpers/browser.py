@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -51,13 +52,14 @@ class Page:
         self.profile = tempfile.mkdtemp(prefix="dtrain-chromium-")
         args = [binary, "--headless=new", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-default-apps", "--disable-extensions", "--mute-audio", "--hide-scrollbars=false",
+                "--disable-default-apps", "--disable-extensions", "--mute-audio", "--disable-breakpad",
+                "--disable-crash-reporter", "--hide-scrollbars=false",
                 f"--window-size={width},{height}", "--remote-debugging-address=127.0.0.1",
                 "--remote-debugging-port=0", f"--user-data-dir={self.profile}", "about:blank"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.requests: list[str] = []
         self.errors: list[str] = []
         self._ws: Any = None
@@ -134,10 +136,14 @@ class Page:
         return out.get("result", {}).get("value")
 
     def wait_for(self, expression: str, timeout: float, every: float = 0.25) -> Any:
-        """The first truthy value of ``expression``, evaluated every ``every`` s for up to ``timeout``."""
+        """The first truthy value of ``expression``, evaluated every ``every`` s for up to ``timeout``
+        (the last value after that; an evaluation that fails while the page reloads counts as none)."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError:
+                value = None
             if value or time.monotonic() > deadline:
                 return value
             time.sleep(every)
@@ -155,20 +161,43 @@ class Page:
         return path
 
     def close(self) -> None:
+        """Close the browser (asked over DevTools, then signalled): every process it started goes,
+        its helpers too (they share the process group it leads)."""
         if self._ws is not None:
-            self._ws.close()
+            try:
+                self._run(self._call("Browser.close", {}, 5))
+            except Exception:  # it closes the connection as it goes
+                pass
+            try:
+                self._ws.close()
+            except Exception:
+                pass
             self._ws = None
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        self._signal(signal.SIGKILL)  # a helper left behind (a crash handler, a zygote)
+        deadline = time.monotonic() + 10
+        while self._signal(0) and time.monotonic() < deadline:  # until the last of them is reaped
+            time.sleep(0.05)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         self._loop.close()
         shutil.rmtree(self.profile, ignore_errors=True)
+
+    def _signal(self, sig: int) -> bool:
+        """Signal the process group the browser leads (it started it alone); False where it is empty."""
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def __enter__(self) -> Page:
         return self

@@ -66,5 +66,5 @@ def test_human_units():
     assert human_bytes(3_000_000_000) == "2.79 GiB" and human_bytes(512) == "512 B"
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(None) == "-"
     assert human_count(1_250_000) == "1.25M" and human_count(12.5) == "12.5" and human_count(4200) == "4.2k"
-    assert human_duration(3725) == "1h02m" and human_duration(200) == "3m20s" and human_duration(42.4) == "42s"
+    assert human_duration(3725) == "1h02m" and human_duration(200) == "3m20s" and human_duration(42.44) == "42.4s"
     assert human_duration(90000) == "1d01h"

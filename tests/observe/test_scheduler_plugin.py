@@ -310,3 +310,82 @@ def test_the_page_sums_each_tables_parts_and_draws_them():
     assert table_figures(payload("r")) == {}  # no tables: no panel
     page = render_page({"r": p})
     assert "Table rows (all ps tasks)" in page and "Table rows" not in render_page({"r": payload("r")})
+
+
+# -- the page's feed and the runs' history ------------------------------------------------------
+
+def wait_for_points(client: Client, run: str, n: int, timeout: float = 5.0) -> dict:
+    """``/dtrain/data.json``'s history of ``run`` once it has ``n`` points."""
+    deadline = time.monotonic() + timeout
+    while True:
+        history = json.loads(get(client, "/dtrain/data.json")[2]).get("history", {}).get(run)
+        if history is not None and len(history["t"]) >= n:
+            return history
+        assert time.monotonic() < deadline, f"run {run!r} has no {n} points within {timeout:g} s"
+        time.sleep(0.05)
+
+
+def feed(client: Client) -> dict:
+    status, ctype, body = get(client, "/dtrain/live.json")
+    assert status == 200 and ctype.startswith("application/json")
+    return json.loads(body)
+
+
+def test_the_feed_follows_a_run_and_its_shape_holds_until_a_replica_joins(dask_client):
+    from dtrain.observe.dashboard import run_key
+
+    run = f"digits-{uuid.uuid4().hex[:8]}"
+    worker, info = next(iter(dask_client.scheduler_info()["workers"].items()))
+    t0 = time.time()
+    for i in range(3):
+        p = payload(run, step=100 * i)
+        p.update(time=t0 + 2 * i, started=t0 - 1, loss=1.0 / (i + 1), hosts={"/job:ps/task:0": worker})
+        dask_client.log_event(TOPIC, p)
+    history = wait_for_points(dask_client, run, 3)
+    assert history["t"] == [1.0, 3.0, 5.0] and history["steps_per_s"] == [None, 50.0, 50.0]
+    first = feed(dask_client)
+    key = run_key(run)
+    ts = first["sources"][f"{key}/ts"]
+    assert ts["loss"] == [1.0, 0.5, pytest.approx(1 / 3)] and ts["step"] == [0, 100, 200]
+    assert first["sources"][f"{key}/replica_ts"]["y1"] == [120.0] * 3  # replica 1's step rate over time
+    memory = first["sources"][f"{key}/memory"]  # the ps task's worker, as the scheduler knows it
+    assert memory["task"] == ["/job:ps/task:0"] and memory["used"][0] > 0
+    assert memory["limit"] == [info["memory_limit"]]
+    assert "hot shard: shard 1 &lt;ps:1&gt; busy 85%" in first["text"][f"{key}-findings"]
+    page = get(dask_client, "/dtrain")[2]
+    assert f"const shape = {json.dumps(first['shape'])}" in page  # drawn for what the feed serves
+    p = payload(run, step=300)
+    p.update(time=t0 + 6, started=t0 - 1, loss=0.2)
+    dask_client.log_event(TOPIC, p)
+    wait_for_points(dask_client, run, 4)
+    second = feed(dask_client)
+    assert second["shape"] == first["shape"]  # new figures, same page: updated in place
+    assert second["sources"][f"{key}/ts"]["loss"][-1] == 0.2
+    p = payload(run, step=400)
+    p["replicas"]["2"] = dict(p["replicas"]["1"])
+    p.update(time=t0 + 8, started=t0 - 1)
+    dask_client.log_event(TOPIC, p)
+    wait_for_points(dask_client, run, 5)
+    third = feed(dask_client)
+    assert third["shape"] != first["shape"]  # a replica joined: the page reloads for its bars
+    assert third["sources"][f"{key}/replica_ts"]["y2"] == [None] * 4 + [120.0]
+
+
+def test_two_runs_of_one_pipeline_keep_their_own_figures(dask_client):
+    from dtrain.observe.dashboard import run_key
+
+    runs = [f"digits-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    t0 = time.time() + 1000  # the newest runs on the scheduler: both drawn
+    for i, loss in ((0, 0.9), (1, 0.1)):
+        for k in range(2):
+            p = payload(runs[i], step=10 * k)
+            p.update(time=t0 + k, started=t0 + i, loss=loss)
+            dask_client.log_event(TOPIC, p)
+    for run in runs:
+        wait_for_points(dask_client, run, 2)
+    sources = feed(dask_client)["sources"]
+    assert sources[f"{run_key(runs[0])}/ts"]["loss"] == [0.9, 0.9]
+    assert sources[f"{run_key(runs[1])}/ts"]["loss"] == [0.1, 0.1]
+    page = get(dask_client, "/dtrain")[2]
+    assert page.index(f"run {runs[1]}") < page.index(f"run {runs[0]}")  # the newest run first
+    assert page.count("<h2>digits <small>") >= 2
