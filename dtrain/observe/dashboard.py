@@ -8,9 +8,10 @@ hidden legend entries stay as the viewer left them). The feed says what the figu
 (its ``shape``: the runs, their sources' columns, the bars' categories); when that changes (a new
 run, a replica joining, a first table row) the page reloads itself and gets new figures.
 
-What that costs the scheduler (docs/observability.md, "The dashboard page"): drawing the figures
-takes a fraction of a second per run, so it runs on a thread of its own, only when the shape
-changes, and covers the newest ``PLOTTED_RUNS`` runs (earlier runs get their figures in words).
+What that costs the scheduler (docs/observability.md, "The dashboard page"): drawing a run's
+figures takes a second or so, so it runs on a thread of its own, only when that run's shape
+changes (each run is a Bokeh document of its own, kept while its shape holds), and covers the
+newest ``PLOTTED_RUNS`` runs (earlier runs get their figures in words).
 The feed is built on the event loop from what the plugin holds, at most once per new payload,
 and served from a cache in between. Bokehjs comes from bokeh's own static files under
 ``STATIC_ROOT``, so the page loads nothing from outside the cluster. Every string from a payload
@@ -57,8 +58,9 @@ Run = tuple[str, dict, dict | None]  # (run id, latest payload, RunHistory.serie
 
 _executor: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-_render_lock = threading.Lock()  # guards _last_page (held while drawing: never taken on the event loop)
-_last_page: tuple[str, str] | None = None  # (the shape drawn, the page)
+_render_lock = threading.Lock()  # guards _runs_drawn (held while drawing: never taken on the event loop)
+_runs_drawn: dict[tuple[str, str], tuple[str, str, tuple[str, ...]] | None] = {}  # (run, its shape) -> drawn
+_last_page: tuple[str, str] | None = None  # (the page's shape, the page), replaced whole
 
 
 def _num(value: Any) -> float:
@@ -207,9 +209,9 @@ def _page(body: str, head: str = "", page_shape: str = "") -> str:
             f"{body}\n{script}</body>\n</html>\n")
 
 
-def render_page(runs: list[Run] | dict[str, dict]) -> str:
-    """The whole page for ``runs`` (``[(run id, payload, series)]``, or ``{run id: payload}``
-    without history), the newest run first."""
+def _draw_run(key: str, src: dict[str, dict[str, list]]) -> tuple[str, str, tuple[str, ...]] | None:
+    """One run's figures as a Bokeh document of its own: (its script, its div, the bokehjs files
+    it needs); None for a run without figures."""
     from bokeh.embed import components
     from bokeh.embed.bundle import bundle_for_objs_and_resources
     from bokeh.layouts import gridplot
@@ -217,40 +219,59 @@ def render_page(runs: list[Run] | dict[str, dict]) -> str:
 
     from .figures import run_figures
 
+    figs = run_figures(key, src)
+    if not figs:
+        return None
+    # One root per run (a grid of its plots): Bokeh recomputes the document's models on every
+    # root it adds, so a root per plot makes the drawing quadratic in the plots.
+    root = gridplot(figs, ncols=_COLUMNS, merge_tools=False, toolbar_location=None, sizing_mode="stretch_width")
+    script, div = components(root)
+    bundle = bundle_for_objs_and_resources([root], Resources(mode="server", root_url=_ROOT_URL))
+    return script, div, tuple(str(u.url) for u in bundle.js_files)
+
+
+def _drawn(run: str, key: str, src: dict[str, dict[str, list]]) -> tuple[str, str, tuple[str, ...]] | None:
+    """``_draw_run``, reused while the run's shape holds: a new run, or a replica joining one,
+    redraws that run's figures only. Holds ``_render_lock`` (the drawing thread's)."""
+    cache_key = (run, json.dumps(shape(src), sort_keys=True, default=str))
+    if cache_key not in _runs_drawn:
+        _runs_drawn[cache_key] = _draw_run(key, src)
+        while len(_runs_drawn) > 2 * PLOTTED_RUNS:
+            del _runs_drawn[next(iter(_runs_drawn))]
+    return _runs_drawn[cache_key]
+
+
+def render_page(runs: list[Run] | dict[str, dict]) -> str:
+    """The whole page for ``runs`` (``[(run id, payload, series)]``, or ``{run id: payload}``
+    without history), the newest run first."""
     if isinstance(runs, dict):
         runs = [(str(r), p, None) for r, p in runs.items()]
     plotted = _plotted(runs)
     page_shape = _shape_of(plotted)
     if not plotted:
         return _page(f"<p>{html.escape(EMPTY)}</p>", page_shape=page_shape)
-    sections: list[tuple[str, str, Any]] = []
-    for n, (run, key, payload, src) in enumerate(plotted):
-        head = f'<div id="{key}-head">{_header(run, payload)}</div>'
-        findings = f'<div id="{key}-findings">{_findings(payload)}</div>'
-        if n == PLOTTED_RUNS:
-            head = f"<h2>Earlier runs</h2>\n<p>{html.escape(EARLIER)}</p>\n" + head
-        root = None
-        if src is not None:
-            try:
-                figs = run_figures(key, src)
-                # One root per run (a grid of its plots): Bokeh recomputes the document's models on
-                # every root it adds, so a root per plot makes the drawing quadratic in the plots.
-                root = gridplot(figs, ncols=_COLUMNS, merge_tools=False, toolbar_location=None,
-                                sizing_mode="stretch_width") if figs else None
-            except Exception as exc:
-                logger.debug("dtrain dashboard: skipping run %r (%s: %s)", run, type(exc).__name__, exc)
-                findings += f"<p>{html.escape(f'malformed telemetry: {exc}')}</p>"
-        sections.append((head, findings, root))
-    drawn = [r for _, _, r in sections if r is not None]
-    if not drawn:
-        return _page("\n".join(h + "\n" + f for h, f, _ in sections), page_shape=page_shape)
-    script, divs = components(drawn)
-    bundle = bundle_for_objs_and_resources(drawn, Resources(mode="server", root_url=_ROOT_URL))
-    head = "".join(f'<script src="{html.escape(str(u.url))}"></script>\n' for u in bundle.js_files) + script + "\n"
-    body, placed = [], iter(divs)
-    for header, findings, root in sections:
-        body.append(header + "\n" + findings + "\n" + (next(placed) if root is not None else ""))
-    return _page("\n".join(body), head, page_shape)
+    body, scripts, files = [], [], []
+    with _render_lock:
+        for n, (run, key, payload, src) in enumerate(plotted):
+            head = f'<div id="{key}-head">{_header(run, payload)}</div>'
+            findings = f'<div id="{key}-findings">{_findings(payload)}</div>'
+            if n == PLOTTED_RUNS:
+                head = f"<h2>Earlier runs</h2>\n<p>{html.escape(EARLIER)}</p>\n" + head
+            div = ""
+            if src is not None:
+                try:
+                    drawn = _drawn(run, key, src)
+                except Exception as exc:  # one run's malformed payload never blanks the others
+                    logger.debug("dtrain dashboard: skipping run %r (%s: %s)", run, type(exc).__name__, exc)
+                    findings += f"<p>{html.escape(f'malformed telemetry: {exc}')}</p>"
+                    drawn = None
+                if drawn is not None:
+                    script, div, needs = drawn
+                    scripts.append(script)
+                    files += [f for f in needs if f not in files]
+            body.append(f"{head}\n{findings}\n{div}")
+    head = "".join(f'<script src="{html.escape(u)}"></script>\n' for u in files) + "\n".join(scripts) + "\n"
+    return _page("\n".join(body), head if scripts else "", page_shape)
 
 
 def _render_cached(runs: list[Run]) -> str:
@@ -258,12 +279,12 @@ def _render_cached(runs: list[Run]) -> str:
     newest columns at once)."""
     global _last_page
     page_shape = _shape_of(_plotted(runs))
-    with _render_lock:
-        if _last_page is not None and _last_page[0] == page_shape:
-            return _last_page[1]
-        page = render_page(runs)
-        _last_page = (page_shape, page)
-        return page
+    last = _last_page
+    if last is not None and last[0] == page_shape:
+        return last[1]
+    page = render_page(runs)
+    _last_page = (page_shape, page)
+    return page
 
 
 def _pool() -> ThreadPoolExecutor:

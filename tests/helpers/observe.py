@@ -80,7 +80,7 @@ PAGE_STATE = """(() => {
     const r = v.el.getBoundingClientRect();
     figures.push({title: v.model.title.text, left: r.left, right: r.right, width: r.width, height: r.height});
   }
-  const ts = Bokeh.documents[0].get_model_by_name("%(key)s/ts");
+  const ts = Bokeh.documents.map((d) => d.get_model_by_name("%(key)s/ts")).find((m) => m) || null;
   const loss = ts ? Array.from(ts.data.loss).filter((v) => Number.isFinite(v)) : [];
   const findings = document.getElementById("%(key)s-findings");
   const root = document.documentElement;
@@ -143,6 +143,11 @@ class PageCheckHook(Hook):
                 state = page.wait_for(ready, timeout=max(deadline - time.monotonic(), 10.0))
                 out["state"] = state or page.evaluate(expr)
                 out["page_s"] = time.monotonic() - t0 - out["data_s"]
+                if state:  # the page's feed adds the run's new points to the figures, with no reload
+                    page.evaluate("window.dtrainUnreloaded = true")
+                    grown = f"(() => {{ const s = {expr}; return s && s.loss.length > {len(state['loss'])}; }})()"
+                    out["fed_in_place"] = bool(page.wait_for(grown, timeout=10.0)) \
+                        and page.evaluate("window.dtrainUnreloaded === true")
                 page.screenshot(self.shot)
                 out["requests"], out["errors"] = page.requests, page.errors
         except BaseException as exc:  # the test reads it from the file

@@ -51,15 +51,15 @@ def test_a_replica_seen_late_is_padded_and_the_final_payload_is_not_a_point():
 
 def test_a_run_of_days_stays_bounded_and_keeps_its_start():
     h = RunHistory(max_points=100)
-    n = 3 * 86400 // 2  # three days of a payload every two seconds
+    n = 3 * 86400 // 10  # three days of a payload every ten seconds
     for i in range(n):
-        h.add({"time": T0 + 2 * i, "step": i, "loss": 1.0})
+        h.add({"time": T0 + 10 * i, "step": i, "loss": 1.0})
     s = h.series()
     assert 50 <= len(s["t"]) <= 100
-    assert s["t"][0] == 0.0 and s["t"][-1] == 2 * (n - 1)  # the start still in view, the newest point exact
+    assert s["t"][0] == 0.0 and s["t"][-1] == 10 * (n - 1)  # the start still in view, the newest point exact
     assert s["t"] == sorted(s["t"]) and all(v == 1.0 for v in s["loss"])
     gaps = [b - a for a, b in zip(s["t"], s["t"][1:], strict=False)]
-    assert gaps[-1] == 2.0 and gaps[0] > 100  # recent minutes at full resolution, the start coarser
+    assert gaps[-1] == 10.0 and gaps[0] > 1000  # recent minutes at full resolution, the start coarser
 
 
 def test_human_units():

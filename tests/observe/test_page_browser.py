@@ -79,6 +79,7 @@ hooks: [{{type: "tests.helpers.observe:PageCheckHook", args: {{path: {str(seen)!
     outside = [u for u in out["requests"]
                if not u.startswith("data:") and urlsplit(u).netloc != dashboard.netloc]
     assert not outside, outside
-    assert any(urlsplit(u).path == "/dtrain/live.json" for u in out["requests"])  # fed in place
+    assert any(urlsplit(u).path == "/dtrain/live.json" for u in out["requests"])
+    assert out["fed_in_place"]  # the loss grew on the open page, without a reload
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">I", png[16:20])[0] == 1280
