@@ -80,10 +80,16 @@ class RunHistory:
 
     def add(self, payload: dict[str, Any], memory: dict[str, tuple[float | None, float | None]] | None = None) -> bool:
         """Add one interval's ``payload``, and ``memory`` (``{task: (bytes in use, limit)}``, a
-        limit of None or 0 meaning none); False, adding nothing, for a payload without a time or
-        for the run's final one (its rates are over the whole run, not an interval)."""
+        limit of None or 0 meaning none); False, adding no point, for a payload without a time or
+        for the run's final one (its rates are over the whole run, not an interval: only its
+        checkpoints, recoveries and evaluation are taken)."""
         now = _finite(payload.get("time"))
-        if now is None or payload.get("final"):
+        if now is None:
+            return False
+        if payload.get("final"):
+            if self.t0 is not None:
+                self._marks(payload)
+                self.version += 1
             return False
         if self.t0 is None:
             started = _finite(payload.get("started"))

@@ -52,6 +52,11 @@ class ScrapeHook(Hook):
                                  "page": page, "js_status": js_status})
             self.path.write_text(json.dumps(self.scrapes[-3:]))
 
+    def end(self, session: Any) -> None:
+        """The scheduler's figures of the run as the run ends (``path`` with ``.data.json``)."""
+        if self.base is not None:
+            self.path.with_suffix(".data.json").write_text(fetch(self.base + "/dtrain/data.json")[1])
+
 
 def slow_frame(parts: int = 10, rows: int = 64, delay_s: float = 0.1, seed: int = 0) -> Any:
     """A Dask DataFrame (4 features, a 2-class label) whose every partition takes ``delay_s`` to

@@ -43,7 +43,8 @@ def test_a_replica_seen_late_is_padded_and_the_final_payload_is_not_a_point():
     p["replicas"]["2"] = {"steps_per_s": 12.0}
     h.add(p)
     assert h.series()["groups"]["replica"]["2"] == [None, 12.0]
-    assert not h.add({**payload(2), "final": True}) and len(h) == 2
+    assert not h.add({**payload(2), "final": True, "checkpoints": [[200, T0 + 4]]}) and len(h) == 2
+    assert h.series()["marks"]["checkpoint"] == [{"t": 5.0, "step": 200.0}]  # the last checkpoint, marked
     assert not h.add({"step": 5}) and not h.add(payload(0))  # no time; older than the last point
     assert h.add({"time": T0 + 100, "step": "x", "replicas": "junk", "shards": {"0": None}})
     assert h.series()["steps_per_s"][-1] is None

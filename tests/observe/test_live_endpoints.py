@@ -22,6 +22,8 @@ data: {{source: sklearn:digits, batch_size: 32}}
 optimizer: {{name: sgd, lr: 0.05}}
 training: {{mode: async, steps: 1200}}
 summary: {{every_steps: 20, tensorboard: false}}
+checkpoint: {{every_steps: 400, keep: 2}}
+eval: {{every_steps: 400}}
 observe: {{interval_s: 0.2}}
 hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!r}}}}}]
 """)
@@ -53,3 +55,12 @@ hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!
     for title in ("Per-shard load", "Time per replica", "Replica step rate", "Loss", "Global steps per second"):
         assert title in page
     assert taken[-1]["js_status"] == 200  # the page's Bokeh script, served by the scheduler too
+    # The run's figures over time, as the scheduler holds them when the run ends: its points, the
+    # checkpoints and the evaluation on its time axis.
+    history = json.loads(scrapes.with_suffix(".data.json").read_text())["history"][result.summary["run_id"]]
+    assert len(history["t"]) >= 3 and history["t"] == sorted(history["t"])
+    assert sum(v is not None for v in history["loss"]) >= 2 and set(history["groups"]["replica"]) == {"0", "1"}
+    assert any(v for v in history["samples_per_s"]) and any(v for v in history["steps_per_s"])
+    assert {m.rsplit("/", 1)[0] for m in history["groups"]["memory"]} == {"/job:ps", "/job:worker"}  # every task
+    assert {0, 400} <= {m["step"] for m in history["marks"]["checkpoint"]}, history["marks"]
+    assert [e["step"] for e in history["evals"]][:1] == [400] and history["evals"][0]["loss"] > 0
