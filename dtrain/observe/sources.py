@@ -118,7 +118,7 @@ def _lines(t: list[float], members: dict[str, list[float | None]], label: str) -
     if len(members) <= MAX_LINES:
         for i, col in enumerate(members.values()):
             out[f"y{i}"] = col
-        out["names"] = [f"{label} {key}" for key in members]
+        out["names"] = [f"{label} {key}".strip() for key in members]
         return out
     keys = list(members)
     low, mid, high, low_who, high_who = [], [], [], [], []
