@@ -8,7 +8,7 @@ STAMP := $(VENV)/.dtrain-installed
 PIPELINE ?= pipelines/digits_async.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint bench bench-rec-env bench-rec clean
+.PHONY: venv chromium run test lint bench bench-dashboard bench-rec-env bench-rec clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 run: $(STAMP)
 	$(VENV)/bin/dtrain run $(PIPELINE)
 
-test: $(STAMP)
+# The browser test (tests/observe/test_page_browser.py, marker `browser`) opens the dashboard page
+# in Debian's chromium: installed here where it is missing and this user may (root, apt-get);
+# elsewhere the test skips and says how to install it (CI sets DTRAIN_REQUIRE_BROWSER=1: it fails).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		else echo "no chromium: the browser test skips (apt-get install -y chromium)"; fi; }
+
+test: $(STAMP) chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -34,6 +43,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
+
+bench-dashboard: $(STAMP) chromium
+	$(PY) benchmarks/dashboard_cost.py
 
 # The recommendation benchmark's peers (TorchRec on CPU) in their own environment, never dtrain's:
 # benchmarks/rec/requirements-peers*.txt say which versions and why torchrec goes in with --no-deps.

@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dtrain.observe.style import ACCURACY, EVAL_LOSS, TRAIN_LOSS
+
 from . import report_panels
 from .report_panels import _number
 
@@ -145,15 +147,16 @@ def _final_line(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any
 def _draw_curves(fig: Any, train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]],
                  acc: list[tuple[int, float | None]]) -> None:
     """Training loss (and eval loss) vs step, and eval accuracy vs step when there is one, on ``fig``
-    (a Figure or SubFigure)."""
-    axes = fig.subplots(1, 2 if acc else 1, squeeze=False)[0]
+    (a Figure or SubFigure). The panels share the step axis: a run evaluated once shows that
+    evaluation where it falls in the run, not alone on an axis of its own."""
+    axes = fig.subplots(1, 2 if acc else 1, squeeze=False, sharex=True)[0]
     ax = axes[0]
     loss = [(s, _number(r.get("loss"))) for s, r in train.items() if _number(r.get("loss")) is not None]
     if loss:
-        ax.plot([s for s, _ in loss], [v for _, v in loss], label="training loss", color="tab:blue")
+        ax.plot([s for s, _ in loss], [v for _, v in loss], label="training loss", color=TRAIN_LOSS)
     ev_loss = [(s, _number(e.get("loss"))) for s, e in evals.items() if _number(e.get("loss")) is not None]
     if ev_loss:
-        ax.plot([s for s, _ in ev_loss], [v for _, v in ev_loss], "o--", label="eval loss", color="tab:orange")
+        ax.plot([s for s, _ in ev_loss], [v for _, v in ev_loss], "o--", label="eval loss", color=EVAL_LOSS)
     ax.set_xlabel("global step")
     ax.set_ylabel("loss")
     ax.set_title("loss")
@@ -164,7 +167,7 @@ def _draw_curves(fig: Any, train: dict[int, dict[str, Any]], evals: dict[int, di
         ax.text(0.5, 0.5, "no loss recorded", ha="center", va="center", transform=ax.transAxes)
     if acc:
         ax2 = axes[1]
-        ax2.plot([s for s, _ in acc], [v for _, v in acc], "o-", color="tab:green", label="eval accuracy")
+        ax2.plot([s for s, _ in acc], [v for _, v in acc], "o-", color=ACCURACY, label="eval accuracy")
         ax2.set_xlabel("global step")
         ax2.set_ylabel("accuracy")
         ax2.set_title("eval accuracy")

@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-TIME_PER_REPLICA = "Time per replica"
-SHARD_LOAD = "Per-shard load"
-STALENESS = "Staleness"
+from dtrain.observe.style import BUSY, BYTES, PHASE_COLORS, SHARD_LOAD, STALE, STALENESS, TIME_PER_REPLICA
+
 PHASES = ("compute", "data", "ps")
-PHASE_COLORS = {"compute": "tab:blue", "data": "tab:orange", "ps": "tab:red"}
 PANEL_WIDTH = 4.3  # inches per panel in the telemetry row
 Row = tuple[str, dict[str, Any]]
 
@@ -181,14 +179,14 @@ def _draw_shards(ax: Any, summary: dict[str, Any] | None) -> None:
     if has_busy:
         offset = [i - width / 2 for i in x] if has_mb else x
         heights = [100 * (b or 0.0) for b in busy]
-        handles.append(ax.bar(offset, heights, width, color="tab:purple", label="busy %"))
+        handles.append(ax.bar(offset, heights, width, color=BUSY, label="busy %"))
         ax.set_ylabel("busy %")
         ax.set_ylim(0, 1.25 * max(100.0, *heights))  # headroom for the legend
     if has_mb:
         top = ax.twinx() if has_busy else ax
         offset = [i + width / 2 for i in x] if has_busy else x
         heights = [m or 0.0 for m in mb]
-        handles.append(top.bar(offset, heights, width, color="tab:gray", label="MB in + out"))
+        handles.append(top.bar(offset, heights, width, color=BYTES, label="MB in + out"))
         top.set_ylabel("MB in + out")
         top.set_ylim(0, 1.25 * max(heights) or 1.0)
     ax.set_xticks(x, labels=labels, rotation=90 if len(labels) > 16 else 0,
@@ -201,7 +199,7 @@ def _draw_staleness(ax: Any, summary: dict[str, Any] | None) -> None:
     found = staleness(summary)
     assert found is not None  # panels() listed it
     labels, counts, mean, worst = found
-    ax.bar(range(len(labels)), counts, 0.8, color="tab:green")
+    ax.bar(range(len(labels)), counts, 0.8, color=STALE)
     ax.set_xticks(range(len(labels)), labels=labels, fontsize="small")
     ax.set_xlabel("global steps between pull and apply")
     ax.set_ylabel("pushes")

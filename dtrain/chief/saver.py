@@ -57,6 +57,7 @@ class Saver:
         self.wait_s = 0.0  # and the seconds they waited for it (training held meanwhile)
         self.stalls: list[float] = []  # seconds the shards were held, per checkpoint
         self.write_s: list[float] = []  # seconds from the hold to the commit, per checkpoint
+        self.saved: list[tuple[int, float]] = []  # (step, time) of each checkpoint written: the page's marks
 
     def restored(self, step: int) -> None:
         """The ps was restored from the checkpoint at ``step``: the next interval counts from it,
@@ -119,6 +120,7 @@ class Saver:
                               keep_every_n_hours=spec.keep_every_n_hours)
         self.last_step = max(self.last_step, pending.step)
         self.written.append(path.name)
+        self.saved.append((pending.step, time.time()))
         self.write_s.append(time.monotonic() - pending.started)
         logger.info("checkpoint %s (%.2f s; training held %.3f s)", path.name, self.write_s[-1], self.stalls[-1])
         for h in s.hooks:

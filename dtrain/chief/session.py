@@ -104,6 +104,12 @@ class Session:
         return self.shards.generation
 
     @property
+    def run_id(self) -> str:
+        """This run's id (``<name>-<token>``, one per start or resume): the scheduler's page, its
+        Prometheus series and the replicas' reports tell runs apart by it, never by name alone."""
+        return f"{self.spec.name}-{self.token}"
+
+    @property
     def recoveries(self) -> int:
         return self.recovery.count
 
@@ -132,7 +138,8 @@ class Session:
                 continue
             self.replica_futures[r.index] = self.client.submit(
                 replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
-                self.shards.data_plane, self._local_rank(r.index), attempt=self._submits, workers=[addr],
+                self.shards.data_plane, self._local_rank(r.index), attempt=self._submits, run_id=self.run_id,
+                workers=[addr],
                 allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
 
@@ -490,7 +497,7 @@ class Session:
         # an interrupt) holds the ps's own, newer step: a summary never names a step older than it.
         step = max(self.global_step, self.saver.last_step or 0)
         summary = {
-            "name": self.spec.name, "status": status, "global_step": step,
+            "name": self.spec.name, "run_id": self.run_id, "status": status, "global_step": step,
             "final_loss": last_loss, "eval": final_eval or None, "wall_s": round(wall_s, 3),
             "samples_per_sec": (self.samples / train_s) if train_s > 0 else None,
             "mode": self.spec.training.mode, "replication": self.spec.training.replication,

@@ -25,6 +25,7 @@ from dtrain.worker.tasks import REPLICA_TOPIC
 logger = logging.getLogger(__name__)
 
 COUNTERS = tuple(replica_counters.COUNTERS)
+MARKS = 32  # checkpoints and recoveries per payload (the newest; the scheduler keeps what it has seen)
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -70,6 +71,8 @@ class Telemetry:
         self.spec = session.spec
         self.observe = self.spec.observe
         self.client = session.conn.client
+        self.run_id = session.run_id  # the page, /metrics and the replicas' reports key the run by it, not by name
+        self.started = time.time()
         self.lock = threading.Lock()
         self.latest: dict[int, dict[str, Any]] = {}  # replica -> counters (earlier attempts added in)
         self._attempt: dict[int, tuple[int, str]] = {}
@@ -89,7 +92,7 @@ class Telemetry:
     # ------------------------------------------------------------------ replicas' reports
     def _on_event(self, event: Any) -> None:
         msg = event[1] if isinstance(event, tuple) and len(event) == 2 else event
-        if not isinstance(msg, dict) or msg.get("run") != self.spec.name or not isinstance(msg.get("replica"), int):
+        if not isinstance(msg, dict) or msg.get("run") != self.run_id or not isinstance(msg.get("replica"), int):
             return
         i = msg["replica"]
         who = (int(msg.get("attempt", 0)), str(msg.get("worker", "")))
@@ -115,7 +118,7 @@ class Telemetry:
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.observe.interval_s
 
-    def record(self, step: int, loss: float | None) -> dict[str, Any]:
+    def record(self, step: int, loss: float | None, samples_per_s: float | None = None) -> dict[str, Any]:
         """This interval's figures (``replicas``, ``shards``) for a training record; also checks
         for new findings and hands the figures to the scheduler."""
         self._last = time.monotonic()
@@ -136,9 +139,28 @@ class Telemetry:
             if key not in self._seen:
                 self._seen.add(key)
                 logger.warning("%s", line)
-        self._publish({"run": self.spec.name, "time": time.time(), "step": step, "steps": self.spec.training.steps,
-                       "loss": loss, "replicas": replicas, "shards": shards, "diagnosis": findings})
+        self._publish({**self._run(), "step": step, "loss": loss, "samples_per_s": samples_per_s,
+                       "replicas": replicas, "shards": shards, "diagnosis": findings, **self._marks()})
         return {"replicas": replicas, "shards": shards}
+
+    def _run(self) -> dict[str, Any]:
+        """What every payload says of the run: its id and name, when it started and now, its steps,
+        and the worker address of each of its tasks (the scheduler adds their memory)."""
+        tasks = {s.task for s in self.session.plan.shards} | {r.task for r in self.session.plan.replicas}
+        hosts = {t: a for t, a in self.session.conn.tasks.items() if t in tasks}
+        return {"run": self.run_id, "name": self.spec.name, "started": self.started, "time": time.time(),
+                "steps": self.spec.training.steps, "hosts": hosts}
+
+    def _marks(self) -> dict[str, Any]:
+        """The newest checkpoints, recoveries (``[step, time]`` each) and evaluation, for the page's
+        time axis (the scheduler keeps each once)."""
+        s = self.session
+        out: dict[str, Any] = {"checkpoints": [list(c) for c in s.saver.saved[-MARKS:]],
+                               "recoveries": [[r["step"], r["time"]] for r in s.recovery.log[-MARKS:]]}
+        if s.eval_history:
+            ev = s.eval_history[-1]
+            out["eval"] = {k: ev[k] for k in ("step", "loss", "accuracy", "time") if k in ev}
+        return out
 
     def _diagnose(self, replicas: dict[str, Any], shards: dict[str, Any]) -> list[str]:
         return diagnose(replicas, shards, self.observe, self.spec.training.mode == "async",
@@ -168,9 +190,8 @@ class Telemetry:
         shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, None),
                            "variables": self._variables(j)} for j, c in sorted(self.shards.items())}
         diagnosis = self._diagnose(replicas, shards)
-        self._publish({"run": self.spec.name, "time": time.time(), "step": self.session.global_step,
-                       "steps": self.spec.training.steps, "loss": None, "replicas": replicas, "shards": shards,
-                       "diagnosis": diagnosis})
+        self._publish({**self._run(), "final": True, "step": self.session.global_step, "loss": None,
+                       "replicas": replicas, "shards": shards, "diagnosis": diagnosis, **self._marks()})
         return {"replicas_stats": replicas, "shards_stats": shards, "diagnosis": diagnosis}
 
     def close(self) -> None:
@@ -199,7 +220,7 @@ def attach(session: Any, metrics: dict[str, Any], step: int) -> None:
     """Add this interval's figures to a training record when one is due."""
     t = getattr(session, "telemetry", None)
     if t is not None and t.due():
-        figures = t.record(step, metrics.get("loss"))
+        figures = t.record(step, metrics.get("loss"), metrics.get("samples_per_sec"))
         metrics["replica_stats"], metrics["shard_stats"] = figures["replicas"], figures["shards"]
 
 

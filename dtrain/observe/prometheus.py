@@ -26,7 +26,7 @@ from .meters import figure as _num
 
 logger = logging.getLogger(__name__)
 
-RUN = ("run",)
+RUN = ("run", "name")  # the run's id (one per start or resume of a pipeline) and the pipeline's name
 REPLICA = ("run", "job", "task", "replica")
 SHARD = ("run", "job", "task", "shard")
 
@@ -109,11 +109,13 @@ def _histogram(stale: Any) -> tuple[list[tuple[str, float]], float | None] | Non
 
 def _run_samples(run: str, payload: dict) -> list[_Sample]:
     out: list[_Sample] = []
+    name = payload.get("name")
+    labels = (run, name if isinstance(name, str) else "")
     for key, series in (("step", "dtrain_global_step"), ("loss", "dtrain_loss")):
         if (v := _num(payload.get(key))) is not None:
-            out.append((series, (run,), v))
+            out.append((series, labels, v))
     if isinstance(payload.get("diagnosis"), (list, tuple)):
-        out.append(("dtrain_findings", (run,), float(len(payload["diagnosis"]))))
+        out.append(("dtrain_findings", labels, float(len(payload["diagnosis"]))))
     return out
 
 

@@ -1,15 +1,19 @@
-"""dtrain's scheduler plugin: the run's latest telemetry, served beside Dask's dashboard.
+"""dtrain's scheduler plugin: the runs' telemetry, served beside Dask's dashboard.
 
 The chief logs each interval's figures as an event on ``TOPIC`` (``client.log_event``); Dask's
 event broker hands every event to every scheduler plugin's ``log_event``, so ``TelemetryPlugin``
-keeps the latest payload per run without a subscription or a handler of its own on the comm. It
+keeps the latest payload per run, and the run's figures over time (dtrain/observe/history.py,
+with the memory of the workers its tasks run on, which the scheduler knows from their
+heartbeats), without a subscription or a handler of its own on the comm. Runs are keyed by their
+id (``<name>-<token>``, one per start of a pipeline), so two runs of one pipeline never mix. It
 serves them where an operator already looks (docs/observability.md):
 
 - as ``dtrain_*`` series on the scheduler's own ``/metrics`` (one collector in
   ``prometheus_client.REGISTRY``, registered once per process, reading every live plugin);
 - as a ``/dtrain`` page on the dashboard (dtrain/observe/dashboard.py), with bokehjs served from
-  bokeh's own static files under ``/dtrain/static/`` so the page needs no CDN;
-- as JSON on ``/dtrain/data.json``.
+  bokeh's own static files under ``/dtrain/static/`` so the page needs no CDN, and its feed
+  ``/dtrain/live.json``;
+- as JSON on ``/dtrain/data.json`` (every run's latest payload, and its history under ``history``).
 
 The chief registers the plugin on connecting (``dtrain.deploy.plugin.register``); the scheduler
 unpickles it, so dtrain must be importable there. Where it is not, the run goes on without the
@@ -33,6 +37,8 @@ from urllib.parse import urlsplit, urlunsplit
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
+from .history import RunHistory
+
 logger = logging.getLogger(__name__)
 
 TOPIC = "dtrain-telemetry"
@@ -53,7 +59,9 @@ class TelemetryPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self._payloads: dict[str, dict] = {}
+        self._histories: dict[str, RunHistory] = {}
         self._scheduler: Any = None
+        self.version = 0  # bumped by every payload taken: the page's feed is rebuilt only then
 
     async def start(self, scheduler: Any) -> None:
         self._scheduler = scheduler
@@ -79,10 +87,44 @@ class TelemetryPlugin(SchedulerPlugin):
         while len(payloads) > MAX_RUNS:
             del payloads[next(iter(payloads))]
         self._payloads = payloads
+        history = self._histories.get(run)
+        if history is None:
+            history = self._histories[run] = RunHistory()
+        for gone in self._histories.keys() - payloads.keys():
+            del self._histories[gone]
+        try:
+            history.add(msg, _memory(self._scheduler, msg.get("hosts")))
+        except Exception as exc:  # a malformed payload costs its point, never the event broker
+            logger.debug("dtrain telemetry: run %r: no history point (%s: %s)", run, type(exc).__name__, exc)
+        self.version += 1
 
     def payloads(self) -> dict[str, dict]:
         """``{run: latest payload}``, the longest silent run first."""
         return self._payloads
+
+    def runs(self) -> list[tuple[str, dict, dict | None]]:
+        """``[(run, latest payload, its history's series)]``: what the page draws. Called on the
+        scheduler's event loop, where ``log_event`` runs, so a history is never read mid-update."""
+        return [(run, payload, h.series() if (h := self._histories.get(run)) is not None and len(h) else None)
+                for run, payload in self._payloads.items()]
+
+
+def _memory(scheduler: Any, hosts: Any) -> dict[str, tuple[float | None, float | None]]:
+    """``{task: (bytes in use, memory limit)}`` of the workers a run's tasks are on, as the
+    scheduler last heard from them (the process's RSS, and ``memory_limit``, 0 for none)."""
+    workers = getattr(scheduler, "workers", None)
+    if not isinstance(hosts, dict) or not workers:
+        return {}
+    out: dict[str, tuple[float | None, float | None]] = {}
+    for task, address in hosts.items():
+        ws = workers.get(address) if isinstance(address, str) else None
+        if ws is None:
+            continue
+        try:
+            out[str(task)] = (float(ws.memory.process), float(ws.memory_limit or 0))
+        except Exception:  # a worker that has not sent a heartbeat yet
+            continue
+    return out
 
 
 def _installed(plugin: TelemetryPlugin) -> bool:
@@ -110,10 +152,26 @@ def _time(payload: Any) -> float:
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else -math.inf
 
 
+def _plugin_of(scheduler: Any) -> TelemetryPlugin | None:
+    plugins = [p for p in list(getattr(scheduler, "plugins", {}).values()) if isinstance(p, TelemetryPlugin)]
+    return plugins[0] if plugins else None
+
+
 def _payloads_of(scheduler: Any) -> dict[str, dict]:
     """The runs this scheduler's plugin holds (none where the plugin is gone)."""
-    plugins = [p for p in list(getattr(scheduler, "plugins", {}).values()) if isinstance(p, TelemetryPlugin)]
-    return plugins[0].payloads() if plugins else {}
+    plugin = _plugin_of(scheduler)
+    return plugin.payloads() if plugin is not None else {}
+
+
+def _runs_of(scheduler: Any) -> list[tuple[str, dict, dict | None]]:
+    plugin = _plugin_of(scheduler) if scheduler is not None else None
+    return plugin.runs() if plugin is not None else []
+
+
+def _version_of(scheduler: Any) -> tuple[int, int]:
+    """Changes with every payload, and with the plugin itself (re-registered: its runs start over)."""
+    plugin = _plugin_of(scheduler) if scheduler is not None else None
+    return (id(plugin), plugin.version) if plugin is not None else (0, 0)
 
 
 def _register_collector() -> None:
@@ -144,16 +202,16 @@ def _jsonable(value: Any) -> Any:
 
 
 class DataHandler(web.RequestHandler):
-    """``/dtrain/data.json``: ``{"runs": {run: payload}}``."""
+    """``/dtrain/data.json``: ``{"runs": {run: payload}, "history": {run: series}}``."""
 
     def initialize(self, scheduler: weakref.ref) -> None:
         self._scheduler = scheduler
 
     def get(self) -> None:
-        scheduler = self._scheduler()
-        runs = _payloads_of(scheduler) if scheduler is not None else {}
+        runs = _runs_of(self._scheduler())
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"runs": _jsonable(runs)}, default=str))
+        self.write(json.dumps({"runs": _jsonable({r: p for r, p, _ in runs}),
+                               "history": _jsonable({r: s for r, _, s in runs if s is not None})}, default=str))
 
 
 def _add_routes(scheduler: Any) -> None:
@@ -168,11 +226,13 @@ def _add_routes(scheduler: Any) -> None:
         _routed.add(scheduler)
     from bokeh.settings import settings
 
-    from dtrain.observe.dashboard import STATIC_ROOT, PageHandler
+    from dtrain.observe.dashboard import STATIC_ROOT, LiveHandler, PageHandler
 
     ref = weakref.ref(scheduler)
     app.add_handlers(r".*$", [
-        (r"/dtrain", PageHandler, {"source": lambda: _payloads_of(ref()) if ref() is not None else {}}),
+        (r"/dtrain", PageHandler, {"source": lambda: _runs_of(ref())}),
+        (r"/dtrain/live\.json", LiveHandler, {"source": lambda: _runs_of(ref()), "version": lambda: _version_of(ref()),
+                                              "cache": {}}),
         (r"/dtrain/data\.json", DataHandler, {"scheduler": ref}),
         (STATIC_ROOT + r"(.*)", web.StaticFileHandler, {"path": str(settings.bokehjs_path())}),
     ])

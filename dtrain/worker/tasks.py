@@ -119,19 +119,20 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
 REPLICA_TOPIC = "dtrain-replica"  # a replica's counters, for the chief (docs/observability.md)
 
 
-def reporter(spec: Any, attempt: int) -> Any:
+def reporter(spec: Any, attempt: int, run_id: str | None = None) -> Any:
     """A replica's telemetry: its counters as an event on ``REPLICA_TOPIC`` (the worker's batched
-    stream to the scheduler, thread-safe; no round trip), which the chief subscribes to."""
+    stream to the scheduler, thread-safe; no round trip), which the chief subscribes to. Tagged
+    with the run's id, so a chief never counts another run's replicas of the same name."""
     if not spec.observe.telemetry:
         return None
     worker = get_worker()
-    tag = {"run": spec.name, "attempt": attempt, "worker": str(worker.name)}
+    tag = {"run": run_id or spec.name, "attempt": attempt, "worker": str(worker.name)}
     return lambda counters: worker.log_event(REPLICA_TOPIC, {**tag, **counters})
 
 
 def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
                  start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
-                 local_rank: int | None = None, attempt: int = 0) -> dict[str, Any]:
+                 local_rank: int | None = None, attempt: int = 0, run_id: str | None = None) -> dict[str, Any]:
     """One long-running replica: trains until the ps says stop, returns its counters.
 
     With ``data_plane`` (endpoints, secret, tls) the flat buffers travel over the socket data
@@ -151,7 +152,7 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
                             owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan),
-                            report=reporter(spec, attempt))
+                            report=reporter(spec, attempt, run_id))
     finally:
         for s in opened:
             close = getattr(s, "close", None)

@@ -303,3 +303,22 @@ def test_malformed_telemetry_is_skipped_not_fatal(tmp_path):
     for junk in ("oops", None, 3, ["a"]):
         junk_summary = _summary(replicas_stats=junk, shards_stats=junk, diagnosis=junk if junk != ["a"] else "x")
         assert panels(junk_summary) == [] and report_panels.text(junk_summary) == ""
+
+
+def test_one_evaluation_shows_on_the_runs_step_axis():
+    """The accuracy panel shares the loss panel's step axis: a run evaluated once at step 1500 of
+    3000 shows the evaluation in the middle of the run, not alone on steps 1420-1580."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from dtrain.chief.report import _draw_curves
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    train = {s: {"loss": 2.0 - s / 3000} for s in range(0, 3001, 100)}
+    _draw_curves(fig, train, {1500: {"loss": 1.4, "accuracy": 0.8}}, [(1500, 0.8)])
+    loss_ax, acc_ax = fig.axes
+    fig.canvas.draw()
+    assert acc_ax.get_xlim() == loss_ax.get_xlim()
+    low, high = acc_ax.get_xlim()
+    assert low <= 0 and high >= 3000

@@ -5,9 +5,12 @@ starved by slow input, while a healthy run yields no finding."""
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import dtrain
-from dtrain.chief.telemetry import finding_key
+from dtrain.chief.telemetry import Telemetry, finding_key
+from dtrain.worker.tasks import REPLICA_TOPIC
 from tests.helpers.observe import slow_frame
 from tests.helpers.paths import PIPELINES
 
@@ -114,3 +117,27 @@ def test_a_finding_is_logged_once_however_its_figures_move():
     assert finding_key("input-bound: replica 0 waited for data 45%") == "input-bound: replica 0"
     assert finding_key("input-bound: replica 0 waited for data 45%") != finding_key("input-bound: replica 1 waited")
     assert finding_key("hot shard: shard 0 (/job:ps/task:0) busy 93%") == "hot shard: shard 0"
+
+
+def test_another_runs_replicas_of_the_same_name_are_not_counted(inproc_client):
+    """Two runs of one pipeline on one scheduler: each chief counts its own replicas' reports
+    only (they carry the run's id, not just its name)."""
+    spec = digits(name="same")
+    session = SimpleNamespace(spec=spec, conn=SimpleNamespace(client=inproc_client), run_id="same-00000001")
+    t = Telemetry(session)
+    try:
+        other = {"run": "same-00000002", "replica": 0, "attempt": 1, "worker": "worker-1", "steps": 99, "wall_s": 9.0}
+        mine = {"run": "same-00000001", "replica": 0, "attempt": 1, "worker": "worker-0", "steps": 7, "wall_s": 1.0}
+        deadline = time.monotonic() + 10
+        while 0 not in t.latest:  # until the chief's subscription has reached the scheduler
+            inproc_client.log_event(REPLICA_TOPIC, mine)
+            assert time.monotonic() < deadline, "the run's own report never arrived"
+            time.sleep(0.05)
+        inproc_client.log_event(REPLICA_TOPIC, other)
+        inproc_client.log_event(REPLICA_TOPIC, {**mine, "steps": 8})  # in order: once it is in, so is the other
+        while t.latest[0]["steps"] == 7:
+            assert time.monotonic() < deadline, "the run's second report never arrived"
+            time.sleep(0.02)
+        assert t.latest[0]["steps"] == 8 and t.latest[0]["wall_s"] == 1.0  # nothing of the other run's 99
+    finally:
+        t.close()

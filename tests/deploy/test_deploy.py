@@ -245,7 +245,8 @@ def test_digits_async_on_scheduler_and_four_dtrain_worker_processes(plain, tmp_p
         settings = c.run(lambda: {key: dask.config.get(key) for key in HOUSEKEEPING})
     assert list(settings.values()) == [HOUSEKEEPING] * 4, settings
     for i in range(2):
-        assert f'replica="{i}"' in metrics and 'run="digits-async"' in metrics
+        assert f'replica="{i}"' in metrics and 'name="digits-async"' in metrics
+        assert re.search(r'run="digits-async-[0-9a-f]{8}"', metrics)  # the run's id: its name and a token
         assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{i}"[^}}]*\}} [1-9]', metrics), metrics[-3000:]
     assert re.search(r'dtrain_replica_steps_total\{[^}]*\} [1-9]', metrics)
 

@@ -22,6 +22,8 @@ data: {{source: sklearn:digits, batch_size: 32}}
 optimizer: {{name: sgd, lr: 0.05}}
 training: {{mode: async, steps: 1200}}
 summary: {{every_steps: 20, tensorboard: false}}
+checkpoint: {{every_steps: 400, keep: 2}}
+eval: {{every_steps: 400}}
 observe: {{interval_s: 0.2}}
 hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!r}}}}}]
 """)
@@ -39,12 +41,26 @@ hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!
     for j in range(2):
         assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{j}"[^}}]*\}} [1-9]', text), text
         assert re.search(rf'dtrain_shard_busy_ratio\{{[^}}]*shard="{j}"', text)
-    assert re.search(r'dtrain_global_step\{run="live"\} [1-9]', text)
+    # The run's series carry its id (one per start of the pipeline) and its name.
+    step = re.search(r'^dtrain_global_step\{(.*)\} ([0-9.e+]+)$', text, re.M)
+    assert step and float(step.group(2)) >= 1, text
+    run_labels = dict(re.findall(r'(\w+)="([^"]*)"', step.group(1)))
+    assert run_labels["name"] == "live" and re.fullmatch(r"live-[0-9a-f]{8}", run_labels["run"]), run_labels
+    assert run_labels["run"] == result.summary["run_id"]
     # Distributed's own series are still there: dtrain's are added to the same endpoint.
     assert "dask_scheduler_workers" in text
     # The dashboard page answered during the run, with its plots.
     page = taken[-1]["page"]
     assert taken[-1]["page_status"] == 200
-    for title in ("Per-shard load", "Replica time breakdown", "Replica step rate"):
+    for title in ("Per-shard load", "Time per replica", "Replica step rate", "Loss", "Global steps per second"):
         assert title in page
     assert taken[-1]["js_status"] == 200  # the page's Bokeh script, served by the scheduler too
+    # The run's figures over time, as the scheduler holds them when the run ends: its points, the
+    # checkpoints and the evaluation on its time axis.
+    history = json.loads(scrapes.with_suffix(".data.json").read_text())["history"][result.summary["run_id"]]
+    assert len(history["t"]) >= 3 and history["t"] == sorted(history["t"])
+    assert sum(v is not None for v in history["loss"]) >= 2 and set(history["groups"]["replica"]) == {"0", "1"}
+    assert any(v for v in history["samples_per_s"]) and any(v for v in history["steps_per_s"])
+    assert {m.rsplit("/", 1)[0] for m in history["groups"]["memory"]} == {"/job:ps", "/job:worker"}  # every task
+    assert {0, 400} <= {m["step"] for m in history["marks"]["checkpoint"]}, history["marks"]
+    assert [e["step"] for e in history["evals"]][:1] == [400] and history["evals"][0]["loss"] > 0

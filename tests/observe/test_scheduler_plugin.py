@@ -23,7 +23,7 @@ from dtrain.observe.dashboard import EMPTY, render_page, staleness_bars
 from dtrain.observe.prometheus import families, parse_task
 from dtrain.observe.scheduler import TOPIC, TelemetryPlugin, _register_collector, page_link
 
-TITLES = ("Per-shard load", "Per-shard bytes", "Replica time breakdown", "Replica step rate", "Staleness")
+TITLES = ("Per-shard load", "Per-shard bytes", "Time per replica", "Replica step rate", "Staleness")
 LE = [0, 1, 2, 4, 8, 16, 32]
 COUNTS = [5, 100, 50, 20, 5, 0, 0, 3]  # the last bucket: above 32
 
@@ -35,7 +35,7 @@ def register(client) -> bool:
 def payload(run: str, step: int = 1200) -> dict:
     """Two replicas, two shards: shard 0 with a staleness histogram, shard 1 without (as in a sync run)."""
     return {
-        "run": run, "time": time.time(), "step": step, "steps": 3000, "loss": 0.21,
+        "run": run, "name": "digits", "time": time.time(), "step": step, "steps": 3000, "loss": 0.21,
         "replicas": {
             "0": {"task": "/job:worker/task:0", "steps": 600, "steps_per_s": 410.0, "compute_s": 1.25,
                   "data_s": 0.01, "ps_s": 0.3, "compute_frac": 0.7, "data_frac": 0.01, "ps_frac": 0.2,
@@ -98,8 +98,8 @@ def test_families_name_label_and_value_every_figure():
         "dtrain_shard_staleness": "histogram"}
     got = samples(fams)
     r1 = dict(run="r", job="worker", task="1", replica="1")
-    assert got["dtrain_global_step", labels(run="r")] == 1200
-    assert got["dtrain_findings", labels(run="r")] == 2
+    assert got["dtrain_global_step", labels(run="r", name="digits")] == 1200
+    assert got["dtrain_findings", labels(run="r", name="digits")] == 2
     assert got["dtrain_replica_steps_total", labels(**r1)] == 250
     assert got["dtrain_replica_bytes_received_total", labels(**r1)] == 6000
     assert {p: got["dtrain_replica_seconds_total", labels(**r1, phase=p)] for p in ("compute", "data", "ps")} \
@@ -129,7 +129,7 @@ def test_families_skip_missing_figures_and_malformed_parts():
     assert not [k for k in got if k[0].startswith("dtrain_shard_staleness")]
     assert got["dtrain_shard_pushes_total", labels(run="r", job="ps", task="0", shard="0")] == 1200
     assert {dict(k[1])["run"] for k in got} == {"r", "bad"}  # the bad run keeps its well-formed step
-    assert got["dtrain_global_step", labels(run="bad")] == 5
+    assert got["dtrain_global_step", labels(run="bad", name="")] == 5
 
 
 def test_staleness_bars_sum_over_shards_with_the_same_buckets():
@@ -145,7 +145,8 @@ def test_staleness_bars_sum_over_shards_with_the_same_buckets():
 
 def test_page_without_runs_and_page_link():
     page = render_page({})
-    assert EMPTY in page and '<meta http-equiv="refresh" content="2">' in page and "<title>dtrain</title>" in page
+    assert EMPTY in page and "<title>dtrain</title>" in page
+    assert 'fetch("dtrain/live.json"' in page  # it polls its feed, and reloads once a run reports
     assert page_link("http://127.0.0.1:8787/status") == "http://127.0.0.1:8787/dtrain"
     assert page_link("https://host/proxy/8787/status?x=1") == "https://host/proxy/8787/dtrain"
     assert page_link("http://host:8787") == "http://host:8787/dtrain"
@@ -178,7 +179,7 @@ def wait_for_run(client: Client, run: str, timeout: float = 5.0) -> dict[tuple[s
     deadline = time.monotonic() + timeout
     while True:
         got = metrics(client)
-        if ("dtrain_global_step", labels(run=run)) in got:
+        if ("dtrain_global_step", labels(run=run, name="digits")) in got:
             return got
         assert time.monotonic() < deadline, f"run {run!r} not on /metrics within {timeout:g} s"
         time.sleep(0.05)
@@ -208,8 +209,8 @@ def test_metrics_carry_every_replica_and_shard(dask_client):
         assert got["dtrain_shard_applies_total", labels(**lab)] == s["applies"]
         assert got["dtrain_shard_bytes_out_total", labels(**lab)] == s["bytes_out"]
     assert len(series_of(got, run, "dtrain_shard_pushes_total")) == len(p["shards"])
-    assert got["dtrain_loss", labels(run=run)] == p["loss"]
-    assert got["dtrain_findings", labels(run=run)] == len(p["diagnosis"])  # a list sent is a tuple received
+    assert got["dtrain_loss", labels(run=run, name="digits")] == p["loss"]
+    assert got["dtrain_findings", labels(run=run, name="digits")] == len(p["diagnosis"])  # a list sent is a tuple received
     buckets = series_of(got, run, "dtrain_shard_staleness_bucket")
     assert {dict(k)["shard"] for k in buckets} == {"0"}  # shard 1 has no staleness
     values = [v for _, v in sorted((float(dict(k)["le"]), v) for k, v in buckets.items())]
@@ -247,7 +248,8 @@ def test_a_second_run_adds_series_and_registering_again_keeps_them(dask_client):
     assert register(dask_client)  # a second chief on the same scheduler
     dask_client.log_event(TOPIC, payload(second, step=20))
     got = wait_for_run(dask_client, second)
-    assert got["dtrain_global_step", labels(run=first)] == 10 and got["dtrain_global_step", labels(run=second)] == 20
+    assert got["dtrain_global_step", labels(run=first, name="digits")] == 10
+    assert got["dtrain_global_step", labels(run=second, name="digits")] == 20
     assert len(series_of(got, first, "dtrain_replica_steps_total")) == 2
     assert {first, second} <= set(json.loads(get(dask_client, "/dtrain/data.json")[2])["runs"])
 
@@ -260,7 +262,7 @@ def test_malformed_payloads_leave_the_endpoints_answering(dask_client):
     dask_client.log_event(TOPIC, {"replicas": {}})
     dask_client.log_event(TOPIC, payload(good))  # events arrive in order: once this is in, so are the bad ones
     got = wait_for_run(dask_client, good)
-    assert got["dtrain_global_step", labels(run=bad)] == 7
+    assert got["dtrain_global_step", labels(run=bad, name="")] == 7
     assert not [k for k in got if ("run", bad) in k[1] and k[0] != "dtrain_global_step"]
     assert len(series_of(got, good, "dtrain_replica_steps_total")) == 2
     status, _, page = get(dask_client, "/dtrain")
@@ -308,3 +310,83 @@ def test_the_page_sums_each_tables_parts_and_draws_them():
     assert table_figures(payload("r")) == {}  # no tables: no panel
     page = render_page({"r": p})
     assert "Table rows (all ps tasks)" in page and "Table rows" not in render_page({"r": payload("r")})
+
+
+# -- the page's feed and the runs' history ------------------------------------------------------
+
+def wait_for_points(client: Client, run: str, n: int, timeout: float = 5.0) -> dict:
+    """``/dtrain/data.json``'s history of ``run`` once it has ``n`` points."""
+    deadline = time.monotonic() + timeout
+    while True:
+        history = json.loads(get(client, "/dtrain/data.json")[2]).get("history", {}).get(run)
+        if history is not None and len(history["t"]) >= n:
+            return history
+        assert time.monotonic() < deadline, f"run {run!r} has no {n} points within {timeout:g} s"
+        time.sleep(0.05)
+
+
+def feed(client: Client) -> dict:
+    status, ctype, body = get(client, "/dtrain/live.json")
+    assert status == 200 and ctype.startswith("application/json")
+    return json.loads(body)
+
+
+def test_the_feed_follows_a_run_and_its_shape_holds_until_a_replica_joins(dask_client):
+    from dtrain.observe.dashboard import run_key
+
+    run = f"digits-{uuid.uuid4().hex[:8]}"
+    worker, info = next(iter(dask_client.scheduler_info()["workers"].items()))
+    t0 = time.time()
+    for i in range(3):
+        p = payload(run, step=100 * i)
+        p.update(time=t0 + 2 * i, started=t0 - 1, loss=1.0 / (i + 1), hosts={"/job:ps/task:0": worker})
+        dask_client.log_event(TOPIC, p)
+    history = wait_for_points(dask_client, run, 3)
+    assert history["t"] == [1.0, 3.0, 5.0] and history["steps_per_s"] == [None, 50.0, 50.0]
+    first = feed(dask_client)
+    key = run_key(run)
+    ts = first["sources"][f"{key}/ts"]
+    assert ts["loss"] == [1.0, 0.5, pytest.approx(1 / 3)] and ts["step"] == [0, 100, 200]
+    assert first["sources"][f"{key}/replica_ts"]["y1"] == [120.0] * 3  # replica 1's step rate over time
+    memory = first["sources"][f"{key}/memory"]  # the ps task's worker, as the scheduler knows it
+    assert memory["task"] == ["/job:ps/task:0"] and memory["used"][0] > 0
+    assert memory["limit"] == [info["memory_limit"]]
+    assert "hot shard: shard 1 &lt;ps:1&gt; busy 85%" in first["text"][f"{key}-findings"]
+    page = get(dask_client, "/dtrain")[2]
+    assert f"const shape = {json.dumps(first['shape'])}" in page  # drawn for what the feed serves
+    p = payload(run, step=300)
+    p.update(time=t0 + 6, started=t0 - 1, loss=0.2)
+    dask_client.log_event(TOPIC, p)
+    wait_for_points(dask_client, run, 4)
+    second = feed(dask_client)
+    assert second["shape"] == first["shape"]  # new figures, same page: updated in place
+    assert second["sources"][f"{key}/ts"]["loss"][-1] == 0.2
+    p = payload(run, step=400)
+    p["replicas"]["2"] = dict(p["replicas"]["1"])
+    p.update(time=t0 + 8, started=t0 - 1)
+    dask_client.log_event(TOPIC, p)
+    wait_for_points(dask_client, run, 5)
+    third = feed(dask_client)
+    assert third["shape"] != first["shape"]  # a replica joined: the page reloads for its bars
+    assert third["sources"][f"{key}/replica_ts"]["y2"] == [None] * 4 + [120.0]
+
+
+def test_two_runs_of_one_pipeline_keep_their_own_figures(dask_client):
+    from dtrain.observe.dashboard import run_key
+
+    runs = [f"digits-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    t0 = time.time() + 1000  # the newest runs on the scheduler: both drawn
+    for i, loss in ((0, 0.9), (1, 0.1)):
+        for k in range(2):
+            p = payload(runs[i], step=10 * k)
+            p.update(time=t0 + k, started=t0 + i, loss=loss)
+            dask_client.log_event(TOPIC, p)
+    for run in runs:
+        wait_for_points(dask_client, run, 2)
+    got = feed(dask_client)
+    assert got["sources"][f"{run_key(runs[0])}/ts"]["loss"] == [0.9, 0.9]
+    assert got["sources"][f"{run_key(runs[1])}/ts"]["loss"] == [0.1, 0.1]
+    heads = [got["text"][f"{run_key(r)}-head"] for r in runs]
+    assert all(h.startswith("<h2>digits <small>run ") for h in heads)  # one name, told apart by the id
+    order = [k for k in got["text"] if k.endswith("-head")]
+    assert order.index(f"{run_key(runs[1])}-head") < order.index(f"{run_key(runs[0])}-head")  # the newest first
