@@ -365,6 +365,12 @@ class Session:
                 rec = log[-1]
                 rec["first_apply_s"] = stats["last_apply_time"] - rec["time"]
                 logger.warning("recovered: first update %.1f s after the loss was seen", rec["first_apply_s"])
+            # A checkpoint due is started before an evaluation of the same step: the shards are held
+            # for its snapshot only, never for the evaluation (its parts are written in the background).
+            if self.saver.due():
+                self.recovery.guarded(self.saver.save, False, False)
+            elif self.saver.pending is not None:
+                self.recovery.guarded(self.saver.poll)
             for rec in stats["records"]:
                 metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
                 metrics["learning_rate"], metrics["replicas"] = lr, elastic.live_count(self)
@@ -392,10 +398,6 @@ class Session:
             if stats["error"] and not self._nan_stop(stats["error"]):
                 self.shards.request_stop()
                 raise RunError(stats["error"])
-            if self.saver.due():
-                self.recovery.guarded(self.saver.save, False, False)  # (written in the background)
-            elif self.saver.pending is not None:
-                self.recovery.guarded(self.saver.poll)
             failure = self._replica_failure()
             if failure:  # a lost stage's neighbours fail before the scheduler sees its worker gone: wait
                 if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0) \

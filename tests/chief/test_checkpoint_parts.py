@@ -2,7 +2,9 @@
 cluster: one part per task and a manifest that commits them; a part found corrupt where it is
 read (on its ps task) moves the checkpoint aside and the previous one is restored; a directory
 without a manifest (a write cut short) does not exist and goes at the next commit; and a
-checkpoint of the older single-file format still restores, to the same result."""
+checkpoint of the older single-file format still restores, to the same result; an evaluation on a
+checkpoint's step that outlasts the barrier timeout costs no recovery (the shards are held for the
+snapshot only)."""
 
 from __future__ import annotations
 
@@ -115,3 +117,27 @@ def test_a_single_file_checkpoint_of_earlier_versions_still_restores(inproc_clie
     assert b.summary["checkpoints"] == ["ckpt-00000030"]  # and it goes on in the new format
     for name, value in a.model.state_dict().items():
         assert torch.equal(value, b.model.state_dict()[name]), name
+
+
+def test_an_evaluation_on_a_checkpoint_step_longer_than_the_barrier_timeout_costs_no_recovery(inproc_client,
+                                                                                             run_dir):
+    """The shards pause at step 20 for the checkpoint; the evaluation of step 20 takes 2.5 s, the
+    replicas' barrier timeout is 1 s. Fails if the hold lasts through the evaluation (the
+    replicas' pushes then time out and the run recovers or fails)."""
+    spec = dtrain.loads("""
+name: slow-eval
+cluster: {jobs: {ps: 2, worker: 2}}
+model: {module: "tests.helpers.models:SlowEval", kwargs: {sleep_s: 2.5}}
+data: {source: sklearn:digits, batch_size: 16}
+optimizer: {name: sgd, lr: 0.05}
+training: {mode: sync, steps: 40, barrier_timeout_s: 1.0}
+summary: {every_steps: 20, tensorboard: false}
+eval: {every_steps: 20}
+checkpoint: {every_steps: 20}
+""", base_dir=".")
+    s = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary
+    assert s["status"] == "completed" and s["global_step"] == 40
+    assert s["recoveries"] == 0 and not s["recovery_log"]
+    assert "ckpt-00000020" in s["checkpoints"]
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval" in r][0] == 20  # the evaluation of step 20 did run

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -200,3 +202,18 @@ class FeatureNet(nn.Module):
         pooled = [self.emb[t](features[f][0], features[f][1], per_sample_weights=features[f][2])
                   for f, t in (("C1", "a"), ("C2", "b"), ("C3", "a"))]
         return self.head(torch.cat([dense, *pooled], dim=1)).squeeze(-1)
+
+
+class SlowEval(nn.Module):
+    """A digits MLP whose evaluation forward (``eval()`` mode) sleeps ``sleep_s`` per batch: an
+    evaluation longer than a barrier timeout."""
+
+    def __init__(self, sleep_s: float = 1.0, features: int = 64, classes: int = 10):
+        super().__init__()
+        self.sleep_s = sleep_s
+        self.net = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and x.device.type != "meta":
+            time.sleep(self.sleep_s)
+        return self.net(x)
