@@ -60,6 +60,7 @@ class Sampler:
 
         self.root = psutil.Process(pid)
         self.samples: dict[int, list[tuple[float, int]]] = {}
+        self.parents: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -72,6 +73,7 @@ class Sampler:
             with contextlib.suppress(psutil.Error):
                 for p in [self.root, *self.root.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
+                        self.parents.setdefault(p.pid, p.ppid())
                         self.samples.setdefault(p.pid, []).append((now, p.memory_info().rss))
 
     def stop(self) -> None:
@@ -133,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         times = sorted(m["time"] for m in manifests)
         procs = {}
         for pid, series in sampler.samples.items():
-            role = "chief" if pid == sampler.root.pid else roles.get(pid, "other")
+            role = "chief" if pid == sampler.root.pid else roles.get(pid) or (
+                f"{roles[sampler.parents[pid]]}'s checkpoint writer" if sampler.parents.get(pid) in roles else None)
+            if role is None:
+                continue  # (the scheduler, nannies, the forkserver)
             rss = [r for _, r in series]
             # steady: samples at least 5 s away from any checkpoint commit, in the training's second half
             steady = [r for ts, r in series if all(abs(ts - c) > 5 for c in times)]

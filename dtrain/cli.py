@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
 
+    ex = sub.add_parser("export", help="write a run's checkpoint as a model for serving (no optimizer state)",
+                        description="Write the newest checkpoint of RUN_DIR (or --step N's) into OUT: model.pt "
+                        "(the dense parameters), each table as a memory-mappable .npy, and export.json; "
+                        "dtrain.serving.ExportedModel(OUT) serves lookups and predictions from it.")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="a new (or empty) directory")
+    ex.add_argument("--step", type=int, help="the checkpoint of this global step (default: the newest)")
+
     w = sub.add_parser(
         "worker", help="start a Dask worker serving one task (name JOB-N, resource JOB=1)",
         description="Start a Dask worker for task N of job JOB: the equivalent of `dask worker ADDR --name JOB-N "
@@ -80,7 +88,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "validate": cmd_validate, "plan": cmd_plan, "schema": cmd_schema,
-               "worker": cmd_worker, "report": cmd_report}[args.command]
+               "worker": cmd_worker, "report": cmd_report, "export": cmd_export}[args.command]
     try:
         code = handler(args)
     except SpecError as exc:
@@ -151,6 +159,26 @@ def cmd_report(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(table)
     print(f"plot: {png}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .chief.export import export, remove_partial
+    from .chief.rundir import RunDirLock
+
+    out, run_dir = Path(args.out), Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: no such run directory")
+    existed = out.exists()
+    try:
+        with RunDirLock(run_dir):  # (no run writes or prunes its checkpoints meanwhile)
+            index = export(run_dir, out, args.step)
+    except BaseException:
+        if not existed:
+            remove_partial(out)
+        raise
+    tables = index["tables"]
+    print(f"exported step {index['step']} ({index['checkpoint']}): model.pt and {len(tables)} table(s) -> {out}")
     return EXIT_OK
 
 

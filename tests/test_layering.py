@@ -53,7 +53,7 @@ def planes(names: set[str]) -> set[str]:
     return {n.split(".")[1] for n in names if n.startswith("dtrain.") and n.count(".") >= 1}
 
 
-NO_DASK = ["spec", "model", "data", "plan", "ps", "dataplane"]
+NO_DASK = ["spec", "model", "data", "plan", "ps", "dataplane", "serving"]
 ALLOWED = {  # plane -> the dtrain planes it may import
     "spec": {"spec", "model", "data"},  # shape inference and data checks at validation
     "model": {"model", "data"},  # a recommendation model unpacks the records the data plane packs
@@ -62,6 +62,7 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "ps": {"ps", "dataplane", "model", "observe"},  # observe.meters: the shard's load counters  # the ps initialises its table rows as the model does
     "dataplane": {"dataplane"},
     "worker": {"worker", "ps", "dataplane", "plan", "spec", "model", "data", "observe"},
+    "serving": {"serving", "spec", "model", "worker"},  # an export's model: the replica's table lookups
     "observe": {"observe"},  # telemetry: pure meters and diagnosis, the scheduler's plugin and pages
     "graph": {"graph", "spec", "plan", "chief", "deploy"},
     "deploy": {"deploy", "plan", "spec", "observe"},  # registers the telemetry plugin on connecting

@@ -176,7 +176,7 @@ class Recovery:
         if error is not None:
             record["error"] = f"{type(error).__name__}: {error}"
         self.log.append(record)
-        s._commit_pending()  # (a checkpoint the shards were writing: committed when they are all still there)
+        s.saver.commit_pending()  # (a checkpoint the shards were writing: committed when they are all still there)
         # A lost ps, any loss in in-graph replication (its step in flight is lost with it), or a
         # transient error (TF's recoverable session: a new session from the newest checkpoint):
         # every shard restarts from the newest checkpoint, with the step driver or every replica.

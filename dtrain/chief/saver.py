@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dtrain.ps.part_writer import BadPartError
+
 from . import checkpoint as ckpt_io
 from . import data_report
 from .shards import checkpoint_layout
@@ -126,6 +128,38 @@ class Saver:
         for h in s.hooks:
             h.on_checkpoint(pending.step, str(path))
         return path
+
+    def commit_pending(self) -> None:
+        """A failing or interrupted run still commits the checkpoint its shards were writing (a
+        snapshot taken before the failure); a shard that is gone loses it, said in the log."""
+        s = self.session
+        if self.pending is None or not s.shards.handles:
+            return
+        step = self.pending.step
+        try:
+            self.finish(wait=True)
+        except Exception as exc:
+            self.abandon()
+            logger.warning("the checkpoint of step %d could not be committed: %s", step, exc)
+
+    def restore(self, checkpoint: ckpt_io.Checkpoint) -> ckpt_io.Checkpoint:
+        """Restore the shards from ``checkpoint``; one whose part its ps task finds corrupt or
+        truncated (the checksums are verified where the parts are read) is moved aside like any
+        invalid checkpoint, and the next newest valid one is restored instead. Returns the one used."""
+        while True:
+            try:
+                self.session.shards.restore(checkpoint)
+                return checkpoint
+            except BadPartError as exc:
+                moved = ckpt_io.quarantine(checkpoint.path)
+                logger.warning("checkpoint %s is invalid (%s); moved it to %s and trying the previous one",
+                               checkpoint.path.name, exc, moved.parent)
+                previous = ckpt_io.latest(self.session.run_dir)
+                if previous is None:
+                    raise ckpt_io.CheckpointError(
+                        f"no valid checkpoint in {ckpt_io.checkpoint_dir(self.session.run_dir)} ({exc}): moved to "
+                        "checkpoints/invalid/; to start over, use another --run-dir") from None
+                checkpoint = previous
 
     def due(self) -> bool:
         spec = self.session.spec.checkpoint

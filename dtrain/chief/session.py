@@ -29,7 +29,6 @@ from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
-from dtrain.ps.part_writer import BadPartError
 from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import replica_task
@@ -238,7 +237,7 @@ class Session:
             self.shards.stop_renewing()
             with signals.deferred():
                 if status != "completed":
-                    self._commit_pending()
+                    self.saver.commit_pending()
                     self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional
                     self._cancel()
                 for h in self.hooks:
@@ -274,7 +273,7 @@ class Session:
         self.saver.abandon()  # (a checkpoint the previous generation's shards were writing)
         self.shards.create(self.init_buffers)
         if checkpoint is not None:
-            checkpoint = self._restore(checkpoint)
+            checkpoint = self.saver.restore(checkpoint)
             self.global_step = checkpoint.step
             self.saver.restored(checkpoint.step)
             self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
@@ -289,37 +288,6 @@ class Session:
         if self.elastic is not None:
             self.elastic.retire_free()
         self.submit_replicas()
-
-    def _commit_pending(self) -> None:
-        """A failing or interrupted run still commits the checkpoint its shards were writing (a
-        snapshot taken before the failure); a shard that is gone loses it, said in the log."""
-        if self.saver.pending is None or not self.shards.handles:
-            return
-        step = self.saver.pending.step
-        try:
-            self.saver.finish(wait=True)
-        except Exception as exc:
-            self.saver.abandon()
-            logger.warning("the checkpoint of step %d could not be committed: %s", step, exc)
-
-    def _restore(self, checkpoint: ckpt_io.Checkpoint) -> ckpt_io.Checkpoint:
-        """Restore the shards from ``checkpoint``; one whose part its ps task finds corrupt or
-        truncated (the checksums are verified where the parts are read) is moved aside like any
-        invalid checkpoint, and the next newest valid one is restored instead. Returns the one used."""
-        while True:
-            try:
-                self.shards.restore(checkpoint)
-                return checkpoint
-            except BadPartError as exc:
-                moved = ckpt_io.quarantine(checkpoint.path)
-                logger.warning("checkpoint %s is invalid (%s); moved it to %s and trying the previous one",
-                               checkpoint.path.name, exc, moved.parent)
-                previous = ckpt_io.latest(self.run_dir)
-                if previous is None:
-                    raise ckpt_io.CheckpointError(
-                        f"no valid checkpoint in {ckpt_io.checkpoint_dir(self.run_dir)} ({exc}): moved to "
-                        "checkpoints/invalid/; to start over, use another --run-dir") from None
-                checkpoint = previous
 
     def _open_sinks(self) -> None:
         if not self.resume:

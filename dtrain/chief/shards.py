@@ -305,26 +305,9 @@ class ShardGroup:
             except Exception as exc:  # a lost shard: recovery will replace it
                 logger.debug("release failed: %s", exc)
 
-    def snapshot(self, stop: bool = False) -> list[dict[str, Any]]:
-        """Every shard's state (params, optimizer state, step) at one consistent step; with
-        ``stop``, every shard also stops there (an interrupt: held first, then stopped, so no step
-        lands on one shard but not another)."""
-        try:
-            self.hold_consistent()
-            if stop:
-                self.request_stop()
-            states = [call(s.get_state(tables=False), timeout=transfer_timeout(shard.numel))
-                      for s, shard in zip(self.handles, self.plan.shards, strict=True)]
-            for table in self.plan.tables:
-                for part in table.parts:
-                    states[part.shard].setdefault("tables", {})[table.name] = tables.read_part(self.handles, table, part)
-            return states
-        finally:
-            self.release()
-
     def write_parts(self, directory_for: Callable[[int], Path | None], stop: bool = False) -> tuple[int, Path | None]:
         """Every shard starts writing its part of a checkpoint at one consistent step (held as
-        :meth:`snapshot` holds; with ``stop``, every shard also stops there) into
+        :meth:`hold_consistent` holds; with ``stop``, every shard also stops there) into
         ``directory_for(step)``, and the hold ends once each has taken its copy-on-write snapshot
         (``ParameterShard.write_part``). Returns (the step, the directory: None, and nothing written,
         when ``directory_for`` gives none: a checkpoint of that step exists); RunError when the shards

@@ -116,6 +116,17 @@ def read_part_file(path: str | Path, nbytes: int, sha256: str) -> dict[str, Any]
     return state
 
 
+def cloned(state: Any) -> Any:
+    """A state dict's tensors copied (nested dicts and lists followed)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(cloned(v) for v in state)
+    return state
+
+
 def _die_with_parent() -> None:
     """Linux: the writer gets SIGKILL when the task that forked it dies (no orphan writer goes on
     filling a checkpoint nobody will commit)."""

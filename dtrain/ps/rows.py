@@ -280,11 +280,16 @@ class TablePart:
             self.optimizer.load_state_dict(opt)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        self.weight.copy_(state["weight"])
         fresh = state.get("fresh")
-        if self._fresh is not None:  # rows the state marks as not drawn yet are drawn on first use again
-            self._fresh.copy_(fresh) if fresh is not None else self._fresh.zero_()
-        elif fresh is not None and bool(fresh.any()):
+        if self._fresh is not None and fresh is not None:  # undrawn rows stay undrawn (and untouched: no memory)
+            drawn = torch.nonzero(~fresh).flatten()
+            self.weight[drawn] = state["weight"][drawn].to(self.weight.dtype)
+            self._fresh.copy_(fresh)
+        else:
+            self.weight.copy_(state["weight"])
+        if self._fresh is not None and fresh is None:  # (every row's value came with the state)
+            self._fresh.zero_()
+        if self._fresh is None and fresh is not None and bool(fresh.any()):
             rows = torch.nonzero(fresh).flatten()
             ids = rows * self.num_parts + self.part if self.strategy == "mod" else rows + self.rows.start
             self.weight[rows] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)

@@ -43,7 +43,7 @@ from .averages import make_average
 from .control import ShardControl
 from .fastpath import DirectPush
 from .optim import make_optimizer
-from .part_writer import PartWriter, read_part_file
+from .part_writer import PartWriter, cloned, read_part_file
 from .replication import Apply, AsyncPolicy, StalenessGate
 from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
@@ -435,23 +435,17 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
 
     # ------------------------------------------------------------------ checkpoint parts
     def _part_state(self) -> dict[str, Any]:
-        """What this task's part of a checkpoint holds (call holding ``lock``, applies held): the
-        dense parameters and their optimizer state copied (they are small, and the parameters may
-        live in shared memory, which a forked writer would see change), the tables' live tensors
-        (``part.live_state``: a forked writer sees them as they are now, copy-on-write)."""
-        out: dict[str, Any] = {"params": self.param.clone(), "step": self.step,
-                               "optimizer_state": _cloned(self.optimizer.state_dict()),
-                               "dropped_stale": self.dropped_stale, "samples": self.samples_total}
-        if self.averages is not None:
-            out["averages"] = self.averages.state()
-        if self.tables:
-            out["tables"] = {name: part.live_state() for name, part in self.tables.items()}
-        return out
+        """This task's part of a checkpoint (holding ``lock``, applies held): the dense state copied
+        (small; the parameters may be in shared memory, which a forked writer sees change), the
+        tables' live tensors (a forked writer sees them as they are now: copy-on-write)."""
+        return {"params": self.param.clone(), "step": self.step, "optimizer_state": cloned(self.optimizer.state_dict()),
+                "dropped_stale": self.dropped_stale, "samples": self.samples_total,
+                **({"averages": self.averages.state()} if self.averages is not None else {}),
+                **({"tables": {n: part.live_state() for n, part in self.tables.items()}} if self.tables else {})}
 
     async def write_part(self, directory: str, name: str) -> dict[str, Any]:
-        """Start writing this task's part of the checkpoint at the current (held) step as
-        ``directory/name`` (``PartWriter.start``); ``{"error": ...}`` when the parameters are not
-        finite or a part is still being written."""
+        """Start writing this task's part of the checkpoint of the held step (``PartWriter.start``);
+        ``{"error": ...}`` when the parameters are not finite or a part is still being written."""
         with self.lock:
             if not bool(torch.isfinite(self.param).all()):
                 return {"error": f"the parameters of shard {self.index} became non-finite (NaN or inf) at step "
@@ -460,14 +454,12 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
 
     async def part_written(self, wait: bool = False) -> dict[str, Any] | None:
         """The last part's outcome (``PartWriter.poll``); None while it is being written."""
-        if wait:
-            return await asyncio.get_running_loop().run_in_executor(None, self.writer.poll, True)
-        return self.writer.poll()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.writer.poll, True) if wait else self.writer.poll()
 
     async def load_part(self, path: str, nbytes: int, sha256: str) -> int:
-        """Restore this task from its part of a checkpoint, read and verified here (size, sha256)
-        without passing through the chief; returns the step. ValueError naming the file when the
-        part is not the one the manifest describes."""
+        """Restore this task from its part of a checkpoint, read and verified here (BadPartError
+        unless its size and sha256 are the manifest's); returns the step."""
         state = await asyncio.get_running_loop().run_in_executor(None, read_part_file, path, nbytes, sha256)
         return await self.set_state(state)
 
@@ -502,21 +494,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 "in_place": server.in_place_connections}
 
     def __del__(self) -> None:
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.close()
-        writer = getattr(self, "writer", None)
-        if writer is not None:
-            writer.close()
-
-
-def _cloned(state: Any) -> Any:
-    """A state dict's tensors copied (nested dicts and lists followed)."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _cloned(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_cloned(v) for v in state)
-    return state
+        for owned in (getattr(self, "_server", None), getattr(self, "writer", None)):
+            if owned is not None:
+                owned.close()
 

@@ -72,7 +72,7 @@ def test_a_corrupt_part_moves_its_checkpoint_aside_and_the_previous_one_is_resto
     data[len(data) // 2] ^= 0x01
     part.write_bytes(bytes(data))
     assert ckpt.latest(run_dir).step == 40  # the chief checks sizes only: the ps task finds it
-    with caplog.at_level(logging.WARNING, logger="dtrain.chief.session"):
+    with caplog.at_level(logging.WARNING, logger="dtrain.chief.saver"):
         s = dtrain.run(_spec(60), client=inproc_client, run_dir=run_dir, resume=True).summary
     assert s["status"] == "completed" and s["start_step"] == 20 and s["global_step"] == 60
     assert "ckpt-00000040 is invalid" in caplog.text and "sha256 mismatch" in caplog.text
