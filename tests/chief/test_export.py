@@ -102,3 +102,20 @@ def test_an_older_step_and_bad_requests(trained, tmp_path, capsys):
     empty.mkdir()
     assert main(["export", str(empty), str(tmp_path / "y")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_the_documented_serving_example_runs(trained, tmp_path):
+    """docs/recommendation.md's example, run on a real export (fails when the documented calls or
+    names drift from the loader's)."""
+    from tests.helpers.paths import ROOT
+
+    spec, run_dir, _ = trained
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    text = (ROOT / "docs" / "recommendation.md").read_text()
+    section = text[text.index("## Serving an export"):]
+    code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    x, _ = records(spec, 50, 2)
+    scope = {"x": torch.from_numpy(x)}
+    exec(compile(code.replace('"exported/"', repr(str(out))), "recommendation.md", "exec"), scope)
+    assert scope["rows"].shape == (2, 4) and scope["logits"].shape == (50, 1)
