@@ -1,0 +1,28 @@
+"""The lab tests need root and Linux namespaces; they skip with the reason where either is missing.
+The heavier ones (a TLS deployment, network faults) also need ``DTRAIN_LAB_FULL=1`` (docs/lab.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `lab`, as benchmarks/lab_bench.py imports it
+
+from lab import probe  # noqa: E402
+
+WHY_NOT = probe()
+FULL = os.environ.get("DTRAIN_LAB_FULL") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("lab") is None:
+            continue
+        if WHY_NOT:
+            item.add_marker(pytest.mark.skip(reason=f"network lab unavailable: {WHY_NOT}"))
+        elif item.get_closest_marker("lab_full") and not FULL:
+            item.add_marker(pytest.mark.skip(reason="a heavier lab test: set DTRAIN_LAB_FULL=1 to run it"))
