@@ -31,13 +31,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +47,7 @@ PREFIX_LEN = 15
 FIRST_HOST = (198, 18, 0, 10)  # host i is 198.18.0.(10 + i)
 PREFIX = "dtl"  # every interface the lab makes starts with it (the sweep touches nothing else)
 _PR_SET_PDEATHSIG = 1
+_numbers = itertools.count()
 # tbf's bucket: at least one 64 KiB GSO packet (veth offloads segment late), and at 10 Gbit/s
 # enough for the timer's granularity; the latency bounds the queue (ties up no more than that).
 LATENCY = "20ms"
@@ -114,10 +115,12 @@ def lab_interfaces() -> list[str]:
 
 
 def sweep_stale() -> list[str]:
-    """Delete lab bridges whose owner (the pid in their name) is gone; returns their names."""
+    """Delete the interfaces of labs whose owner (the pid in their names) is gone: the bridge and
+    any host-side veth still there (a namespace is freed asynchronously after its last process).
+    Returns their names."""
     swept = []
     for name in lab_interfaces():
-        m = re.fullmatch(rf"{PREFIX}b([0-9a-f]+)x[0-9a-f]+", name)
+        m = re.fullmatch(rf"{PREFIX}([0-9a-f]+)x[0-9a-f]+(s|h\d+)", name)
         if m and not os.path.exists(f"/proc/{int(m.group(1), 16)}"):
             _run(["ip", "link", "del", name], check=False)
             swept.append(name)
@@ -208,8 +211,11 @@ class Lab:
         self.names = list(names)
         self.rate = rate
         self.shm_size = shm_size
-        self.id = f"{os.getpid():x}x{uuid.uuid4().hex[:3]}"
-        self.bridge = f"{PREFIX}b{self.id}"
+        # Interface names (15 characters at most): dtl<owner pid>x<lab number>s for the bridge
+        # (the switch), ...h<i> for host i's veth; 's' and 'h' are no hex digits, so a sweep
+        # reads the owner's pid back unambiguously.
+        self.id = f"{os.getpid():x}x{next(_numbers) % 256:02x}"
+        self.bridge = f"{PREFIX}{self.id}s"
         if len(self.bridge) > 15 or len(f"{PREFIX}{self.id}h{len(names) - 1}") > 15:
             raise ValueError(f"interface names too long for pid {os.getpid()}")
         self.hosts: dict[str, Host] = {}
@@ -355,7 +361,7 @@ class Lab:
 
     def leftovers(self) -> list[str]:
         """What of this lab still exists (interfaces, live processes): empty after :meth:`close`."""
-        left = [n for n in lab_interfaces() if n == self.bridge or n.startswith(f"{PREFIX}{self.id}h")]
+        left = [n for n in lab_interfaces() if n.startswith(f"{PREFIX}{self.id}")]
         for host in self.hosts.values():
             if os.path.exists(f"/proc/{host.init_pid}") and _alive(host.init_pid):
                 left.append(f"{host.name}: init pid {host.init_pid}")

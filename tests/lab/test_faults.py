@@ -1,6 +1,6 @@
-"""Network faults across the lab, as a cluster sees them (``DTRAIN_LAB_FULL=1``; docs/lab.md,
-"Faults"): a worker host or a ps host cut off the network mid-run, detected, and recovered from
-once its link is back. The `dtrain worker` processes run under a stand-in process manager that
+"""Network faults across the lab, as a cluster sees them (docs/lab.md, "Faults"): a degraded link
+(default run), and a worker host or a ps host cut off the network mid-run, detected, and
+recovered from once its link is back (``DTRAIN_LAB_FULL=1``). The `dtrain worker` processes run under a stand-in process manager that
 starts a task's `dtrain worker` again when it exits, as docs/deployment.md asks of a deployment."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from lab import Lab
 from lab.cluster import WORKER_TTL, LabCluster, host_names
 
-pytestmark = [pytest.mark.lab, pytest.mark.lab_full]
+pytestmark = pytest.mark.lab
 
 TASKS = [("ps", 0), ("worker", 0), ("worker", 1)]
 TTL_S = float(WORKER_TTL.rstrip("s"))
@@ -73,6 +73,28 @@ def _finish(watch: _Watch, proc, timeout: float = 180) -> dict:
     return json.loads((watch.run_dir / "summary.json").read_text())
 
 
+@pytest.mark.timeout(240)
+def test_a_degraded_worker_link_makes_that_replica_the_straggler_not_a_failure(lab_cluster, tmp_path):
+    """Async, worker1's link at 20 Mbit/s (both directions) and the others at 1 Gbit/s: its
+    replica steps far less often and the run's diagnosis names it, and only it, a straggler; the
+    other replica is not held back, and nothing is lost or recovered."""
+    lab, cluster = lab_cluster
+    steps = 3000
+    lab.set_rate("worker1", "20mbit")
+    try:
+        rc, summary = cluster.run_to_end(_spec(steps), tmp_path / "run", timeout=180, name="run-degraded")
+    finally:
+        lab.set_rate("worker1", lab.rate)
+    assert rc == 0, cluster.log("run-degraded")
+    assert summary["status"] == "completed" and summary["global_step"] == steps and summary["recovery_log"] == []
+    stragglers = [f for f in summary["diagnosis"] if f.startswith("straggler")]
+    assert len(stragglers) == 1 and "(/job:worker/task:1)" in stragglers[0], (summary["diagnosis"],
+                                                                               summary["replicas_stats"])
+    done = {i: r["steps"] for i, r in summary["replicas_stats"].items()}
+    assert done["1"] < 0.5 * done["0"], done
+
+
+@pytest.mark.lab_full
 @pytest.mark.timeout(420)
 def test_a_partitioned_worker_host_is_dropped_after_worker_ttl_while_async_training_goes_on(tmp_path):
     """Async: the other replica keeps training while worker1 is cut off; the scheduler drops
@@ -101,6 +123,7 @@ def test_a_partitioned_worker_host_is_dropped_after_worker_ttl_while_async_train
     assert lab.leftovers() == []
 
 
+@pytest.mark.lab_full
 @pytest.mark.timeout(420)
 def test_a_partitioned_ps_host_stops_the_run_until_it_is_back_then_it_resumes_from_the_checkpoint(tmp_path):
     """Every replica needs ps0: training stops, the chief's call to the shard (its lease renewal)
