@@ -54,6 +54,8 @@ from lab.cluster import LabCluster, env, host_names  # noqa: E402
 from lab.traffic import LinkSampler, blast, summarize_traffic  # noqa: E402
 
 TASKS = [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+SCALE_WORKERS = (1, 2, 3, 4)
+SCALE_PS = (1, 2)
 # (name, label, mode, ps tasks, overrides)
 DTRAIN_ROWS = [
     ("async_1ps_2w", "dtrain async 1 ps + 2 workers", "async", 1, ()),
@@ -74,6 +76,21 @@ def rows() -> list[dict[str, Any]]:
     return out
 
 
+def scaling_rows() -> list[dict[str, Any]]:
+    """``--scaling``: async and sync, 1 and 2 ps tasks, 1 to 4 workers. With 2 ps tasks the
+    variables are ``partitioned`` (bytes balanced over the ps tasks; the default round_robin puts
+    every weight matrix of this MLP on ps 0 and every bias on ps 1, so a second ps would carry
+    almost nothing)."""
+    out = []
+    for mode in ("async", "sync"):
+        for ps in SCALE_PS:
+            for w in SCALE_WORKERS:
+                sets = ("placement.variables=partitioned",) if ps > 1 else ()
+                out.append({"name": f"scale_{mode}_{ps}ps_{w}w", "label": f"dtrain {mode} {ps} ps + {w} workers",
+                            "kind": "dtrain", "mode": mode, "ps": ps, "workers": w, "sets": sets, "scaling": True})
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--only", default=None, help="comma-separated row names (plain always runs)")
     ap.add_argument("--tls", action="store_true", help="the dtrain rows on a TLS cluster")
+    ap.add_argument("--scaling", action="store_true",
+                    help="also throughput vs workers (1-4) and ps tasks (1, 2), async and sync (8 lab hosts)")
+    ap.add_argument("--scaling-only", action="store_true", help="only the scaling rows (and plain)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to each row")
     ap.add_argument("--out", type=Path, default=RESULTS / "lab.json", help="JSON results (and .md beside it)")
     ap.add_argument("--keep", action="store_true", help="keep the logs and run directories")
@@ -196,7 +216,7 @@ def run_ddp(lab: Lab, args: argparse.Namespace, workdir: Path, bf16: bool) -> di
 def run_dtrain(cluster: LabCluster, args: argparse.Namespace, workdir: Path, row: dict[str, Any]) -> dict[str, Any]:
     from dtrain_bench.children import dtrain_spec_dict, steady_state
 
-    p = params(args, row["name"], mode=row["mode"], ps=row["ps"])
+    p = params(args, row["name"], mode=row["mode"], ps=row["ps"], workers=row.get("workers", 2))
     spec = dtrain_spec_dict(p)
     spec["cluster"].pop("dashboard", None)
     run_dir = workdir / f"run-{row['name']}-{time.time_ns()}"
@@ -205,7 +225,7 @@ def run_dtrain(cluster: LabCluster, args: argparse.Namespace, workdir: Path, row
         err = (summary or {}).get("error") or cluster.log(f"run-{row['name']}", 800)
         return {"status": "failed", "error": f"exit {rc}: {err}"}
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    k = 2 if row["mode"] == "sync" else 1
+    k = row.get("workers", 2) if row["mode"] == "sync" else 1
     ss = steady_state(records, args.warmup, args.batch, k)
     if ss is None:
         return {"status": "failed", "error": "fewer than two metrics records after the warm-up"}
@@ -258,18 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"lab_bench: the network lab cannot be built here ({why}); nothing was measured", file=sys.stderr)
         return 2
-    wanted = rows() if not args.only else [r for r in rows() if r["name"] in {"plain", *args.only.split(",")}]
+    main_rows = rows()[:1] if args.scaling_only else rows()
+    wanted = main_rows + (scaling_rows() if args.scaling or args.scaling_only else [])
+    if args.only:
+        wanted = [r for r in wanted if r["name"] in {"plain", *args.only.split(",")}]
+    tasks = TASKS + ([("worker", 2), ("worker", 3)] if any(r.get("workers", 2) > 2 for r in wanted) else [])
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="dtrain-lab-bench-"))
     doc: dict[str, Any] = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:] if argv is None
                            else argv, "model": MODELS["w1"], "params": param_count(MODELS["w1"]),
                            "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "tls": args.tls,
-                           "hosts": host_names(TASKS), "links": {}, "results": []}
+                           "hosts": host_names(tasks), "links": {}, "results": []}
     t_start = time.time()
     try:
-        with Lab(host_names(TASKS), rate=rates[0]) as lab:
+        with Lab(host_names(tasks), rate=rates[0]) as lab:
             doc["addresses"] = {n: h.address for n, h in lab.hosts.items()}
-            cluster = LabCluster(lab, TASKS, workdir / "cluster", tls=args.tls)
+            cluster = LabCluster(lab, tasks, workdir / "cluster", tls=args.tls)
             if any(r["kind"] == "dtrain" for r in wanted):
                 cluster.start()
                 progress(f"lab up: {', '.join(f'{n} {h.address}' for n, h in lab.hosts.items())}; "
@@ -320,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         doc["elapsed_s"] = round(time.time() - t_start, 1)
         doc["table"] = median_rows(doc["results"])
-        md = table(doc["table"])
+        main = [r for r in doc["table"] if not r["name"].startswith("scale_")]
+        scale = [r for r in doc["table"] if r["name"].startswith("scale_") or r["name"] == "plain"]
+        md = table(main) + ("\n\nScaling (2 ps: placement.variables partitioned):\n\n" + table(scale)
+                            if len(scale) > len([r for r in scale if r["name"] == "plain"]) else "")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
         header = (f"dtrain across the network lab: {args.steps} timed steps after {args.warmup}, batch "
