@@ -126,8 +126,8 @@ def test_a_partitioned_worker_host_is_dropped_after_worker_ttl_while_async_train
 @pytest.mark.lab_full
 @pytest.mark.timeout(420)
 def test_a_partitioned_ps_host_stops_the_run_until_it_is_back_then_it_resumes_from_the_checkpoint(tmp_path):
-    """Every replica needs ps0: training stops, the chief's call to the shard (its lease renewal)
-    times out, and the session restarts as TensorFlow's MonitoredTrainingSession does: it waits
+    """Every replica needs ps0: training stops, the chief's poll of the shard's progress times
+    out (a transient error), and the session restarts as TensorFlow's MonitoredTrainingSession does: it waits
     for ps-0 (cluster.wait_s), restores the shard from the newest checkpoint and trains on."""
     steps, every = 12000, 1000
     with Lab(host_names(TASKS), rate="1gbit") as lab, LabCluster(lab, TASKS, tmp_path / "c") as cluster:
@@ -146,7 +146,9 @@ def test_a_partitioned_ps_host_stops_the_run_until_it_is_back_then_it_resumes_fr
     assert stalled <= step_cut + 100, (step_cut, stalled)  # no replica trains without its ps
     assert summary["status"] == "completed" and summary["global_step"] == steps, summary
     (rec,) = summary["recovery_log"]
-    assert "timed out" in rec["error"], rec
+    # Seen first as the poll's timeout (a transient error), or as ps-0 dropped by the scheduler
+    # at worker-ttl, whichever comes first: both restart every shard from the checkpoint.
+    assert (rec["lost"] == [] and "timed out" in rec["error"]) or rec["lost"] == ["/job:ps/task:0"], rec
     assert every <= rec["restored_step"] <= step_cut, (rec, step_cut)  # the newest checkpoint before the cut
     assert rec["time"] - t_cut <= 60, (rec, t_cut)
     assert lab.leftovers() == []
