@@ -24,7 +24,8 @@ change. Rows, at every rate:
   connections) shows as 0.
 
 samples/s: as bench.py (dtrain from metrics.jsonl after the warm-up; DDP between barriers).
-ratio: to the plain loop of the same rate and repetition. Link figures, from the counters of
+ratio: to the plain loop of the same rate and repetition, which runs first and again last (the
+mean of the two: the load of a shared machine drifts). Link figures, from the counters of
 every host's link sampled every 50 ms over the row's timed window: the busiest direction of any
 link (e.g. ``ps0 in``: gradients into the ps), its bytes per trained sample and its share of the
 link's measured rate; ``link ceiling`` = the link's measured rate / those bytes per sample /
@@ -235,6 +236,42 @@ def run_dtrain(cluster: LabCluster, args: argparse.Namespace, workdir: Path, row
             "summary_samples_per_sec": summary.get("samples_per_sec")}
 
 
+def run_block(lab: Lab, cluster: LabCluster, sampler: LinkSampler, args: argparse.Namespace, workdir: Path,
+              wanted: list[dict[str, Any]], rate: str, rep: int, link_rate: float) -> list[dict[str, Any]]:
+    """One repetition of every row at one rate. The plain loop runs first and again last (the
+    machine's load drifts: other users of a shared machine), and the mean of the two is the
+    plain figure of the block that every ratio and link ceiling uses."""
+    out, plains = [], []
+    for row in [*wanted, wanted[0]]:
+        t0 = time.time()
+        if row["kind"] == "plain":
+            res = run_plain(lab, args, workdir)
+        elif row["kind"] == "ddp":
+            res = run_ddp(lab, args, workdir, row["bf16"])
+        else:
+            res = run_dtrain(cluster, args, workdir, row)
+        res.update(name=row["name"], label=row["label"], rate=rate, rep=rep, elapsed_s=round(time.time() - t0, 1))
+        if row["kind"] == "plain":
+            plains.append(res)
+        else:
+            out.append(res)
+            if res["status"] == "ok" and (traffic := sampler.between(res["t_a"], res["t_b"])):
+                res.update(summarize_traffic(traffic, res["samples"], res["seconds"], link_rate, None))
+        line = (f"{res['samples_per_sec']:,.0f} samples/s" + (f", busiest link {res['busiest_link']}"
+                if res.get("busiest_link") else "") if res["status"] == "ok" else f"FAILED {res.get('error')}")
+        progress(f"[{rate} rep {rep + 1}] {row['label']}: {line} ({res['elapsed_s']:.0f} s)")
+    ok = [p["samples_per_sec"] for p in plains if p["status"] == "ok"]
+    plain = {**plains[0], "status": "ok" if ok else "failed", "samples_per_sec": statistics.mean(ok) if ok else None,
+             "runs": [p.get("samples_per_sec") for p in plains]}
+    for res in out:
+        if res["status"] == "ok" and ok:
+            res["ratio"] = res["samples_per_sec"] / plain["samples_per_sec"]
+            if res.get("busiest_bytes_per_sample"):
+                res["link_ceiling"] = link_rate / res["busiest_bytes_per_sample"] / plain["samples_per_sec"]
+    progress(f"[{rate} rep {rep + 1}] plain: {', '.join(fmt(x) for x in plain['runs'])} samples/s (first, last)")
+    return [plain, *out]
+
+
 # ------------------------------------------------------------------------------------ report
 def fmt(x: Any, spec: str = ",.0f") -> str:
     return "–" if x is None else format(x, spec)
@@ -310,34 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                         progress(f"{rate}: raw TCP {one * 8 / 1e9:.2f} Gbit/s one way; both ways at once "
                                  f"{both[0] * 8 / 1e9:.2f} + {both[1] * 8 / 1e9:.2f} Gbit/s")
                         for rep in range(args.reps):
-                            plain_sps = None
-                            for row in wanted:
-                                t0 = time.time()
-                                if row["kind"] == "plain":
-                                    res = run_plain(lab, args, workdir)
-                                elif row["kind"] == "ddp":
-                                    res = run_ddp(lab, args, workdir, row["bf16"])
-                                else:
-                                    res = run_dtrain(cluster, args, workdir, row)
-                                res.update(name=row["name"], label=row["label"], rate=rate, rep=rep,
-                                           elapsed_s=round(time.time() - t0, 1))
-                                if res["status"] == "ok" and row["kind"] == "plain":
-                                    plain_sps = res["samples_per_sec"]
-                                elif res["status"] == "ok":
-                                    res["ratio"] = res["samples_per_sec"] / plain_sps if plain_sps else None
-                                    traffic = sampler.between(res["t_a"], res["t_b"])
-                                    if traffic:
-                                        res.update(summarize_traffic(traffic, res["samples"], res["seconds"], one,
-                                                                     plain_sps))
-                                doc["results"].append(res)
-                                if res["status"] == "ok":
-                                    extra = "" if row["kind"] == "plain" else (
-                                        f", ratio {fmt(res.get('ratio'), '.2f')}, link ceiling "
-                                        f"{fmt(res.get('link_ceiling'), '.2f')} ({res.get('busiest_link')})")
-                                    progress(f"[{rate} rep {rep + 1}] {row['label']}: "
-                                             f"{res['samples_per_sec']:,.0f} samples/s{extra} ({res['elapsed_s']:.0f} s)")
-                                else:
-                                    progress(f"[{rate} rep {rep + 1}] {row['label']}: FAILED {res.get('error')}")
+                            doc["results"] += run_block(lab, cluster, sampler, args, workdir, wanted, rate, rep, one)
             finally:
                 cluster.close()
         doc["leftovers"] = lab.leftovers()

@@ -134,7 +134,7 @@ class Host:
     name: str
     index: int
     address: str
-    veth: str  # the host-side end, on the bridge
+    veth: str  # the outer end of its veth pair, on the bridge (eth0 is the inner one)
     holder: subprocess.Popen  # unshare
     init_pid: int  # unshare's child: PID 1 inside, the namespaces' owner
     procs: list[subprocess.Popen] = field(default_factory=list)
