@@ -50,18 +50,20 @@ def test_hosts_are_separate_machines_with_full_duplex_links():
         cmds = b.run(["sh", "-c", "cat /proc/[0-9]*/comm"]).stdout.split()
         assert cmds[0] == "sleep" and set(cmds) <= {"sleep", "sh", "cat", "nsenter"}, cmds
         assert str(a.init_pid) not in b.run(["ls", "/proc"]).stdout.split()
-        # Both ends shaped: each direction alone and both at once get the link's rate (a shared
-        # bucket, as on a shaped loopback, would give each ~half when both run at once).
+        # Both ends shaped: one direction alone gets the link's rate, and both at once get it
+        # twice over (a shared bucket, as on a shaped loopback, caps the two together at the
+        # rate). Each direction alone is at most the rate; when both run, each flow's ACKs queue
+        # behind the other's data, so the split between them may be uneven, not the sum.
         q = lab.qdiscs("a")
         assert "tbf" in q["into"] and "rate 200Mbit" in q["into"] and "rate 200Mbit" in q["out_of"], q
         (one,) = blast(lab, [("a", "b")], seconds=1.0)
-        both = blast(lab, [("a", "b"), ("b", "a")], seconds=1.0)
-        for rate in (one, *both):
-            assert 0.75 * RATE_BITS / 8 < rate < 1.1 * RATE_BITS / 8, (one, both)
+        assert 0.75 * RATE_BITS / 8 < one < 1.1 * RATE_BITS / 8, one
+        both = blast(lab, [("a", "b"), ("b", "a")], seconds=1.5)
+        assert sum(both) > 1.4 * RATE_BITS / 8 and max(both) < 1.1 * RATE_BITS / 8, both
         # A degraded link: the new rate holds at once, in both directions.
         lab.set_rate("b", "50mbit")
-        slow = blast(lab, [("a", "b"), ("b", "a")], seconds=1.0)
-        assert all(0.75 * 50e6 / 8 < r < 1.1 * 50e6 / 8 for r in slow), slow
+        slow = blast(lab, [("a", "b"), ("b", "a")], seconds=1.5)
+        assert sum(slow) > 1.4 * 50e6 / 8 and max(slow) < 1.1 * 50e6 / 8, slow
         # A partition: nothing gets through until it heals.
         lab.partition("b")
         cut = a.run([sys.executable, "-c", f"import socket; socket.create_connection(({b.address!r}, 9), timeout=1)"],
