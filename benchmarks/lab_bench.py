@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -327,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                            "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "tls": args.tls,
                            "hosts": host_names(tasks), "links": {}, "results": []}
     t_start = time.time()
+    # SIGTERM as an exception: the lab tears itself down first (lab/network.py), then this ends
+    # the run through the finally below, which writes what was measured and removes the workdir.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with Lab(host_names(tasks), rate=rates[0]) as lab:
             doc["addresses"] = {n: h.address for n, h in lab.hosts.items()}
