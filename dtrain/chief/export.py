@@ -43,6 +43,12 @@ EXPORT_FORMAT = 1
 ROW_BLOCK = 1 << 20  # rows converted and written at a time
 
 
+def model_section(spec_data: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's pipeline as data, without what does not define the model (its hooks: custom
+    ones need not be importable where the model is served)."""
+    return {**spec_data, "hooks": []}
+
+
 def pick(run_dir: Path, step: int | None) -> ckpt_io.Checkpoint:
     """The newest valid checkpoint of ``run_dir``, or the one of ``step`` (RunDirError otherwise)."""
     paths = ckpt_io.list_checkpoints(run_dir)
@@ -79,7 +85,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()):
         raise RunDirError(f"{out} is not empty: export into a new directory")
     payload = checkpoint.payload
-    spec = PipelineSpec.model_validate(payload["spec"])
+    spec = PipelineSpec.model_validate(model_section(payload["spec"]), context={"check_files": False})
     plan = compile(spec)
     written = payload.get("layout") or {}
     layout = ShardLayout.from_description(written) if written.get("parts") else ShardLayout.from_plan(plan)
@@ -115,7 +121,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, Any]:
     dense = layout.unpack(params, shapes)
     atomic_write(out / "model.pt", lambda f: torch.save(dense, f))
     index = {"format": EXPORT_FORMAT, "step": checkpoint.step, "checkpoint": checkpoint.path.name,
-             "spec": payload["spec"], "dense": "model.pt", "tables": tables}
+             "spec": model_section(payload["spec"]), "dense": "model.pt", "tables": tables}
     atomic_write(out / "export.json", (json.dumps(index, indent=1) + "\n").encode())
     return index
 

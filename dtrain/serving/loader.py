@@ -35,7 +35,7 @@ class ExportedModel:
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{index_path}: export format {self.index.get('format')!r}, this dtrain reads {FORMAT}")
         self.step = int(self.index["step"])
-        self.spec = PipelineSpec.model_validate(self.index["spec"])
+        self.spec = PipelineSpec.model_validate(self.index["spec"], context={"check_files": False})
         self.model = build_model(self.spec, gathered_tables=True)
         dense = torch.load(self.path / self.index["dense"], weights_only=True, map_location="cpu")
         missing = set(dict(self.model.named_parameters())) - set(dense) - set(self.index["tables"])

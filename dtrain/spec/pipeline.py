@@ -213,7 +213,7 @@ class PipelineSpec(Strict):
         if not problems and elastic_of(self) is not None and stage_tasks(self) > 1:
             problems.append((("cluster", "jobs", self.placement.worker_job), "elastic replicas cannot be pipeline "
                              "stages (a stage needs its neighbours); give the job a number of tasks"))
-        self._check_data(problems, base_dir)
+        self._check_data(problems, base_dir, files=(info.context or {}).get("check_files", True))
         self._check_stream(problems, base_dir)
         self._check_imports(problems)
         self._check_tables(problems)
@@ -243,7 +243,10 @@ class PipelineSpec(Strict):
             if hook.type not in BUILTIN_HOOKS and (why := missing_module(hook.type)):
                 problems.append((("hooks", i, "type"), f"custom hook: {why}"))
 
-    def _check_data(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path) -> None:
+    def _check_data(self, problems: list[tuple[tuple[str | int, ...], str]], base_dir: Path,
+                    files: bool = True) -> None:
+        """The data section against the model; ``files``: also that the data files exist (not for a
+        checkpoint's pipeline read back to serve its model: its data may be elsewhere by then)."""
         from dtrain.data.shards import ShardError, discover, is_sharded
         from dtrain.data.sources import FILE_SUFFIXES, SKLEARN_DATASETS, data_source_kind, resolve_data_path
 
@@ -268,6 +271,8 @@ class PipelineSpec(Strict):
             elif name == "diabetes" and loss == "cross_entropy":
                 problems.append((("data", "source"), "sklearn:diabetes is a regression dataset; "
                                  "set model.loss: mse"))
+        elif kind == "file" and not files:
+            pass
         elif kind == "file" and is_sharded(source, base_dir):
             for key in ("source", "eval_source"):
                 value = getattr(data, key)

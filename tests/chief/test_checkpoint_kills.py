@@ -1,0 +1,82 @@
+"""Checkpoints written in the background by the ps tasks, with the whole `dtrain run` process group
+SIGKILLed while parts are being written (at seeded moments after a checkpoint fell due): every
+checkpoint with a manifest is complete and verifies (each part's sha256), a directory of parts
+without one is never used, and a resume restores exactly what was snapshotted (the resumed run's
+model, with no step trained, equals the export of that checkpoint, tables included)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dtrain.chief import checkpoint as ckpt
+from dtrain.ps.part_writer import read_part_file
+from tests.chief.test_recovery import finish, start_run, wait_for_step
+from tests.helpers.paths import ROOT
+
+pytestmark = pytest.mark.processes
+
+# The 1TB pipeline's 26 tables at 1/40 of their rows (4.7M rows, about 180 MB of parts per
+# checkpoint): parts take a while to write, so a kill lands while they are written.
+SCALE = 40
+
+
+def settings(steps: int) -> list[str]:
+    import dtrain
+
+    spec = dtrain.load(ROOT / "pipelines" / "dlrm_criteo_1tb.yaml")
+    out = [f"model.tables.{name}.num_embeddings={max(1, t.num_embeddings // SCALE)}"
+           for name, t in spec.model.tables.items()]
+    out += [f"training.steps={steps}", "data.epochs=null", "data.batch_size=128", "summary.every_steps=5",
+            "summary.tensorboard=false", "checkpoint={every_steps: 10, keep: 3}", "data.test_fraction=0.25"]
+    return [a for s in out for a in ("--set", s)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_restore_exactly(tmp_path, seed):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/dlrm_criteo_1tb.yaml", "--run-dir",
+                             str(run_dir), "--quiet", *settings(1000)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "ckpt-00000010.json").exists():  # one periodic checkpoint first
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    wait_for_step(proc, run_dir, 20 + 10 * seed)  # then the next one falls due ...
+    time.sleep(random.Random(seed).uniform(0.0, 1.0))  # ... and is being written
+    os.killpg(proc.pid, signal.SIGKILL)  # the chief, the scheduler, the ps tasks and their writers
+    proc.communicate()
+    committed = ckpt.list_checkpoints(run_dir)
+    assert committed, "no checkpoint committed before the kill"
+    for path in committed:  # every manifest's parts are there, whole
+        payload = ckpt.verify(path)
+        for part in payload["parts"]:
+            read_part_file(path / part["file"], part["bytes"], part["sha256"])
+    newest = ckpt.latest(run_dir)
+    assert newest.path == committed[-1]
+
+    out = tmp_path / "export"
+    code = subprocess.run([sys.executable, "-m", "dtrain.cli", "export", str(run_dir), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert code.returncode == 0, code.stderr[-2000:]
+    resumed = start_run("pipelines/dlrm_criteo_1tb.yaml", run_dir, *settings(newest.step), "--resume")
+    rc, _, err = finish(resumed)
+    assert rc == 0, err[-3000:]
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    exported = torch.load(out / "model.pt", weights_only=True)
+    for name, value in exported.items():
+        assert torch.equal(model[name], value), name
+    import numpy as np
+
+    for name in ("tables.C1.weight", "tables.C10.weight", "tables.C26.weight"):
+        stem = name.removesuffix(".weight")
+        rows = torch.from_numpy(np.load(out / "tables" / f"{stem}.npy"))
+        assert torch.equal(model[name], rows), name  # drawn and undrawn rows alike
