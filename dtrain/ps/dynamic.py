@@ -243,9 +243,10 @@ class DynamicTablePart:
                 "freq": torch.from_numpy(self.freq), "optimizer": self.optimizer.state_dict(), "clock": self.clock,
                 "counters": dict(self.counters)}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], done: Any = None) -> None:
         """Rows from a state written by any number of parts (each row kept only if it lives here;
-        slots marked free, id -1, skipped)."""
+        slots marked free, id -1, skipped); ``done(tensor)`` for each of the state's, once read
+        (``TablePart.load_state``)."""
         ids = state["ids"].to(torch.int64)
         mine = ((ids >= 0) & (home_part(ids, self.num_parts) == self.part) if len(ids)
                 else torch.zeros(0, dtype=torch.bool))
@@ -270,6 +271,9 @@ class DynamicTablePart:
         scalars = {k: v for k, v in opt.items() if not isinstance(v, torch.Tensor)}
         self.optimizer.load_state_dict(_pad_rows({**scalars, **rows}, n, self.optimizer.tensors()))
         self._pending = []
+        if done is not None:
+            for t in (state["weight"], *(v for v in opt.values() if isinstance(v, torch.Tensor))):
+                done(t)
 
     @property
     def nbytes(self) -> int:

@@ -127,6 +127,22 @@ def cloned(state: Any) -> Any:
     return state
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def drop_pages(t: torch.Tensor) -> None:
+    """Give back the pages that reading ``t`` faulted in, ``t`` being a tensor of a part
+    :func:`read_part_file` memory-mapped (never another: its memory would be lost): they are the
+    file's, read again if touched. A restore then holds one chunk of its part at a time, not the
+    whole part beside the task's own rows (Linux; elsewhere nothing is done)."""
+    n = t.numel() * t.element_size()
+    start = t.data_ptr()
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + n) // _PAGE * _PAGE
+    if hi > lo:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+
+
 def _die_with_parent() -> None:
     """Linux: the writer gets SIGKILL when the task that forked it dies (no orphan writer goes on
     filling a checkpoint nobody will commit)."""

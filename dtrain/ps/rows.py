@@ -263,9 +263,11 @@ class TablePart:
         return {"weight": self.weight[start:stop].clone(),
                 "optimizer": {k: v[start:stop].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], done: Any = None) -> None:
         """Restore :meth:`state`'s output. Rows of another storage dtype are converted (rounded to
-        nearest); optimizer state of another row optimizer is refused."""
+        nearest); optimizer state of another row optimizer is refused. The rows are copied a block
+        at a time, and ``done(block)`` called with each block of the state once copied (a restore
+        from a memory-mapped part gives its pages back: ``dtrain.ps.part_writer.drop_pages``)."""
         where = f"table {self.name} part {self.part}"
         if tuple(state["weight"].shape) != tuple(self.weight.shape):
             raise ValueError(f"{where}: a state of shape {tuple(state['weight'].shape)}, "
@@ -280,13 +282,23 @@ class TablePart:
             self.optimizer.load_state_dict(opt)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        fresh = state.get("fresh")
-        if self._fresh is not None and fresh is not None:  # undrawn rows stay undrawn (and untouched: no memory)
-            drawn = torch.nonzero(~fresh).flatten()
-            self.weight[drawn] = state["weight"][drawn].to(self.weight.dtype)
+        fresh, weight = state.get("fresh"), state["weight"]
+        keep = self._fresh is not None and fresh is not None  # undrawn rows stay undrawn (and untouched: no memory)
+        for lo in range(0, len(weight), CHUNK_ROWS):
+            block = weight[lo:lo + CHUNK_ROWS]
+            if keep:
+                drawn = torch.nonzero(~fresh[lo:lo + CHUNK_ROWS]).flatten()
+                self.weight[drawn + lo] = block[drawn].to(self.weight.dtype)
+            else:
+                self.weight[lo:lo + CHUNK_ROWS].copy_(block)
+            if done is not None:
+                done(block)
+        if keep:
             self._fresh.copy_(fresh)
-        else:
-            self.weight.copy_(state["weight"])
+        if done is not None:
+            for t in opt.values():
+                if isinstance(t, torch.Tensor):
+                    done(t)
         if self._fresh is not None and fresh is None:  # (every row's value came with the state)
             self._fresh.zero_()
         if self._fresh is None and fresh is not None and bool(fresh.any()):

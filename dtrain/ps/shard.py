@@ -43,7 +43,7 @@ from .averages import make_average
 from .control import ShardControl
 from .fastpath import DirectPush
 from .optim import make_optimizer
-from .part_writer import PartWriter, cloned, read_part_file
+from .part_writer import PartWriter, cloned, drop_pages, read_part_file
 from .replication import Apply, AsyncPolicy, StalenessGate
 from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
@@ -408,8 +408,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in self.tables.items()}
         return out
 
-    async def set_state(self, state: dict[str, Any]) -> int:
-        """Restore from :meth:`get_state`'s output (a checkpoint)."""
+    async def set_state(self, state: dict[str, Any], done: Any = None) -> int:
+        """Restore from :meth:`get_state`'s output (a checkpoint; ``done``: ``TablePart.load_state``'s)."""
         with self.lock:
             with torch.no_grad():
                 self.param.copy_(state["params"])
@@ -418,7 +418,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 self.averages.load(state.get("averages"), self.param)
             for name, part in self.tables.items():
                 if name in (state.get("tables") or {}):
-                    part.load_state(unpack_state(state["tables"][name]))
+                    part.load_state(unpack_state(state["tables"][name]), done)
             self._clear_rows()
             step = int(state["step"])
             self.sync.reset(step)
@@ -461,7 +461,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         """Restore this task from its part of a checkpoint, read and verified here (BadPartError
         unless its size and sha256 are the manifest's); returns the step."""
         state = await asyncio.get_running_loop().run_in_executor(None, read_part_file, path, nbytes, sha256)
-        return await self.set_state(state)
+        return await self.set_state(state, done=drop_pages)
 
     # ------------------------------------------------------------------ socket data plane
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",
