@@ -46,7 +46,7 @@ lint: $(STAMP)
 # The pipeline reference (docs/reference.md) must equal its generator's output; any MkDocs warning
 # (a broken link or anchor, a page left out of the nav) fails the build.
 docs: $(STAMP)
-	$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
 	$(PY) docs/gen_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
