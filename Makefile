@@ -1,4 +1,5 @@
-# dtrain: `make run` trains the main pipeline on the embedded cluster; `make test` runs the tests.
+# dtrain: `make run` trains the main pipeline on the embedded cluster; `make test` runs the tests;
+# `make docs` builds the documentation site (docs/, mkdocs.yml) into build/site with --strict.
 # Both create the virtual environment when it is missing. Without an NVIDIA GPU the CPU build
 # of torch is installed (constraints-cpu.txt), so no multi-GB CUDA download happens.
 PYTHON ?= python3
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.dtrain-installed
 PIPELINE ?= pipelines/digits_async.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv chromium run test lint bench bench-dashboard bench-rec-env bench-rec clean
+.PHONY: venv chromium run test lint docs bench bench-dashboard bench-rec-env bench-rec clean
 
 venv: $(STAMP)
 
@@ -40,6 +41,14 @@ test: $(STAMP) chromium
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples
+
+# The site's tools are the `docs` extra, installed here when missing (never a main dependency).
+# The pipeline reference (docs/reference.md) must equal its generator's output; any MkDocs warning
+# (a broken link or anchor, a page left out of the nav) fails the build.
+docs: $(STAMP)
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	$(PY) docs/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py

@@ -1,6 +1,6 @@
 """dtrain: Distributed TensorFlow's parameter-server architecture for PyTorch, on Dask.
 
-Public API (see the README): ``load``, ``PipelineSpec``, ``compile``, ``run``, ``build_model``,
+Public API (docs/api.md): ``load``, ``PipelineSpec``, ``compile``, ``run``, ``build_model``,
 ``DeviceSpec``, ``Hook``, ``adapt``. Heavy modules (torch, dask) are imported on first use.
 """
 

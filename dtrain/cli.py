@@ -1,6 +1,6 @@
 """The ``dtrain`` command: run, validate, plan, schema, worker.
 
-Exit codes (README, Command line): 0 success; 2 invalid pipeline or usage (nothing started, nothing
+Exit codes (docs/cli.md): 0 success; 2 invalid pipeline or usage (nothing started, nothing
 written); 1 a run that failed; 130 on SIGINT and 143 on SIGTERM.
 """
 

@@ -1,5 +1,5 @@
 """The `dtrain` command as users run it: real processes, an embedded cluster of real Dask
-worker processes, exit codes as the README states them."""
+worker processes, exit codes as docs/cli.md states them."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 - the ps side and the worker side never import the chief;
 - nothing below the chief imports the chief or deployment (Spec -> Plan -> run, one direction);
 - the replication rules are a pure state machine;
-- every module is at most 500 lines (README "Development" says which may not be).
+- every module is at most 500 lines (docs/development.md says which may not be).
 """
 
 from __future__ import annotations

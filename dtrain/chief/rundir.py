@@ -1,4 +1,4 @@
-"""The run directory (README, Run directory) and what a run returns.
+"""The run directory (docs/cli.md, "Run directory") and what a run returns.
 
 Every file the chief writes there goes through :func:`atomic_write` (temp file, fsync, rename,
 directory fsync): readers see the old file or the new one, never a torn one. Training runs

@@ -6,7 +6,7 @@ newest checkpoint on ``--resume``, submits one long-running replica future per w
 (pinned by address, never stolen), then follows progress by polling ps task 0 a few times a
 second (replicas are never slowed by it): summaries, hooks, evaluation, checkpoints due, lost
 tasks (handed to :class:`~dtrain.chief.recovery.Recovery`) and the end of the run, and writes the
-run directory (README, Run directory). The tensor math lives in the ps and worker planes.
+run directory (docs/cli.md, "Run directory"). The tensor math lives in the ps and worker planes.
 """
 
 from __future__ import annotations

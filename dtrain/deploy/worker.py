@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _warn_all_interfaces(args: argparse.Namespace, use_tls: bool) -> None:
     """Without ``--host`` Dask listens on every interface (0.0.0.0): say so, louder without TLS,
-    where anyone who reaches the port can run code as this user (README "Security")."""
+    where anyone who reaches the port can run code as this user (docs/security.md)."""
     if args.host is not None or any(a.startswith(("--listen-address", "--host")) for a in args.dask_args):
         return
     risk = ("connections are TLS-authenticated" if use_tls else

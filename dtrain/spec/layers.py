@@ -114,7 +114,7 @@ class ModelSpec(Strict):
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, description="Shape of one example without the batch dimension, e.g. [64] or [1, 28, 28]."
     )
-    layers: list[Layer] | None = Field(None, description="Layers applied in order (see the README for each type).")
+    layers: list[Layer] | None = Field(None, description="Layers applied in order (docs/pipeline-file.md describes each type).")
     module: str | None = Field(
         None, description="Import path of an nn.Module class or factory, 'package.module:Name' (instead of layers)."
     )

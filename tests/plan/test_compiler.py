@@ -1,4 +1,4 @@
-"""Tests for dtrain.compiler: spec -> Plan, pure, with the `dtrain plan --json` contract (README, Command line)."""
+"""Tests for dtrain.compiler: spec -> Plan, pure, with the `dtrain plan --json` contract (docs/cli.md)."""
 
 from __future__ import annotations
 
