@@ -43,7 +43,10 @@ SHM = Path("/dev/shm")
 # check's own test need not wait it out).
 GRACE_S = float(os.environ.get("DTRAIN_TEST_LEAK_GRACE_S", "10"))
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-CACHES = ("torchinductor_",)  # made once per user on first use and kept by design: no leak
+# Made on first use and kept by design: torch's compile cache, and Dask's scratch directory (whose
+# per-worker directories inside are checked: each goes with its worker).
+CACHES = ("torchinductor_", "dask-scratch-space")
+SCRATCH = "dask-scratch-space"
 _TOKEN = f"{os.getpid()}-{secrets.token_hex(4)}"
 _NEEDLE = f"{MARKER}={_TOKEN}:".encode()
 _ME = os.getpid()
@@ -175,9 +178,14 @@ def _tmp() -> set[str]:
     if _state.tmpdir is None:
         return set()
     try:
-        return {n for n in os.listdir(_state.tmpdir) if not n.startswith(CACHES)} - {_own_mp_dir()}
+        names = {n for n in os.listdir(_state.tmpdir) if not n.startswith(CACHES)} - {_own_mp_dir()}
     except OSError:
         return set()
+    try:
+        names |= {f"{SCRATCH}/{n}" for n in os.listdir(_state.tmpdir / SCRATCH) if not n.endswith(".lock")}
+    except OSError:
+        pass
+    return names
 
 
 def _ticks() -> int:
