@@ -50,9 +50,15 @@ def cluster():
 
 
 def lose(cluster: SpecCluster, name: str, come_back: bool) -> None:
-    """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name."""
+    """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name.
+    A closed worker's actors live on in this process, their data-plane listeners open until a lease
+    that needs the closed worker's loop: closed here, as a dead process's would be."""
     worker = cluster.workers.pop(name)
+    actors = list(worker.state.actors.values())
     cluster.sync(worker.close)
+    for actor in actors:
+        if getattr(actor, "_server", None) is not None:
+            actor._server.close()
     if come_back:
         time.sleep(0.5)
         cluster.sync(cluster._correct_state)  # the spec still lists it: a new worker is started
@@ -203,4 +209,5 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
             assert group.handles[0].stats().result(timeout=5)["step"] == 0  # the live shard still answers
         finally:
             group.stop_renewing()
+            group.close_data_plane()  # as the session does at the end (the lost shard's is closed by lose)
             client.cancel(group.futures, force=True)
