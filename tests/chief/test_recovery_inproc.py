@@ -89,6 +89,7 @@ def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: f
     raise AssertionError(f"step {step} not reached")
 
 
+@pytest.mark.slow
 def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
@@ -124,6 +125,7 @@ def test_async_goes_on_after_a_lost_worker_and_its_replica_restarts(cluster, tmp
     assert s["eval"]["accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_path, monkeypatch):
     """ps-1 is lost; while the chief recreates the shards, ps-1 is lost once more (its restarted
     worker closes as the actors are created): the chief recovers again, within max_recoveries."""
@@ -180,6 +182,7 @@ def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoin
     assert s["eval"]["accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_calls_to_every_shard_survive_a_lost_one(cluster):
     """A lost ps's actor handle refuses every method at once (RuntimeError "Worker holding Actor
     was lost", raised where the call is made, not by its future): the telemetry's read of every
