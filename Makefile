@@ -8,7 +8,7 @@ STAMP := $(VENV)/.dtrain-installed
 PIPELINE ?= pipelines/digits_async.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint bench bench-rec-env bench-rec clean
+.PHONY: venv run test test-fast test-slow lint bench bench-rec-env bench-rec clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,15 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite in two tiers (README, Development): `make test` runs both, as CI does.
+FAST := not processes and not slow
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "not ($(FAST))" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples
