@@ -44,7 +44,8 @@ SHM = Path("/dev/shm")
 GRACE_S = float(os.environ.get("DTRAIN_TEST_LEAK_GRACE_S", "10"))
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # Made on first use and kept by design: torch's compile cache, and Dask's scratch directory (whose
-# per-worker directories inside are checked: each goes with its worker).
+# per-worker directories inside are checked: each goes with its worker; its lock files are Dask's
+# bookkeeping, a killed worker's purged by the next worker to start).
 CACHES = ("torchinductor_", "dask-scratch-space")
 SCRATCH = "dask-scratch-space"
 _TOKEN = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -182,7 +183,7 @@ def _tmp() -> set[str]:
     except OSError:
         return set()
     try:
-        names |= {f"{SCRATCH}/{n}" for n in os.listdir(_state.tmpdir / SCRATCH) if not n.endswith(".lock")}
+        names |= {f"{SCRATCH}/{n}" for n in os.listdir(_state.tmpdir / SCRATCH) if not n.endswith((".lock", ".dirlock"))}
     except OSError:
         pass
     return names
