@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dtrain-installed
 PIPELINE ?= pipelines/digits_async.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv chromium run test lint docs bench bench-dashboard bench-rec-env bench-rec clean
+.PHONY: venv chromium run test test-fast test-slow lint docs bench bench-dashboard bench-rec-env bench-rec clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,15 @@ chromium:
 
 test: $(STAMP) chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite in two tiers (README, Development): `make test` runs both, as CI does.
+FAST := not processes and not slow
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "not ($(FAST))" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -115,7 +115,12 @@ def _exit_now(code: int) -> None:
     or dataclass being created, as ``import torch`` does many times) as unhandled even when it
     is caught, and then ends the process with SIGINT instead of its exit code (``exit_sigint`` in
     ``Py_RunMain``): a Ctrl-C during start-up exited -2, not 130. Only ``os._exit`` gets past it,
-    so stdio and the logs are flushed first. ``main`` is the process's entry point."""
+    so the exit handlers run first (multiprocessing's removes the forkserver's directory under
+    /tmp, the embedded cluster's warm parent is stopped) and stdio and the logs are flushed.
+    ``main`` is the process's entry point."""
+    atexit._run_exitfuncs()  # each runs once: a second call finds none left
+    if "dtrain.deploy.forkserver" in sys.modules:  # the embedded cluster's warm parent: no lingering
+        sys.modules["dtrain.deploy.forkserver"].stop()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -347,11 +352,7 @@ def entry() -> None:
     """The ``dtrain`` command's process: ``main``, its exit handlers, then an exit that skips the
     interpreter's teardown of its modules (0.6 s with torch imported, 1.6 s after a run: nothing
     of the run's is left to do by then; the streams and logs are flushed)."""
-    code = main()
-    atexit._run_exitfuncs()
-    if "dtrain.deploy.forkserver" in sys.modules:  # the embedded cluster's warm parent: no lingering
-        sys.modules["dtrain.deploy.forkserver"].stop()
-    _exit_now(code)
+    _exit_now(main())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Shared fixtures: one in-process Dask cluster for the whole session (fast), and helpers to
-build small pipelines. Tests that need real worker processes start their own and stop them."""
+build small pipelines. Tests that need real worker processes start their own and stop them.
+The leak check that runs after every test is tests/helpers/leaks.py."""
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import dask
@@ -12,6 +11,8 @@ import pytest
 from distributed import Client, Scheduler, SpecCluster, Worker
 
 from dtrain.deploy.cluster import HOUSEKEEPING
+
+pytest_plugins = ["tests.helpers.leaks"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "pipelines"
@@ -51,42 +52,3 @@ def run_dir(tmp_path):
 
 def pipeline(name: str) -> Path:
     return PIPELINES / name
-
-
-def _shm_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("dtrain-")} if os.path.isdir("/dev/shm") else set()
-
-
-def _tls_dirs() -> set[str]:
-    import tempfile
-
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("dtrain-tls-")}
-
-
-def _is_resource_tracker(p) -> bool:
-    """multiprocessing's resource tracker, which a LocalCluster's spawned workers start, or its
-    forkserver, the embedded cluster's warm parent (dtrain/deploy/forkserver.py): each lives as long
-    as this interpreter (it ends when its pipe from here closes) and is no worker."""
-    try:
-        return any(m in part for part in p.cmdline()
-                   for m in ("multiprocessing.resource_tracker", "multiprocessing.forkserver"))
-    except Exception:
-        return False
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _no_leaked_children():
-    """No worker, scheduler or nanny process outlives the suite, and neither does a shared-memory
-    file or a temporary TLS directory of the data plane."""
-    import psutil
-
-    shm, tls = _shm_files(), _tls_dirs()
-    yield
-    assert _shm_files() <= shm, f"/dev/shm files left behind: {sorted(_shm_files() - shm)}"
-    assert _tls_dirs() <= tls, f"temporary TLS directories left behind: {sorted(_tls_dirs() - tls)}"
-    me = psutil.Process(os.getpid())
-    alive = [p for p in me.children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-             and not _is_resource_tracker(p)]
-    gone, alive = psutil.wait_procs(alive, timeout=10)
-    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
-    assert threading.active_count() < 200

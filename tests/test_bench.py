@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.slow  # the benchmarks' harness, not dtrain
+
 BENCH = ROOT / "benchmarks" / "bench.py"
 
 

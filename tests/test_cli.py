@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.slow  # a `dtrain` process (Python, torch) per command
+
 
 def dtrain(*args: str, timeout: float = 240, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -9,6 +9,8 @@ import pytest
 
 from tests.test_cli import dtrain
 
+pytestmark = pytest.mark.slow  # a `dtrain` process per command
+
 MODULE_PIPELINE = """name: staged-module
 cluster: {{jobs: {{ps: 1, worker: 2}}}}
 model:

@@ -14,6 +14,8 @@ from dtrain.spec.errors import SpecError
 from tests.helpers import shards
 from tests.test_cli import dtrain
 
+pytestmark = pytest.mark.slow  # a `dtrain` process per command
+
 PIPELINE = """name: s
 cluster: {{jobs: {{ps: 1, worker: 2}}}}
 model: {{input_shape: [4], layers: [{{type: linear, out: 2}}], loss: cross_entropy}}

@@ -96,16 +96,10 @@ def test_repository_paths_named_in_the_docs_exist(path):
     assert not missing, f"{_rel(path)} names files that do not exist: {missing}"
 
 
-# Contributor notes on the test suite's history, kept as written until that section is next revised.
-ISSUE_NUMBERS_ALLOWED = {"docs/development.md"}
-
-
 @pytest.mark.parametrize("path", FILES, ids=_rel)
 def test_no_issue_numbers(path):
     """User documentation describes dtrain as it is, not the tracker's history. Upstream references
     (`tensorflow#5022`) are fine."""
-    if _rel(path) in ISSUE_NUMBERS_ALLOWED:
-        pytest.skip("kept as written for now")
     found = re.findall(r"(?i)\bissues? #?\d+(?: and \d+)?|(?<![\w/])#\d+\b", _prose(path.read_text()))
     assert not found, f"{_rel(path)} mentions {found}"
 

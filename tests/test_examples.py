@@ -15,6 +15,8 @@ import torch
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.slow  # each example is a Python process of its own
+
 TIMEOUT_S = 240
 
 

@@ -37,7 +37,9 @@ def overrides_for(path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", PIPELINES, ids=[p.stem for p in PIPELINES])
+# The two DLRM pipelines (large sparse tables, even shrunk) take 8-10 s each: the slow tier runs them.
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem.startswith("dlrm_") else [])
+                                  for p in PIPELINES])
 def test_pipeline_runs(path, inproc_client, tmp_path):
     spec = dtrain.load(path, overrides=overrides_for(path))
     plan = dtrain.compile(spec)

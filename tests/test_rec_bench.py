@@ -20,6 +20,8 @@ import pytest
 import dtrain
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.slow  # the benchmarks' harness, not dtrain
+
 BENCH = ROOT / "benchmarks" / "rec_bench.py"
 GENERATOR = ROOT / "examples" / "make_criteo_like.py"
 

@@ -47,8 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 def lease_seconds(spec: PipelineSpec) -> float:
-    """How long a shard outlives its chief's last renewal: well past anything the chief waits for
-    (a worker-ttl to declare a task lost, several times over), and at least a minute."""
+    """How long a shard outlives its chief's last renewal: ``cluster.lease_s``, or by default well
+    past anything the chief waits for (a worker-ttl to declare a task lost, several times over),
+    and at least a minute."""
+    if spec.cluster.lease_s is not None:
+        return spec.cluster.lease_s
     return max(60.0, 4.0 * spec.cluster.worker_ttl_s)
 
 

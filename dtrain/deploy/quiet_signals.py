@@ -10,13 +10,36 @@ reaches the server too. Were it to die, multiprocessing in the chief would read 
 forked from it as exited (its exit status comes through the server), and the nannies would take
 the live ps and replica workers for lost while the chief is writing its interrupt checkpoint. The
 server still ends with the chief (its pipe from the chief closes), and ``dtrain`` ends it as it exits.
+
+A chief that was killed (SIGKILL, the OOM killer) cannot remove the directory of the server's
+socket (``/tmp/pymp-*``, removed by the chief's exit handlers otherwise): the server, ending after
+it, removes it then.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import signal
 
 from dtrain.deploy.preload import IGNORED
+
+_SERVER, _CHIEF = os.getpid(), os.getppid()
+
+
+def _remove_orphaned_directory() -> None:
+    """At the server's exit (not a forked worker's), when its chief is gone: its socket's directory."""
+    if os.getpid() != _SERVER or os.getppid() == _CHIEF:
+        return
+    from multiprocessing import forkserver
+
+    address = getattr(forkserver._forkserver, "_forkserver_address", None)
+    if isinstance(address, str) and os.path.basename(os.path.dirname(address)).startswith("pymp-"):
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+atexit.register(_remove_orphaned_directory)
 
 for _sig in IGNORED:
     signal.signal(_sig, signal.SIG_IGN)

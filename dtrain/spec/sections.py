@@ -146,6 +146,12 @@ class ClusterSpec(Strict):
         30.0, gt=0, le=WEEK_S,
         description="Embedded cluster: seconds of silence after which the scheduler drops a worker (at most a week)."
     )
+    lease_s: float | None = Field(
+        None, gt=0, le=WEEK_S,
+        description="Seconds each ps shard keeps serving without a renewal from the chief (it renews every quarter "
+        "lease): after that it stops its replicas and closes its data plane, so the workers of a killed chief "
+        "hold nothing. Default (null): max(60, 4 x worker_ttl_s), well past anything a live chief waits for; "
+        "a shorter lease frees a dead run's workers sooner but may stop the shards of a chief that is only slow.")
     memory_limit: str = Field(
         "4GiB", description="Embedded cluster: memory limit of each worker process: a size such as 4GiB or 512MB "
         "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; at least 64MiB), 'auto' (Dask's share of the machine) or 0 "

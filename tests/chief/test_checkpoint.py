@@ -345,20 +345,32 @@ checkpoint: {every_steps: 40, keep: 2}
 """
 
 
+@pytest.fixture(scope="module")
+def reshard_runs(inproc_client, tmp_path_factory):
+    """The uninterrupted 80-step run's parameters and the run directory of its first 40 steps
+    (each resume below starts from a copy): shared by the placements."""
+    spec = dtrain.loads(RESHARD, base_dir=".")
+    base = tmp_path_factory.mktemp("reshard")
+    ref = dtrain.run(spec, client=inproc_client, run_dir=base / "ref")
+    first = spec.model_copy(deep=True)
+    first.training.steps = 40
+    dtrain.run(first, client=inproc_client, run_dir=base / "run")
+    return ref.model.state_dict(), base / "run"
+
+
 @pytest.mark.parametrize("placement", [["cluster.jobs.ps=1"], ["cluster.jobs.ps=3"], ["placement.variables=greedy"]])
-def test_a_resume_under_another_placement_reshards_variables_and_adam_state(inproc_client, tmp_path, placement):
+def test_a_resume_under_another_placement_reshards_variables_and_adam_state(inproc_client, reshard_runs, tmp_path,
+                                                                            placement):
     """Written by 2 ps tasks (round robin), resumed by 1 or 3 ps tasks or under greedy placement: every
     variable and its Adam moments and step count are regrouped, and training goes on exactly as
     an uninterrupted run's (sync, fixed seed)."""
     spec = dtrain.loads(RESHARD, base_dir=".")
-    ref = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "ref")
-    first = spec.model_copy(deep=True)
-    first.training.steps = 40
-    dtrain.run(first, client=inproc_client, run_dir=tmp_path / "run")
+    a, first_run = reshard_runs
+    shutil.copytree(first_run, tmp_path / "run")
     other = dtrain.loads(RESHARD, base_dir=".", overrides=placement)
     assert ShardLayout.from_plan(dtrain.compile(other)).describe() != ShardLayout.from_plan(dtrain.compile(spec)).describe()
     resumed = dtrain.run(other, client=inproc_client, run_dir=tmp_path / "run", resume=True)
     assert resumed.summary["status"] == "completed" and resumed.summary["start_step"] == 40
     assert resumed.summary["global_step"] == 80
-    a, b = ref.model.state_dict(), resumed.model.state_dict()
+    b = resumed.model.state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6

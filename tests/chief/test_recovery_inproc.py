@@ -50,9 +50,15 @@ def cluster():
 
 
 def lose(cluster: SpecCluster, name: str, come_back: bool) -> None:
-    """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name."""
+    """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name.
+    A closed worker's actors live on in this process, their data-plane listeners open until a lease
+    that needs the closed worker's loop: closed here, as a dead process's would be."""
     worker = cluster.workers.pop(name)
+    actors = list(worker.state.actors.values())
     cluster.sync(worker.close)
+    for actor in actors:
+        if getattr(actor, "_server", None) is not None:
+            actor._server.close()
     if come_back:
         time.sleep(0.5)
         cluster.sync(cluster._correct_state)  # the spec still lists it: a new worker is started
@@ -83,6 +89,7 @@ def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: f
     raise AssertionError(f"step {step} not reached")
 
 
+@pytest.mark.slow
 def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
@@ -118,6 +125,7 @@ def test_async_goes_on_after_a_lost_worker_and_its_replica_restarts(cluster, tmp
     assert s["eval"]["accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_path, monkeypatch):
     """ps-1 is lost; while the chief recreates the shards, ps-1 is lost once more (its restarted
     worker closes as the actors are created): the chief recovers again, within max_recoveries."""
@@ -174,6 +182,7 @@ def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoin
     assert s["eval"]["accuracy"] >= 0.9
 
 
+@pytest.mark.slow
 def test_calls_to_every_shard_survive_a_lost_one(cluster):
     """A lost ps's actor handle refuses every method at once (RuntimeError "Worker holding Actor
     was lost", raised where the call is made, not by its future): the telemetry's read of every
@@ -203,4 +212,5 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
             assert group.handles[0].stats().result(timeout=5)["step"] == 0  # the live shard still answers
         finally:
             group.stop_renewing()
+            group.close_data_plane()  # as the session does at the end (the lost shard's is closed by lose)
             client.cancel(group.futures, force=True)

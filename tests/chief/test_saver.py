@@ -91,6 +91,7 @@ def test_retention_keeps_the_newest_and_one_per_period():
     assert ckpt.to_delete(kept, keep=2, keep_every_n_hours=1.0) == [3]  # 3.0 h: not an hour after 2.1 h
 
 
+@pytest.mark.slow  # 12 s by design: the rule keeps checkpoints by their age
 def test_keep_every_n_hours_in_a_run(inproc_client, run_dir):
     # 0.0005 h = 1.8 s: the checkpoints are every 10 steps of a model that takes 0.1 s a step, so
     # about one in two survives among the older ones, beside the newest 2.

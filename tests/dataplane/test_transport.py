@@ -128,12 +128,12 @@ def test_not_a_data_plane_is_detected():
 
 
 def test_ps_error_travels_back(loop, shm):
-    shard = make_shard(n=10)
+    shard = make_shard(n=10, barrier_timeout_s=0.5)
     server = ShardServer(shard, loop, b"e" * 32)
     client = SocketShard(server.host, server.port, b"e" * 32, replica=0, numel=10, timeout=30, shared_memory=shm)
     try:
         with pytest.raises(DataPlaneError, match="BarrierTimeout|waited"):
-            client.pull(5).result(timeout=30)  # the shard never reaches step 5: its 5 s barrier times out
+            client.pull(5).result(timeout=30)  # the shard never reaches step 5: its 0.5 s barrier times out
     finally:
         client.close()
         server.close()

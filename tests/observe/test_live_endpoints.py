@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 import dtrain
+
+pytestmark = pytest.mark.slow  # 1,200 steps of a slowed model, scraped as it trains
 
 
 def test_metrics_and_dashboard_page_during_a_run(tmp_path):

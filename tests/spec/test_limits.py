@@ -23,6 +23,8 @@ SNIPPETS = [
     ("training: {call_timeout_s: 1.0e+10}", "training.call_timeout_s", "must be <= 604800"),
     ("cluster: {wait_s: .inf}", "cluster.wait_s", "finite"),
     ("cluster: {worker_ttl_s: 1.0e+10}", "cluster.worker_ttl_s", "must be <= 604800"),
+    ("cluster: {lease_s: 1.0e+10}", "cluster.lease_s", "must be <= 604800"),
+    ("cluster: {lease_s: 0}", "cluster.lease_s", "must be > 0"),
     ("training: {bucket_mb: .inf}", "training.bucket_mb", "finite"),
     ("training: {bucket_mb: 1.0e+6}", "training.bucket_mb", "must be <= 1024"),
     ("optimizer: {name: sgd, lr: .inf}", "optimizer.lr", "expected a finite number, got inf"),
