@@ -52,7 +52,7 @@ class Saver:
         self.session = session
         self.last_step = 0  # the step of the newest checkpoint committed (or restored)
         self.last_time = time.monotonic()
-        self._due_step = 0  # the step the cadence counts from (a skipped checkpoint's too)
+        self._due_step = 0  # the step the cadence counts from (the newest checkpoint started)
         self.written: list[str] = []
         self.pending: _Pending | None = None
         self.waited = 0  # checkpoints that fell due while the previous one was being written
@@ -62,8 +62,7 @@ class Saver:
         self.saved: list[tuple[int, float]] = []  # (step, time) of each checkpoint written: the page's marks
 
     def restored(self, step: int) -> None:
-        """The ps was restored from the checkpoint at ``step``: the next interval counts from it,
-        and a checkpoint being written by the shards that were lost is abandoned (never committed)."""
+        """The ps was restored from the checkpoint at ``step``: the next interval counts from it."""
         self.last_step = self._due_step = step
         self.last_time = time.monotonic()
 
