@@ -186,7 +186,9 @@ def test_the_dtrain_row_trains_the_peers_model(tmp_path):
     rows = peers.table_rows(peers.CRITEO_1TB_CARDINALITIES, 0.01, 1000)
     assert [spec.model.tables[f"C{i + 1}"].num_embeddings for i in range(26)] == rows and max(rows) == 1000
     assert [f.max_ids for f in spec.model.features.categorical[:4]] == [4, 4, 4, 1]
-    assert spec.data.batch_size == 256 and spec.data.source == data.train and spec.data.eval_source == data.test
+    # Each of the 2 replicas half the batch: every synchronous update is the peers' batch of 256.
+    assert spec.data.batch_size * spec.cluster.num_tasks("worker") == 256 and spec.training.mode == "sync"
+    assert spec.data.source == data.train and spec.data.eval_source == data.test
     assert spec.model.tables["C1"].optimizer.lr == bench.DTRAIN_TABLE_LR == spec.optimizer.lr
     assert spec.cluster.num_tasks("ps") == 2 and spec.cluster.num_tasks("worker") == 2
 

@@ -199,6 +199,8 @@ class PartWriter:
         if pid == 0:  # the writer: only this thread exists here; it never returns into the task
             code = 1
             try:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a signal to the process group is
+                    signal.signal(sig, signal.SIG_IGN)  # the task's to answer: the part is written or dies with it)
                 os.close(r)
                 _die_with_parent()
                 try:

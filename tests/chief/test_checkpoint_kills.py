@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +45,7 @@ def settings(steps: int) -> list[str]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_restore_exactly(tmp_path, seed):
     run_dir = tmp_path / "run"
+    forkservers = set(Path(tempfile.gettempdir()).glob("pymp-*"))
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/dlrm_criteo_1tb.yaml", "--run-dir",
                              str(run_dir), "--quiet", *settings(1000)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -54,6 +58,9 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
     time.sleep(random.Random(seed).uniform(0.0, 1.0))  # ... and is being written
     os.killpg(proc.pid, signal.SIGKILL)  # the chief, the scheduler, the ps tasks and their writers
     proc.communicate()
+    # Killed with it, the embedded cluster's forkserver could not remove its socket's directory.
+    for leftover in set(Path(tempfile.gettempdir()).glob("pymp-*")) - forkservers:
+        shutil.rmtree(leftover, ignore_errors=True)
     committed = ckpt.list_checkpoints(run_dir)
     assert committed, "no checkpoint committed before the kill"
     for path in committed:  # every manifest's parts are there, whole

@@ -16,6 +16,7 @@ import torch
 import dtrain
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.chief.shards import ShardGroup, checkpoint_layout
+from dtrain.ps.part_writer import read_part_file
 from dtrain.ps.shard import ParameterShard
 from dtrain.spec.errors import RunError
 
@@ -62,11 +63,11 @@ def group_of(spec: dtrain.PipelineSpec, loop, replicas: int = 1) -> tuple[ShardG
     return group, shards
 
 
-def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loop):
+def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loop, tmp_path):
     """A replica has pushed step 0 to shard 1 (applied: step 1) but not yet to shard 0 when the
-    interrupt comes: the snapshot must wait for that push and stop both shards at step 1 (stopping
-    first, as the interrupt path once did, left shard 0 at 0 and shard 1 at 1: a checkpoint no
-    resume can start from)."""
+    interrupt comes: the checkpoint must wait for that push and stop both shards at step 1, each
+    writing its part there (stopping first, as the interrupt path once did, left shard 0 at 0 and
+    shard 1 at 1: a checkpoint no resume can start from)."""
     spec = dtrain.loads(SPEC, base_dir=".")
     group, shards = group_of(spec, loop)
     grads = [torch.ones(s.numel) for s in group.plan.shards]
@@ -74,7 +75,7 @@ def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loo
     result: dict = {}
 
     def interrupt() -> None:
-        result["states"] = group.snapshot(stop=True)
+        result["written"] = group.write_parts(lambda step: tmp_path / f"ckpt-{step:08d}", stop=True)
 
     chief = threading.Thread(target=interrupt)
     chief.start()
@@ -82,7 +83,10 @@ def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loo
     assert chief.is_alive()
     assert group.handles[0].push_sync(grads[0], 0, 0, 0.5, 8, 1).result(5)[1] == 1
     chief.join(10)
-    assert [st["step"] for st in result["states"]] == [1, 1]
+    step, directory = result["written"]
+    assert step == 1 and directory == tmp_path / "ckpt-00000001"
+    parts = group.parts_written(directory, wait=True)
+    assert [read_part_file(directory / p["file"], p["bytes"], p["sha256"])["step"] for p in parts] == [1, 1]
     assert all(s.stop for s in shards) and all(s.hold_at is None for s in shards)
     # stopped: the next step's pushes are refused, on every shard
     for h, g in zip(group.handles, grads, strict=True):

@@ -46,10 +46,13 @@ hooks: [{{type: "tests.helpers.observe:ScrapeHook", args: {{path: {str(scrapes)!
         assert re.search(rf'dtrain_shard_applies_total\{{[^}}]*shard="{j}"[^}}]*\}} [1-9]', text), text
         assert re.search(rf'dtrain_shard_busy_ratio\{{[^}}]*shard="{j}"', text)
     # The run's series carry its id (one per start of the pipeline) and its name.
-    step = re.search(r'^dtrain_global_step\{(.*)\} ([0-9.e+]+)$', text, re.M)
-    assert step and float(step.group(2)) >= 1, text
-    run_labels = dict(re.findall(r'(\w+)="([^"]*)"', step.group(1)))
-    assert run_labels["name"] == "live" and re.fullmatch(r"live-[0-9a-f]{8}", run_labels["run"]), run_labels
+    # (The scrape may carry other runs' series too: runs of earlier tests in this process.)
+    steps = [(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+             for m in re.finditer(r'^dtrain_global_step\{(.*)\} ([0-9.e+]+)$', text, re.M)]
+    mine = [(labels, value) for labels, value in steps if labels.get("name") == "live"]
+    assert len(mine) == 1 and mine[0][1] >= 1, steps
+    run_labels = mine[0][0]
+    assert re.fullmatch(r"live-[0-9a-f]{8}", run_labels["run"]), mine
     assert run_labels["run"] == result.summary["run_id"]
     # Distributed's own series are still there: dtrain's are added to the same endpoint.
     assert "dask_scheduler_workers" in text
