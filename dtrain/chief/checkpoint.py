@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dtrain.ps.part_writer import read_part_file
+from dtrain.ps.part_writer import digest, read_part_file
 from dtrain.spec.errors import RunError
 
 from .rundir import atomic_write, fsync_dir
@@ -116,9 +116,9 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     # Serialised straight into the file (no second copy of the shards' states as bytes in memory),
     # then hashed as written, chunk by chunk: the manifest, written last, commits the checkpoint.
     atomic_write(path, lambda f: torch.save(payload, f), sync_dir=False)
-    size, digest = _digest(path)
+    size, sha = digest(path)
     manifest = {"step": int(step), "file": path.name, "bytes": size,
-                "sha256": digest, "pipeline_hash": pipeline_hash, "time": now}
+                "sha256": sha, "pipeline_hash": pipeline_hash, "time": now}
     atomic_write(path.with_suffix(".json"), (json.dumps(manifest, indent=2) + "\n").encode(), sync_dir=False)
     fsync_dir(directory)
     _retain(directory, path, keep, keep_every_n_hours)
@@ -156,16 +156,6 @@ def commit(parts_dir: Path, step: int, parts: list[dict[str, Any]], *, spec_data
     fsync_dir(parts_dir.parent)
     _retain(parts_dir.parent, parts_dir, keep, keep_every_n_hours)
     return parts_dir
-
-
-def _digest(path: Path, chunk: int = 1 << 22) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read in chunks."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            size += len(block)
-    return size, h.hexdigest()
 
 
 def _step_of(path: Path) -> int:
@@ -258,15 +248,9 @@ def verify(path: Path) -> dict[str, Any]:
     """
     if path.is_dir():
         return _verify_parts(path)
-    manifest_path = path.with_suffix(".json")
-    if not manifest_path.exists():
-        raise ValueError(f"{path.name}: no manifest {manifest_path.name} (a save cut short?)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: manifest {manifest_path.name} is not JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("file", path.name) != path.name:
-        raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this file")
+    manifest = _read_manifest(path)
+    if manifest.get("file", path.name) != path.name:
+        raise ValueError(f"{path.name}: manifest {_manifest_of(path).name} does not describe this file")
     size = path.stat().st_size  # before reading: a huge bogus file is refused without loading it
     if size != manifest.get("bytes"):
         raise ValueError(f"{path.name}: {size} bytes, manifest says {manifest.get('bytes')} (truncated?)")
@@ -292,7 +276,8 @@ def verify(path: Path) -> dict[str, Any]:
     return payload
 
 
-def _verify_parts(path: Path) -> dict[str, Any]:
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's manifest (ValueError when it is missing or not a JSON object)."""
     manifest_path = _manifest_of(path)
     if not manifest_path.exists():
         raise ValueError(f"{path.name}: no manifest {manifest_path.name} (a save cut short?)")
@@ -300,8 +285,15 @@ def _verify_parts(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise ValueError(f"{path.name}: manifest {manifest_path.name} is not JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("dir") != path.name:
+    if not isinstance(manifest, dict):
         raise ValueError(f"{path.name}: manifest {manifest_path.name} does not describe this checkpoint")
+    return manifest
+
+
+def _verify_parts(path: Path) -> dict[str, Any]:
+    manifest = _read_manifest(path)
+    if manifest.get("dir") != path.name:
+        raise ValueError(f"{path.name}: manifest {_manifest_of(path).name} does not describe this checkpoint")
     if manifest.get("format") != PARTS_FORMAT:
         raise ValueError(f"{path.name}: unknown checkpoint format {manifest.get('format')!r} (this dtrain reads "
                          f"{FORMAT} and {PARTS_FORMAT})")
