@@ -202,6 +202,10 @@ class PartWriter:
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (a signal to the process group is
                     signal.signal(sig, signal.SIG_IGN)  # the task's to answer: the part is written or dies with it)
                 os.close(r)
+                # Only its pipe: no lock, socket or file of the task's stays open in the writer (a run
+                # directory's lock held by a writer of an in-process ps would outlive the run).
+                os.closerange(3, w)
+                os.closerange(w + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
                 _die_with_parent()
                 try:
                     out = {"step": step, **write_part_file(directory, name, state)}

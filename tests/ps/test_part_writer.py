@@ -106,3 +106,23 @@ def test_a_part_that_is_not_the_manifest_s_is_refused(tmp_path):
     size = other.stat().st_size
     with pytest.raises(BadPartError, match="not a checkpoint part"):
         read_part_file(other, size, hashlib.sha256(other.read_bytes()).hexdigest())
+
+
+def test_the_writer_holds_none_of_the_task_s_files(tmp_path):
+    """A lock the task held when it forked (an in-process ps shares the chief's process, and its run
+    directory's lock) is free once the task lets it go, while the writer still writes: fails if the
+    writer kept the task's open files."""
+    import fcntl
+
+    lock = tmp_path / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    writer = PartWriter(fork=True)
+    writer.start(tmp_path / "parts", "p.pt", _state(1 << 22), 1)  # 144 MiB: still writing below
+    os.close(fd)  # the task's run ends
+    again = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the writer held it
+    finally:
+        os.close(again)
+    _written(writer)
