@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -110,19 +111,27 @@ def test_a_part_that_is_not_the_manifest_s_is_refused(tmp_path):
 
 def test_the_writer_holds_none_of_the_task_s_files(tmp_path):
     """A lock the task held when it forked (an in-process ps shares the chief's process, and its run
-    directory's lock) is free once the task lets it go, while the writer still writes: fails if the
-    writer kept the task's open files."""
+    directory's lock) comes free once the task lets it go, long before the writer is done (it
+    closes what it inherited as it starts): fails if the writer kept the task's open files, the
+    lock then held until its 288 MiB are written, fsynced and hashed."""
     import fcntl
 
     lock = tmp_path / ".lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     writer = PartWriter(fork=True)
-    writer.start(tmp_path / "parts", "p.pt", _state(1 << 22), 1)  # 144 MiB: still writing below
+    writer.start(tmp_path / "parts", "p.pt", _state(1 << 23), 1)
     os.close(fd)  # the task's run ends
     again = os.open(lock, os.O_RDWR)
+    deadline = time.monotonic() + 0.5
     try:
-        fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the writer held it
+        while True:
+            try:
+                fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the writer holds the task's lock"
+                time.sleep(0.005)
     finally:
         os.close(again)
     _written(writer)
