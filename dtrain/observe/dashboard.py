@@ -34,7 +34,7 @@ from typing import Any
 from tornado import web
 from tornado.ioloop import IOLoop
 
-from .history import human_count
+from .history import human_count, jsonable
 from .meters import figure
 from .sources import columns, run_sources, shape, staleness_bars, table_figures
 
@@ -135,17 +135,6 @@ def _shape_of(plotted: list[tuple[str, str, dict, Any]]) -> str:
     return hashlib.sha1(json.dumps(drawn, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _jsonable(value: Any) -> Any:
-    """Strict JSON: NaN and infinities (a missing bar, a diverged loss) become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def live(runs: list[Run]) -> dict[str, Any]:
     """``/dtrain/live.json``: the shape the page must have been drawn for, every plotted source's
     columns by name (``<run key>/<source>``), and each run's header and findings by element id."""
@@ -157,7 +146,7 @@ def live(runs: list[Run]) -> dict[str, Any]:
         text[f"{key}-findings"] = _findings(payload) if src is not None or payload else ""
         for name, cols in columns(src or {}).items():
             sources[f"{key}/{name}"] = cols
-    return {"shape": _shape_of(plotted), "sources": _jsonable(sources), "text": text}
+    return {"shape": _shape_of(plotted), "sources": jsonable(sources), "text": text}
 
 
 # ---------------------------------------------------------------------- the page

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from .history import RunHistory
+from .history import RunHistory, jsonable
 
 logger = logging.getLogger(__name__)
 
@@ -190,17 +190,6 @@ def _register_collector() -> None:
     prometheus_client.REGISTRY.register(TelemetryCollector(_all_payloads))
 
 
-def _jsonable(value: Any) -> Any:
-    """A payload as strict JSON: NaN and infinities (a diverged loss) become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 class DataHandler(web.RequestHandler):
     """``/dtrain/data.json``: ``{"runs": {run: payload}, "history": {run: series}}``."""
 
@@ -210,8 +199,8 @@ class DataHandler(web.RequestHandler):
     def get(self) -> None:
         runs = _runs_of(self._scheduler())
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"runs": _jsonable({r: p for r, p, _ in runs}),
-                               "history": _jsonable({r: s for r, _, s in runs if s is not None})}, default=str))
+        self.write(json.dumps({"runs": jsonable({r: p for r, p, _ in runs}),
+                               "history": jsonable({r: s for r, _, s in runs if s is not None})}, default=str))
 
 
 def _add_routes(scheduler: Any) -> None:
