@@ -5,7 +5,8 @@
 - the ps side and the worker side never import the chief;
 - nothing below the chief imports the chief or deployment (Spec -> Plan -> run, one direction);
 - the replication rules are a pure state machine;
-- every module is at most 500 lines (docs/development.md says which may not be).
+- every module stays under a soft ceiling of 800 lines, save the few ``LONG_MODULES`` allows
+  (docs/development.md lists them, with the reason: a module's size follows its role).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import pytest
 from tests.helpers.paths import PKG
 
 DASK = {"dask", "distributed"}
-MAX_LINES = 500
+MAX_LINES = 800
+# Modules allowed past MAX_LINES, each with its own ceiling and the reason it is one module
+# (kept in step with docs/development.md, "Module size").
+LONG_MODULES: dict[str, tuple[int, str]] = {}
 
 
 def modules(package: str) -> list[Path]:
@@ -128,5 +132,15 @@ def test_the_cli_and_the_spec_import_no_dask_at_module_level():
 
 
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
-def test_modules_are_at_most_500_lines(path):
-    assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path.relative_to(PKG)} is over {MAX_LINES} lines"
+def test_modules_stay_under_the_soft_ceiling(path):
+    rel = str(path.relative_to(PKG))
+    limit, _why = LONG_MODULES.get(rel, (MAX_LINES, ""))
+    assert len(path.read_text().splitlines()) <= limit, (
+        f"{rel} is over {limit} lines: split it by role, or add it to LONG_MODULES (and docs/development.md) "
+        "with the reason it is one module")
+
+
+def test_the_allow_list_is_documented():
+    text = (PKG.parent / "docs" / "development.md").read_text()
+    for rel in LONG_MODULES:
+        assert f"`dtrain/{rel}`" in text, f"dtrain/{rel} is in LONG_MODULES but not in docs/development.md"
