@@ -13,7 +13,11 @@ Reported (and written to ``benchmarks/results/table_scale.json``):
 - checkpoints: their size, the seconds from the snapshot to the commit, and the seconds training
   was held for each snapshot (``checkpoint_stall_s``), per GiB snapshotted (goal: under 1 s) and
   as a share of the step time over a 500-step interval (goal: under 2%);
-- the resume: seconds from the start of ``dtrain run --resume`` to its first step.
+- incremental checkpoints (the pipeline's ``checkpoint.incremental``): each checkpoint's kind and
+  size, and the first delta's size against the full checkpoint before it (goal: at least 5x
+  smaller at 500 steps);
+- the resume: seconds outside its training loop (the restore of the newest checkpoint, the full
+  part and the deltas after it, on each ps task; the evaluation; ``model.pt``).
 
 Goals are printed beside the figures; nothing here asserts them.
 
@@ -103,6 +107,40 @@ def checkpoint_windows(log: str) -> list[dict[str, Any]]:
     return [{"name": m.group(1), "write_s": float(m.group(2)), "held_s": float(m.group(3))} for m in pat.finditer(log)]
 
 
+def kinds_and_sizes(log: str, ckpt_dir: Path, seen: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each checkpoint the run wrote (its log lines), with its kind and the bytes of its own parts,
+    from its parts' reports (``shard-*.json``): noted by :func:`watch_sizes` while the run went on
+    (retention deletes old checkpoints), or read from the directory when it is still there."""
+    out, previous = [], None
+    for w in checkpoint_windows(log):
+        name = w["name"]
+        entry = seen.get(name) or _sizes(ckpt_dir / name)
+        if entry is None:
+            continue
+        step = int(name.split("-")[1])
+        out.append({"name": name, "kind": entry["kind"], "bytes": entry["bytes"],
+                    "steps": step - previous if previous is not None else None})
+        previous = step
+    return out
+
+
+def _sizes(directory: Path) -> dict[str, Any] | None:
+    reports = [json.loads(p.read_text()) for p in directory.glob("shard-*.json")] if directory.is_dir() else []
+    if not reports:
+        return None
+    return {"kind": "delta" if any(r.get("kind") == "delta" for r in reports) else "full",
+            "bytes": sum(int(r["bytes"]) for r in reports)}
+
+
+def watch_sizes(ckpt_dir: Path, stop: threading.Event, seen: dict[str, Any]) -> None:
+    """Note every committed checkpoint's kind and size in ``seen`` before retention removes it."""
+    while not stop.wait(0.5):
+        for manifest in sorted(ckpt_dir.glob("ckpt-*.json")) if ckpt_dir.is_dir() else []:
+            name = manifest.stem
+            if name not in seen and (entry := _sizes(ckpt_dir / name)) is not None:
+                seen[name] = entry
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000, help="generated lines (all files together)")
@@ -119,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {args.rows:,} lines in {args.files} files ({time.time() - t:.0f} s)", flush=True)
         run_dir = Path(tmp) / "run"
         common = [str(PIPELINE), "--run-dir", str(run_dir), "--set", f"data.source={data}/",
-                  "--set", f"checkpoint={{every_steps: {args.every}, keep: 2}}"]
+                  "--set", f"checkpoint.every_steps={args.every}"]
+        stop, seen = threading.Event(), {}
+        watcher = threading.Thread(target=watch_sizes, args=(run_dir / "checkpoints", stop, seen), daemon=True)
+        watcher.start()
         code, log, sampler, t0 = run(common, ROOT, args.timeout)
+        stop.set()
+        watcher.join()
         if code != 0:
             print(log[-4000:])
             return 1
@@ -130,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_dir = run_dir / "checkpoints"
         newest = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.with_suffix(".json").exists())[-1]
         size = sum(f.stat().st_size for f in newest.iterdir())
+        kinds = kinds_and_sizes(log, ckpt_dir, seen)
         roles = {int(t["pid"]): task for task, t in cluster["tasks"].items() if t.get("pid")}
         manifests = [json.loads(p.read_text()) for p in ckpt_dir.glob("ckpt-*.json")]
         times = sorted(m["time"] for m in manifests)
@@ -157,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows, "every_steps": args.every, "samples_per_s": summary["samples_per_sec"],
         "step_s": step_s, "global_step": summary["global_step"], "eval": summary.get("eval"),
         "checkpoint_gib": size_gib, "checkpoints": windows, "checkpoint_stall_s": summary.get("checkpoint_stall_s"),
-        "checkpoint_waits": summary.get("checkpoint_waits"), "processes": procs,
+        "checkpoint_waits": summary.get("checkpoint_waits"), "processes": procs, "incremental": kinds,
         "resume_to_end_s": restore_s, "resume_status": resumed.get("status"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(held)
         print(f"  held per GiB snapshotted: {worst / size_gib:.3f} s (goal < 1 s); over a 500-step interval: "
               f"{100 * statistics.mean(held) / (500 * step_s):.2f}% of the step time (goal < 2%)")
+    full = next((k for k in kinds if k["kind"] == "full"), None)
+    delta = next((k for k in kinds if k["kind"] == "delta"), None)
+    print("checkpoints: " + ", ".join(f"{k['name']} {k['kind']} {k['bytes'] / GIB:.3f} GiB" for k in kinds))
+    if full and delta:
+        print(f"  first delta ({delta['steps']} steps after {full['name']}): {delta['bytes'] / 2**20:.0f} MiB, "
+              f"{full['bytes'] / delta['bytes']:.1f}x smaller than the full one (goal >= 5x at 500 steps)")
     for name, p in sorted(procs.items()):
         steady = f", steady {p['steady_gib']:.2f}" if p["steady_gib"] else ""
         print(f"  {name}: peak RSS {p['peak_gib']:.2f} GiB{steady}")

@@ -10,6 +10,13 @@ Layout under ``<run_dir>/checkpoints/``::
                                "sha256"}], "spec", "pipeline_hash", "time", "layout", "replicas"}
     invalid/                   checkpoints found corrupt, moved aside (never deleted)
 
+With ``checkpoint.incremental``, a part may be a *delta* (``"kind": "delta", "base": <step>``
+in the manifest): the dense state whole and, per table, only the rows written since the checkpoint
+``base`` (ps/deltas.py). A part is then restored from its *chain*: the full part of the same shard
+that starts it, then each delta in order (:func:`part_chain`). The manifest's ``depth`` is the
+longest chain's number of deltas. A checkpoint whose chain is broken (a base missing or invalid)
+is invalid; retention never deletes a checkpoint that a kept one's chain needs.
+
 The manifest commits the checkpoint: a directory without one is a write that never finished and
 does not exist (it is removed at the next save). A part is written to a temp file, fsynced and
 renamed, its directory fsynced; the manifest the same way, then ``checkpoints/``. The newest
@@ -42,6 +49,7 @@ from typing import Any
 
 import torch
 
+from dtrain.ps.deltas import merge
 from dtrain.ps.part_writer import digest, read_part_file
 from dtrain.spec.errors import RunError
 
@@ -84,16 +92,70 @@ class _PartsPayload(dict):  # type: ignore[type-arg]
     def __missing__(self, key: str) -> Any:
         if key != "shards":
             raise KeyError(key)
-        states = []
-        for part in sorted(self["parts"], key=lambda p: int(p["shard"])):
-            state = read_part_file(self._directory / part["file"], int(part["bytes"]), str(part["sha256"]))
-            state.pop("part_format", None)
-            states.append(state)
+        states = [read_part(self._directory, part) for part in sorted(self["parts"], key=lambda p: int(p["shard"]))]
         self["shards"] = states
         return states
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self or key == "shards" else default
+
+
+def part_chain(directory: Path, part: dict[str, Any]) -> list[tuple[Path, int, str]]:
+    """The files that hold ``part`` (a manifest's entry) of the checkpoint in ``directory``: (path,
+    bytes, sha256) of the full part of its shard that starts its chain, then of each delta in
+    order, the part itself last. ValueError when a base checkpoint or its part of the shard is
+    missing, or the chain does not end in a full part."""
+    try:
+        return _chain(directory, part)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{directory.name}: a part in its manifest (or its base's) lacks {exc}") from None
+
+
+def _chain(directory: Path, part: dict[str, Any]) -> list[tuple[Path, int, str]]:
+    chain = [(directory / str(part["file"]), int(part["bytes"]), str(part["sha256"]))]
+    seen = {directory.name}
+    while part.get("kind") == "delta":
+        base = directory.parent / f"ckpt-{int(part['base']):08d}"
+        if base.name in seen:
+            raise ValueError(f"{directory.name}: its chain of deltas loops at {base.name}")
+        seen.add(base.name)
+        manifest = _read_manifest(base)  # (ValueError: the base checkpoint is gone)
+        shard = int(part["shard"])
+        found = [p for p in manifest.get("parts") or () if int(p.get("shard", -1)) == shard]
+        if not found:
+            raise ValueError(f"{directory.name}: the checkpoint {base.name} its delta of shard {shard} follows "
+                             "holds no part of that shard")
+        directory, part = base, found[0]
+        chain.insert(0, (directory / str(part["file"]), int(part["bytes"]), str(part["sha256"])))
+    return chain
+
+
+def read_part(directory: Path, part: dict[str, Any]) -> dict[str, Any]:
+    """The state of ``part`` (a manifest's entry) of the checkpoint in ``directory``: its file, or
+    the full part its chain starts with and each delta after merged over it (ps/deltas.py); every
+    file verified as it is read (BadPartError)."""
+    state: dict[str, Any] = {}
+    for k, (path, nbytes, sha) in enumerate(part_chain(directory, part)):
+        got = read_part_file(path, nbytes, sha)
+        got.pop("part_format", None)
+        state = got if k == 0 else merge(state, got)
+    return state
+
+
+def _bases(path: Path) -> set[str]:
+    """The checkpoints (names) that the chains of ``path``'s parts need, itself excluded."""
+    try:
+        parts = _read_manifest(path).get("parts") or ()
+    except (OSError, ValueError):
+        return set()
+    out: set[str] = set()
+    for part in parts:
+        if isinstance(part, dict) and part.get("kind") == "delta":
+            try:
+                out |= {p.parent.name for p, _, _ in part_chain(path, part)[:-1]}
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return out
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -148,8 +210,10 @@ def commit(parts_dir: Path, step: int, parts: list[dict[str, Any]], *, spec_data
     """Commit the checkpoint whose ``parts`` (``shard``, ``file``, ``bytes``, ``sha256``: every ps
     task's, durable) are in ``parts_dir``: its manifest written atomically, then retention
     (:func:`to_delete`). Returns ``parts_dir``."""
-    manifest = {"format": PARTS_FORMAT, "step": int(step), "dir": parts_dir.name,
-                "parts": sorted(parts, key=lambda p: int(p["shard"])), "spec": spec_data,
+    parts = sorted(parts, key=lambda p: int(p["shard"]))
+    depth = max(len(part_chain(parts_dir, p)) - 1 for p in parts) if parts else 0
+    manifest = {"format": PARTS_FORMAT, "step": int(step), "dir": parts_dir.name, "depth": depth,
+                "parts": parts, "spec": spec_data,
                 "pipeline_hash": pipeline_hash, "time": time.time(), "layout": layout or {},
                 "replicas": replicas or {}}
     atomic_write(parts_dir.with_suffix(".json"), (json.dumps(manifest, indent=1) + "\n").encode(), sync_dir=False)
@@ -205,9 +269,12 @@ def _retain(directory: Path, current: Path, keep: int, keep_every_n_hours: float
     no longer exists), then its parts. Directories without a manifest (writes that never finished)
     and temp files of a writer killed mid-save go too."""
     step = _step_of(current)
-    older = [p for p in list_checkpoints(directory.parent) if _step_of(p) <= step]
+    everything = list_checkpoints(directory.parent)
+    older = [p for p in everything if _step_of(p) <= step]
     times = [_written_at(p) for p in older] if keep_every_n_hours else [0.0] * len(older)
-    for old in (older[i] for i in to_delete(times, keep, keep_every_n_hours)):
+    doomed = [older[i] for i in to_delete(times, keep, keep_every_n_hours)]
+    needed = {name for p in everything if p not in doomed for name in _bases(p)}  # (the kept deltas' bases)
+    for old in (p for p in doomed if p.name not in needed):
         _manifest_of(old).unlink(missing_ok=True)
         _remove(old)
     for p in directory.iterdir():
@@ -303,12 +370,13 @@ def _verify_parts(path: Path) -> dict[str, Any]:
     if not isinstance(parts, list) or not parts:
         raise ValueError(f"{path.name}: no parts in its manifest")
     for part in parts:
-        f = path / str(part.get("file"))
-        if not f.is_file():
-            raise ValueError(f"{path.name}: part {part.get('file')} is missing")
-        if f.stat().st_size != part.get("bytes"):
-            raise ValueError(f"{path.name}: part {f.name} has {f.stat().st_size} bytes, the manifest says "
-                             f"{part.get('bytes')} (truncated?)")
+        for f, nbytes, _ in part_chain(path, part):
+            where = path.name if f.parent == path else f"{path.name} (its delta's base {f.parent.name})"
+            if not f.is_file():
+                raise ValueError(f"{where}: part {f.name} is missing")
+            if f.stat().st_size != nbytes:
+                raise ValueError(f"{where}: part {f.name} has {f.stat().st_size} bytes, the manifest says "
+                                 f"{nbytes} (truncated?)")
     return _PartsPayload(manifest, path)
 
 

@@ -31,7 +31,6 @@ import torch
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
 from dtrain.plan.tables import table_config
-from dtrain.ps.part_writer import read_part_file
 from dtrain.ps.rows import table_part
 from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
@@ -74,7 +73,7 @@ def _part_states(checkpoint: ckpt_io.Checkpoint) -> Any:
         yield from checkpoint.payload["shards"]
         return
     for part in sorted(checkpoint.parts, key=lambda p: int(p["shard"])):
-        yield read_part_file(checkpoint.path / part["file"], int(part["bytes"]), str(part["sha256"]))
+        yield ckpt_io.read_part(checkpoint.path, part)  # (a delta: its chain merged)
 
 
 def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, Any]:

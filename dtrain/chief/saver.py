@@ -10,7 +10,8 @@ for the snapshot; the parts are written in the background, and the saver commits
 (its manifest, :func:`dtrain.chief.checkpoint.commit`) once every part is durable, polled from the
 session's loop. A checkpoint that falls due while the previous one is still being written waits
 for it (never two writers on one shard; training is held meanwhile), counted in ``summary.json``'s
-``checkpoint_waits``. The checkpoints at the start, at the end, on an interrupt and before
+``checkpoint_waits``. With ``checkpoint.incremental``, every ``full_every``-th checkpoint is full
+and the ones between are deltas of the checkpoint before (:meth:`Saver.save`). The checkpoints at the start, at the end, on an interrupt and before
 failing also wait for their own to be committed, and a run that fails commits the one being
 written first.
 """
@@ -60,6 +61,10 @@ class Saver:
         self.stalls: list[float] = []  # seconds the shards were held, per checkpoint
         self.write_s: list[float] = []  # seconds from the hold to the commit, per checkpoint
         self.saved: list[tuple[int, float]] = []  # (step, time) of each checkpoint written: the page's marks
+        # Incremental checkpoints: the deltas in the newest chain (committed or restored); None:
+        # no checkpoint to follow yet (the next one is full).
+        self.depth: int | None = None
+        self.kinds: list[str] = []  # per checkpoint committed: "full" or "delta" (a part of it a delta)
 
     def restored(self, step: int) -> None:
         """The ps was restored from the checkpoint at ``step``: the next interval counts from it."""
@@ -91,7 +96,8 @@ class Saver:
             self.finish(wait=True)
             self.wait_s += time.monotonic() - t_wait
         t0 = time.monotonic()
-        step, directory = s.shards.write_parts(lambda st: ckpt_io.begin(s.run_dir, st), stop=stop)
+        step, directory = s.shards.write_parts(lambda st: ckpt_io.begin(s.run_dir, st), stop=stop,
+                                               since=self._since())
         if directory is None:  # a checkpoint of this step is on disk already (a resume that did not move)
             self.last_step = self._due_step = max(self.last_step, step)
             return ckpt_io.checkpoint_dir(s.run_dir) / f"ckpt-{step:08d}"
@@ -100,6 +106,14 @@ class Saver:
         self.pending = _Pending(step, directory, t0, {"local_steps": local, **data_report.positions(s, step)})
         self._due_step, self.last_time = step, time.monotonic()
         return self.finish(wait=True) if wait else None
+
+    def _since(self) -> int | None:
+        """The checkpoint the next one may be a delta of: the newest committed (or restored), while
+        its chain is shorter than ``checkpoint.incremental.full_every`` allows; None: a full one."""
+        incremental = self.session.spec.checkpoint.incremental
+        if incremental is None or self.depth is None or self.depth + 1 >= incremental.full_every:
+            return None
+        return self.last_step
 
     def poll(self) -> Path | None:
         """Commit the checkpoint being written once every part is (its path), else None."""
@@ -120,6 +134,9 @@ class Saver:
                               replicas=pending.replicas, layout=checkpoint_layout(s.spec, s.plan), keep=spec.keep,
                               keep_every_n_hours=spec.keep_every_n_hours)
         self.last_step = max(self.last_step, pending.step)
+        delta = any(p.get("kind") == "delta" for p in parts)
+        self.depth = (self.depth or 0) + 1 if delta else 0
+        self.kinds.append("delta" if delta else "full")
         self.written.append(path.name)
         self.saved.append((pending.step, time.time()))
         self.write_s.append(time.monotonic() - pending.started)
@@ -147,7 +164,10 @@ class Saver:
         invalid checkpoint, and the next newest valid one is restored instead. Returns the one used."""
         while True:
             try:
-                self.session.shards.restore(checkpoint)
+                in_place = self.session.shards.restore(checkpoint)
+                # (the next checkpoint may be a delta of this one where each ps task restored its
+                # own part: it counts its tables' changes from it; resharded, it is full)
+                self.depth = int(checkpoint.payload.get("depth", 0)) if in_place else None
                 return checkpoint
             except BadPartError as exc:
                 moved = ckpt_io.quarantine(checkpoint.path)

@@ -475,7 +475,7 @@ class Session:
             "samples": self.samples, "train_s": round(train_s, 3), "pipeline_hash": self.plan.pipeline_hash,
             "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
             "recovery_log": self.recovery.log, "checkpoints": self.saver.written,
-            "checkpoint_waits": self.saver.waited,
+            "checkpoint_waits": self.saver.waited, "checkpoint_deltas": self.saver.kinds.count("delta"),
             "checkpoint_stall_s": round(sum(self.saver.stalls) + self.saver.wait_s, 3),
         }
         if self.spec.training.replication == "between_graph":

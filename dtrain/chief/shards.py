@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from distributed import Future
 
-from dtrain.chief.checkpoint import Checkpoint
+from dtrain.chief.checkpoint import Checkpoint, part_chain
 from dtrain.deploy.cluster import Connection
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
@@ -96,6 +96,7 @@ class ShardGroup:
             "torch_threads": t.torch_threads,
             "moving_average": t.moving_average.model_dump() if t.moving_average is not None else None,
             "checkpoint_every": self.spec.checkpoint.every_steps if self.spec.checkpoint is not None else None,
+            "incremental": self.spec.checkpoint is not None and self.spec.checkpoint.incremental is not None,
             "lease_s": self.lease_s, "tls": self.tls, "telemetry": self.spec.observe.telemetry,
             # Sparse tables: this ps task's part of each (the ps tasks are the first shards).
             "tables": [table_config(t, index, self.spec.training.seed) for t in self.plan.tables
@@ -149,15 +150,15 @@ class ShardGroup:
                 logger.debug("close_data_plane failed: %s", exc)
         self.data_plane = None
 
-    def restore(self, checkpoint: Checkpoint) -> None:
+    def restore(self, checkpoint: Checkpoint) -> bool:
         """Set every shard (params, optimizer state, step) from one checkpoint: as written when the
         placement is the same, else resharded (another number of ps tasks or another placement:
         each variable and its optimizer state reassembled and placed anew). A checkpoint of other
         variables (names, shapes) or another optimizer is refused with a RunError saying what
-        differs."""
+        differs. Returns whether each ps task restored its own part (the same placement)."""
         _check_restorable(checkpoint, self.spec)
         if self._restore_parts(checkpoint):
-            return
+            return True
         states = list(checkpoint.payload["shards"])
         if checkpoint.payload.get("pipeline_hash") not in (None, self.plan.pipeline_hash):
             logger.info("%s was written by another version of this pipeline (its variables and optimizer "
@@ -179,6 +180,7 @@ class ShardGroup:
             packed = {n: pack_state(t) for n, t in (state.get("tables") or {}).items()}  # bfloat16 rows: int16 bits
             call(shard.set_state({**state, "tables": packed} if packed else state),
                  timeout=transfer_timeout(state["params"].numel()))
+        return False
 
     def _restore_parts(self, checkpoint: Checkpoint) -> bool:
         """A checkpoint of parts written for this very placement: each ps task reads and verifies
@@ -192,8 +194,9 @@ class ShardGroup:
             return False
         if table_layout(self.plan.tables) != (written.get("tables") or []):
             return False
-        futures = [s.load_part(str(checkpoint.path / p["file"]), int(p["bytes"]), str(p["sha256"]))
-                   for s, p in zip(self.handles, sorted(parts, key=lambda p: int(p["shard"])), strict=True)]
+        chains = [[(str(path), nbytes, sha) for path, nbytes, sha in part_chain(checkpoint.path, p)]
+                  for p in sorted(parts, key=lambda p: int(p["shard"]))]
+        futures = [s.load_part(chain, checkpoint.step) for s, chain in zip(self.handles, chains, strict=True)]
         for f, shard in zip(futures, self.plan.shards, strict=True):
             call(f, timeout=transfer_timeout(shard.numel) + 600)
         return True
@@ -308,13 +311,16 @@ class ShardGroup:
             except Exception as exc:  # a lost shard: recovery will replace it
                 logger.debug("release failed: %s", exc)
 
-    def write_parts(self, directory_for: Callable[[int], Path | None], stop: bool = False) -> tuple[int, Path | None]:
+    def write_parts(self, directory_for: Callable[[int], Path | None], stop: bool = False,
+                    since: int | None = None) -> tuple[int, Path | None]:
         """Every shard starts writing its part of a checkpoint at one consistent step (held as
         :meth:`hold_consistent` holds; with ``stop``, every shard also stops there) into
         ``directory_for(step)``, and the hold ends once each has taken its copy-on-write snapshot
         (``ParameterShard.write_part``). Returns (the step, the directory: None, and nothing written,
         when ``directory_for`` gives none: a checkpoint of that step exists); RunError when the shards
-        disagree on the step or one refuses (non-finite parameters, a part still being written)."""
+        disagree on the step or one refuses (non-finite parameters, a part still being written).
+        ``since``: the checkpoint (its step) the parts may be deltas of (``checkpoint.incremental``;
+        a shard that does not count its changes from that one writes a full part)."""
         try:
             steps = self.hold_consistent()
             if self.spec.training.mode == "sync" and len(set(steps)) != 1:
@@ -325,7 +331,8 @@ class ShardGroup:
             directory = directory_for(steps[0])
             if directory is None:  # (written already)
                 return steps[0], None
-            started = [call(s.write_part(str(directory), part_name(i)), timeout=transfer_timeout(shard.numel))
+            started = [call(s.write_part(str(directory), part_name(i), steps[0], since),
+                            timeout=transfer_timeout(shard.numel))
                        for i, (s, shard) in enumerate(zip(self.handles, self.plan.shards, strict=True))]
         finally:
             self.release()
@@ -336,7 +343,8 @@ class ShardGroup:
         return int(started[0]["started"]), directory
 
     def parts_written(self, directory: Path, wait: bool = False, timeout: float = 3600) -> list[dict[str, Any]] | None:
-        """Each shard's part in ``directory`` (``{"shard", "file", "bytes", "sha256"}``) once all are
+        """Each shard's part in ``directory`` (``{"shard", "file", "bytes", "sha256", "kind"}``, and
+        ``base`` for a delta) once all are
         written, None while one is still being written (``wait``: block until all are). A part whose
         report lies beside it is written, whether or not its task is still there; for the others the
         task is asked. RunError when a shard's writer failed."""
@@ -350,7 +358,7 @@ class ShardGroup:
                 if "error" in done:
                     raise RunError(f"ps shard {i} could not write its part of the checkpoint of step "
                                    f"{done.get('step')}: {done['error']}")
-            out.append({"shard": i, **{k: done[k] for k in ("file", "bytes", "sha256")}})
+            out.append({"shard": i, **{k: done[k] for k in ("file", "bytes", "sha256", "kind", "base") if k in done}})
         return out
 
     def stop_consistently(self) -> None:

@@ -64,7 +64,7 @@ class DynamicTablePart:
 
     def __init__(self, name: str, dim: int, num_parts: int, part: int, init_std: float, seed: int,
                  optimizer_config: dict[str, Any], max_rows: int, min_count: int = 1, ttl_steps: int | None = None,
-                 policy: str = "lru", storage: str = "float32", **_: Any):
+                 policy: str = "lru", storage: str = "float32", track: bool = False, **_: Any):
         self.name, self.dim, self.storage = name, int(dim), storage
         self.num_parts, self.part = int(num_parts), int(part)
         self.init_std, self.seed = float(init_std), int(seed)
@@ -77,6 +77,10 @@ class DynamicTablePart:
         self.clock = 0  # applied steps
         self.sketch = CountMinSketch(4 * self.cap, seed) if self.min_count > 1 else None
         self.counters = {"admitted": 0, "evicted": 0, "rejected": 0}
+        # Incremental checkpoints (``track``): the slots written since the last snapshot and the
+        # ids evicted since (``delta_state``).
+        self.track = bool(track)
+        self.evicted: list[np.ndarray] = []
         self._alloc(min(self.cap, 1 << 12))
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -89,6 +93,7 @@ class DynamicTablePart:
         self.freq = np.zeros(capacity, dtype=np.int64)  # slot -> touches
         self.free = list(range(capacity - 1, -1, -1))
         self.optimizer = make_row_optimizer(capacity, self.dim, self.optimizer_config)
+        self.changed = np.zeros(capacity if self.track else 0, dtype=bool)  # slot -> written since the snapshot
 
     def _grow(self, need: int) -> None:
         old = len(self.ids)
@@ -100,6 +105,8 @@ class DynamicTablePart:
         self.ids = np.concatenate([ids, np.full(new - old, EMPTY_ID, np.int64)])
         self.last = np.concatenate([last, np.zeros(new - old, np.int64)])
         self.freq = np.concatenate([freq, np.zeros(new - old, np.int64)])
+        if self.track:
+            self.changed = np.concatenate([self.changed, np.zeros(new - old, bool)])
         self.free = list(range(new - 1, old - 1, -1)) + self.free
         self.optimizer = make_row_optimizer(new, self.dim, self.optimizer_config)
         self.optimizer.load_state_dict(_pad_rows(state, old, self.optimizer.tensors()))
@@ -144,6 +151,8 @@ class DynamicTablePart:
                 slots = self.index.get(arr)
         have = slots >= 0
         self.freq[slots[have]] += 1
+        if self.track:
+            self.changed[slots[have]] = True
         out = torch.zeros((len(ids), self.dim), dtype=torch.float32)
         out[torch.from_numpy(have)] = self.weight[torch.from_numpy(slots[have])].to(torch.float32)
         return out
@@ -173,6 +182,8 @@ class DynamicTablePart:
         if not len(slots):
             return
         self.index.remove(self.ids[slots])
+        if self.track:
+            self.evicted.append(self.ids[slots].copy())
         self.ids[slots] = EMPTY_ID
         self.free.extend(slots.tolist())
         self.counters["evicted"] += len(slots)
@@ -193,6 +204,8 @@ class DynamicTablePart:
             t = torch.from_numpy(slots[have])
             self._pending.append((t, grads.to(torch.float32)[torch.from_numpy(have)]))
             self.last[slots[have]] = self.clock
+            if self.track:
+                self.changed[slots[have]] = True
 
     def clear(self) -> None:
         self._pending = []
@@ -235,6 +248,68 @@ class DynamicTablePart:
                 "optimizer": {k: v[t].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()},
                 "clock": self.clock, "counters": dict(self.counters)}
 
+    def delta_state(self) -> dict[str, Any]:
+        """The live rows written (created, updated, looked up) since :meth:`mark_clean`, as
+        :meth:`chunk` gives them, and the ids evicted since (``evicted``; an id evicted and admitted
+        again is in both): an incremental checkpoint's part, built in its copy-on-write writer."""
+        if not self.track:
+            raise ValueError(f"table {self.name}: changes are not tracked (checkpoint.incremental is not set)")
+        slots = np.flatnonzero(self.changed & (self.ids >= 0))
+        t = torch.from_numpy(slots)
+        state = self.optimizer.state_dict()
+        evicted = np.concatenate(self.evicted) if self.evicted else np.zeros(0, np.int64)
+        return {"delta": True, "ids": torch.from_numpy(self.ids[slots].copy()), "weight": self.weight[t].clone(),
+                "last": torch.from_numpy(self.last[slots].copy()), "freq": torch.from_numpy(self.freq[slots].copy()),
+                "optimizer": {k: v[t].clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()},
+                "clock": self.clock, "counters": dict(self.counters), "evicted": torch.from_numpy(evicted)}
+
+    def mark_clean(self) -> None:
+        """A checkpoint's snapshot was taken: the next delta holds what changes after it."""
+        if self.track:
+            self.changed[:] = False
+            self.evicted = []
+
+    def load_delta(self, state: dict[str, Any]) -> None:
+        """Apply :meth:`delta_state`'s output over the rows restored from the checkpoint it follows
+        (evicted ids removed, then each row written where its id is, or in a new slot); rows whose
+        id lives on another part are skipped, as :meth:`load_state` skips them."""
+        gone = np.unique(state["evicted"].numpy().astype(np.int64, copy=False))  # (an id may go twice)
+        slots = self.index.get(gone)
+        slots = slots[slots >= 0]
+        if len(slots):
+            self.index.remove(self.ids[slots])
+            self.ids[slots] = EMPTY_ID
+            self.free.extend(slots.tolist())
+        ids = state["ids"].to(torch.int64)
+        mine = (home_part(ids, self.num_parts) == self.part) if len(ids) else torch.zeros(0, dtype=torch.bool)
+        ids = ids[mine].numpy()
+        slots = self.index.get(ids)
+        new = slots < 0
+        if new.any():
+            if self.index.size + int(new.sum()) > self.cap:
+                raise ValueError(f"table {self.name} part {self.part}: a delta brings its rows past the cap of "
+                                 f"{self.cap} (max_rows lowered?)")
+            if len(self.free) < int(new.sum()):
+                self._grow(self.index.size + int(new.sum()))
+            fresh = np.array(self.free[-int(new.sum()):][::-1], dtype=np.int64)
+            del self.free[-int(new.sum()):]
+            self.index.put(ids[new], fresh)
+            self.ids[fresh] = ids[new]
+            slots[new] = fresh
+        t = torch.from_numpy(slots)
+        self.weight[t] = state["weight"][mine].to(self.weight.dtype)
+        self.last[slots] = state["last"][mine].numpy()
+        self.freq[slots] = state["freq"][mine].numpy()
+        opt = dict(state.get("optimizer") or {})
+        per_row = self.optimizer.tensors()
+        for key, value in opt.items():
+            if key in per_row and isinstance(value, torch.Tensor):
+                per_row[key][t] = value[mine].to(per_row[key].dtype)
+        self.optimizer.step_count = int(opt.get("step", self.optimizer.step_count))
+        self.clock = int(state.get("clock", self.clock))
+        self.counters = {"admitted": 0, "evicted": 0, "rejected": 0, **dict(state.get("counters") or {})}
+        self._pending = []
+
     def live_state(self) -> dict[str, Any]:
         """Every slot (a free one's id is -1) with its row, optimizer state, last use and use count,
         the live arrays themselves (no copy: a checkpoint's part, written from a copy-on-write
@@ -271,6 +346,7 @@ class DynamicTablePart:
         scalars = {k: v for k, v in opt.items() if not isinstance(v, torch.Tensor)}
         self.optimizer.load_state_dict(_pad_rows({**scalars, **rows}, n, self.optimizer.tensors()))
         self._pending = []
+        self.evicted = []
         if done is not None:
             for t in (state["weight"], *(v for v in opt.values() if isinstance(v, torch.Tensor))):
                 done(t)

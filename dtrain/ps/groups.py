@@ -60,7 +60,7 @@ class TableGroup:
     Requests address tables by their index in the group (``members``), with one id tensor each
     (global ids; empty tensors left out by the caller)."""
 
-    def __init__(self, configs: list[dict[str, Any]], optimizer_config: dict[str, Any]):
+    def __init__(self, configs: list[dict[str, Any]], optimizer_config: dict[str, Any], track: bool = False):
         first = configs[0]
         self.dim, self.storage = int(first["dim"]), first.get("storage", "float32")
         self.num_parts, self.part, self.strategy = int(first["num_parts"]), int(first["part"]), first["strategy"]
@@ -77,12 +77,16 @@ class TableGroup:
         # other members' are drawn at construction.
         self.fresh = torch.tensor([c.get("init") == "per_id" for c in configs]).repeat_interleave(
             torch.tensor([len(r) for r in spans]), output_size=total)
+        # The rows written since the last checkpoint's snapshot (incremental checkpoints): the
+        # members mark their views of it, and so does the group's own apply.
+        self.changed = torch.zeros(total, dtype=torch.bool) if track else None
         self.parts: list[TablePart] = []
         for c, lo, hi in zip(configs, self.starts, self.starts[1:], strict=False):
             settings = {k: v for k, v in c.items() if k not in ("optimizer", "dynamic")}
             views = (self.weight[lo:hi], {k: t[lo:hi] for k, t in state.items()})
             self.parts.append(TablePart(**settings, optimizer_config=optimizer_config, buffers=views,
-                                        fresh=self.fresh[lo:hi]))
+                                        fresh=self.fresh[lo:hi],
+                                        changed=self.changed[lo:hi] if self.changed is not None else None))
         # Global id -> group row: id // num_parts (mod) or id (div), plus ``shift``; a member's rows
         # are [starts[m], starts[m + 1]) of the group, its ids [lo, hi) (mod: and id % num_parts == part).
         shift = [lo if self.strategy == "mod" else lo - r.start for lo, r in zip(self.starts, spans, strict=False)]
@@ -183,6 +187,8 @@ class TableGroup:
                     out[a:b] = round_stochastic(w[a:b], self.weight.dtype, part._generator)
             w = out
         self.weight.index_copy_(0, rows, w)
+        if self.changed is not None:
+            self.changed[rows] = True
 
     def _cuts(self, rows: torch.Tensor) -> list[int]:
         return torch.searchsorted(rows, torch.tensor(self.starts, dtype=rows.dtype)).tolist()
@@ -192,11 +198,12 @@ class TableGroup:
         return sum(part.nbytes for part in self.parts)
 
 
-def table_parts(configs: Any, run_optimizer: dict[str, Any]) -> tuple[dict[str, Any], list[TableGroup]]:
+def table_parts(configs: Any, run_optimizer: dict[str, Any], track: bool = False
+                ) -> tuple[dict[str, Any], list[TableGroup]]:
     """A ps task's parts of its tables by name (plan configs, ``dtrain.plan.tables.table_config``)
     and the groups that hold those that batch (module docstring); the others are built alone
     (``dtrain.ps.rows.table_part``). A table with its own optimizer config uses it, the others
-    ``run_optimizer``."""
+    ``run_optimizer``. ``track``: every part marks the rows that change (incremental checkpoints)."""
     configs = list(configs)
     by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for c in configs:
@@ -206,7 +213,8 @@ def table_parts(configs: Any, run_optimizer: dict[str, Any]) -> tuple[dict[str, 
     built: dict[str, Any] = {}
     for members in by_key.values():
         if len(members) > 1:
-            groups.append(TableGroup(members, members[0].get("optimizer") or run_optimizer))
+            groups.append(TableGroup(members, members[0].get("optimizer") or run_optimizer, track))
             built.update(zip(groups[-1].names, groups[-1].parts, strict=True))
-    tables = {c["name"]: built[c["name"]] if c["name"] in built else table_part(c, run_optimizer) for c in configs}
+    tables = {c["name"]: built[c["name"]] if c["name"] in built else table_part(c, run_optimizer, track)
+              for c in configs}
     return tables, groups

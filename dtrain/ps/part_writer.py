@@ -23,6 +23,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,12 @@ def digest(path: str | Path, chunk: int = 1 << 22) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def write_part_file(directory: str | Path, name: str, state: dict[str, Any]) -> dict[str, Any]:
+def write_part_file(directory: str | Path, name: str, state: dict[str, Any],
+                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save ``state`` as ``directory/name`` atomically (a temp file, fsynced, renamed, the directory
-    fsynced); returns ``{"file", "bytes", "sha256"}``, also written beside it (:func:`report_path`). ``torch.save`` to a path writes every tensor
-    from its own memory: no serialised copy of the state is built."""
+    fsynced); returns ``{"file", "bytes", "sha256", **meta}``, also written beside it
+    (:func:`report_path`). ``torch.save`` to a path writes every tensor from its own memory: no
+    serialised copy of the state is built."""
     directory = Path(directory)
     final = directory / name
     tmp = directory / f".{name}.tmp-{os.getpid()}"
@@ -66,7 +69,7 @@ def write_part_file(directory: str | Path, name: str, state: dict[str, Any]) -> 
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    out = {"file": name, "bytes": size, "sha256": sha}
+    out = {"file": name, "bytes": size, "sha256": sha, **(meta or {})}
     # Its outcome beside it (after the part is durable): the chief commits from these, even once the
     # task that wrote the part is gone.
     side = report_path(final)
@@ -114,6 +117,10 @@ def read_part_file(path: str | Path, nbytes: int, sha256: str) -> dict[str, Any]
     if not isinstance(state, dict) or state.get("part_format") != PART_FORMAT:
         raise BadPartError(f"{path}: not a checkpoint part of format {PART_FORMAT}")
     return state
+
+
+def _built(state: dict[str, Any] | Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    return state() if callable(state) else state
 
 
 def cloned(state: Any) -> Any:
@@ -173,10 +180,13 @@ class PartWriter:
     def busy(self) -> bool:
         return self._child is not None
 
-    def start(self, directory: str | Path, name: str, state: dict[str, Any], step: int) -> dict[str, Any]:
-        """Write ``state`` (live tensors: call with applies held) as ``directory/name``. Returns
-        ``{"started": step, "background": bool}``, or ``{"error": ...}`` when a part is still being
-        written. Forked: returns at once; in-thread: once the part is written."""
+    def start(self, directory: str | Path, name: str, state: dict[str, Any] | Callable[[], dict[str, Any]],
+              step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write ``state`` (live tensors: call with applies held; or a function that builds it,
+        called in the writer, where it sees the task's memory as it is now) as ``directory/name``;
+        ``meta`` goes into the part's report. Returns ``{"started": step, "background": bool}``, or
+        ``{"error": ...}`` when a part is still being written. Forked: returns at once; in-thread:
+        once the part is written."""
         deadline = time.monotonic() + self.exit_wait_s
         while self._child is not None and self.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -185,9 +195,10 @@ class PartWriter:
         self._done = None
         self.started_at = time.monotonic()
         Path(directory).mkdir(parents=True, exist_ok=True)
+        meta = dict(meta or {})
         if not self.fork:
             try:
-                self._done = {"step": step, **write_part_file(directory, name, state)}
+                self._done = {"step": step, **write_part_file(directory, name, _built(state), meta)}
             except Exception as exc:
                 self._done = {"step": step, "error": f"{type(exc).__name__}: {exc}"}
             self._done["seconds"] = time.monotonic() - self.started_at
@@ -208,7 +219,7 @@ class PartWriter:
                 os.closerange(w + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
                 _die_with_parent()
                 try:
-                    out = {"step": step, **write_part_file(directory, name, state)}
+                    out = {"step": step, **write_part_file(directory, name, _built(state), meta)}
                     code = 0
                 except BaseException as exc:
                     out = {"step": step, "error": f"{type(exc).__name__}: {exc}"}

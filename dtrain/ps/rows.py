@@ -128,10 +128,12 @@ class TablePart:
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
                  init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32",
                  init: str = "chunked", buffers: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
-                 fresh: torch.Tensor | None = None):
+                 fresh: torch.Tensor | None = None, track: bool = False, changed: torch.Tensor | None = None):
         """``buffers``: where the part keeps its rows and optimizer state instead of tensors of its
         own (views into a :class:`~dtrain.ps.groups.TableGroup`'s, already holding the optimizer's
-        initial state); the rows are initialised there."""
+        initial state); the rows are initialised there. ``track``: mark the rows that change
+        (``changed``: a group's view to mark instead of a mask of its own), for incremental
+        checkpoints (:meth:`delta_state`)."""
         if storage not in STORAGE:
             raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE))}")
         self.name, self.num_embeddings, self.dim = name, int(num_embeddings), int(dim)
@@ -158,6 +160,9 @@ class TablePart:
             self.optimizer.share(buffers[1])
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
+        # The rows written since the last checkpoint's snapshot (updated, or drawn on first use).
+        self._changed: torch.Tensor | None = changed if changed is not None else (
+            torch.zeros(len(self.rows), dtype=torch.bool) if track else None)
 
     def _init(self, std: float, init: str) -> None:
         if self.weight.dtype == torch.float32:
@@ -206,6 +211,8 @@ class TablePart:
             ids = need * self.num_parts + self.part if self.strategy == "mod" else need + self.rows.start
             self.weight[need] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)
             self._fresh[need] = False
+            if self._changed is not None:
+                self._changed[need] = True
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
@@ -240,6 +247,8 @@ class TablePart:
             self._generator.manual_seed(_stream_seed(self.seed, self.name, self.part, self.optimizer.step_count))
             w = round_stochastic(w, self.weight.dtype, self._generator)
         self.weight.index_copy_(0, rows, w)
+        if self._changed is not None:
+            self._changed[rows] = True
 
     def state(self, copy: bool = False) -> dict[str, Any]:
         """Rows (in the storage dtype) and optimizer state (``copy``: cloned, else the live tensors)."""
@@ -255,6 +264,40 @@ class TablePart:
         if self._fresh is not None:
             out["fresh"] = self._fresh
         return out
+
+    def delta_state(self) -> dict[str, Any]:
+        """The rows written since :meth:`mark_clean` (local indices, sorted), their values and
+        optimizer state, copied; the step count whole (an incremental checkpoint's part: called in
+        its copy-on-write writer, which sees the rows as they were at the snapshot)."""
+        if self._changed is None:
+            raise ValueError(f"table {self.name}: changes are not tracked (checkpoint.incremental is not set)")
+        rows = torch.nonzero(self._changed).flatten()
+        per_row = self.optimizer.tensors()
+        opt = {k: per_row[k].index_select(0, rows) if k in per_row else v
+               for k, v in self.optimizer.state_dict().items()}
+        return {"delta": True, "rows": rows, "weight": self.weight.index_select(0, rows), "optimizer": opt}
+
+    def mark_clean(self) -> None:
+        """A checkpoint's snapshot was taken: the next delta holds the rows written after it."""
+        if self._changed is not None:
+            self._changed.zero_()
+
+    def load_delta(self, state: dict[str, Any]) -> None:
+        """Apply :meth:`delta_state`'s output over the rows restored from the checkpoint it follows."""
+        rows = state["rows"].to(torch.int64)
+        if len(rows) and (int(rows.max()) >= len(self.rows) or int(rows.min()) < 0):
+            raise ValueError(f"table {self.name} part {self.part}: a delta names local row {int(rows.max())}, this "
+                             f"part holds {len(self.rows)} (another ps count or partition?)")
+        self.weight.index_copy_(0, rows, state["weight"].to(self.weight.dtype))
+        per_row = self.optimizer.tensors()
+        opt = dict(state.get("optimizer") or {})
+        for key, value in opt.items():
+            if key in per_row and isinstance(value, torch.Tensor):
+                per_row[key].index_copy_(0, rows, value.to(per_row[key].dtype))
+        self.optimizer.step_count = int(opt.get("step", self.optimizer.step_count))
+        if self._fresh is not None:
+            self._fresh[rows] = False
+        self._pending = []
 
     def chunk(self, start: int, stop: int) -> dict[str, Any]:
         """Rows ``[start, stop)`` (local) and their optimizer state, copied; the step count whole."""
@@ -306,6 +349,7 @@ class TablePart:
             ids = rows * self.num_parts + self.part if self.strategy == "mod" else rows + self.rows.start
             self.weight[rows] = id_rows(self.seed, self.name, ids, self.dim, self.init_std).to(self.weight.dtype)
         self._pending = []
+        self.mark_clean()
 
     @property
     def nbytes(self) -> int:
@@ -313,14 +357,15 @@ class TablePart:
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.optimizer.tensors().values()))
 
 
-def table_part(config: dict[str, Any], run_optimizer: dict[str, Any]) -> Any:
+def table_part(config: dict[str, Any], run_optimizer: dict[str, Any], track: bool = False) -> Any:
     """A ps task's part of one table, from its plan config (``dtrain.plan.tables.table_config``): a
     :class:`TablePart`, or a ``DynamicTablePart`` for a table without a vocabulary. A table with its
-    own optimizer config uses it, the others ``run_optimizer``."""
+    own optimizer config uses it, the others ``run_optimizer``; ``track``: the part marks the rows
+    that change, for incremental checkpoints."""
     settings = {k: v for k, v in config.items() if k not in ("optimizer", "dynamic")}
     optimizer = config.get("optimizer") or run_optimizer
     if config.get("dynamic") is not None:
         from .dynamic import DynamicTablePart
 
-        return DynamicTablePart(**settings, **config["dynamic"], optimizer_config=optimizer)
-    return TablePart(**settings, optimizer_config=optimizer)
+        return DynamicTablePart(**settings, **config["dynamic"], optimizer_config=optimizer, track=track)
+    return TablePart(**settings, optimizer_config=optimizer, track=track)

@@ -33,6 +33,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,9 +42,10 @@ from dtrain.observe.meters import ShardMeter
 
 from .averages import make_average
 from .control import ShardControl
+from .deltas import is_delta
 from .fastpath import DirectPush
 from .optim import make_optimizer
-from .part_writer import PartWriter, cloned, drop_pages, read_part_file
+from .part_writer import BadPartError, PartWriter, cloned, drop_pages, read_part_file
 from .replication import Apply, AsyncPolicy, StalenessGate
 from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
@@ -82,7 +84,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
         # A table with its own optimizer config uses it, the others the run's.
         # Parts that agree on their layout and row optimizer share buffers (ps/groups.py).
-        self._init_tables(config.get("tables", ()), config["optimizer"])
+        self.incremental = bool(config.get("incremental"))  # checkpoint.incremental: tables track their changes
+        self._init_tables(config.get("tables", ()), config["optimizer"], track=self.incremental)
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
         self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
@@ -121,8 +124,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self._expiry: asyncio.Task | None = None
         # Telemetry (observe.telemetry): pushes, applies, busy seconds, bytes, staleness.
         self.meter: ShardMeter | None = ShardMeter(self.param.numel() * 4) if config.get("telemetry", True) else None
-        # This task's part of each checkpoint, written by itself (ps/part_writer.py).
+        # This task's part of each checkpoint, written by itself (ps/part_writer.py), and the
+        # checkpoint its tables' changes are counted from (its last snapshot, or the one restored):
+        # an incremental checkpoint's part holds the rows changed since (ps/deltas.py).
         self.writer = PartWriter()
+        self.checkpoint_base: int | None = None
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -409,8 +415,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         return out
 
     async def set_state(self, state: dict[str, Any], done: Any = None) -> int:
-        """Restore from :meth:`get_state`'s output (a checkpoint; ``done``: ``TablePart.load_state``'s)."""
+        """Restore from :meth:`get_state`'s output (a checkpoint; ``done``: ``TablePart.load_state``'s),
+        or lay a delta part over the state restored (ps/deltas.py). The next checkpoint's part is
+        full unless :meth:`load_part` names the checkpoint restored."""
         with self.lock:
+            self.checkpoint_base = None
             with torch.no_grad():
                 self.param.copy_(state["params"])
             self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
@@ -418,7 +427,11 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 self.averages.load(state.get("averages"), self.param)
             for name, part in self.tables.items():
                 if name in (state.get("tables") or {}):
-                    part.load_state(unpack_state(state["tables"][name]), done)
+                    table = unpack_state(state["tables"][name])
+                    if table.get("delta"):
+                        part.load_delta(table)
+                    else:
+                        part.load_state(table, done)
             self._clear_rows()
             step = int(state["step"])
             self.sync.reset(step)
@@ -434,34 +447,60 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             return step
 
     # ------------------------------------------------------------------ checkpoint parts
-    def _part_state(self) -> dict[str, Any]:
+    def _part_state(self, delta: bool) -> dict[str, Any] | Callable[[], dict[str, Any]]:
         """This task's part of a checkpoint (holding ``lock``, applies held): the dense state copied
         (small; the parameters may be in shared memory, which a forked writer sees change), the
-        tables' live tensors (a forked writer sees them as they are now: copy-on-write)."""
-        return {"params": self.param.clone(), "step": self.step, "optimizer_state": cloned(self.optimizer.state_dict()),
-                "dropped_stale": self.dropped_stale, "samples": self.samples_total,
-                **({"averages": self.averages.state()} if self.averages is not None else {}),
-                **({"tables": {n: part.live_state() for n, part in self.tables.items()}} if self.tables else {})}
+        tables' live tensors (a forked writer sees them as they are now: copy-on-write); ``delta``:
+        each table's rows changed since the last snapshot instead, picked out in the writer."""
+        dense = {"params": self.param.clone(), "step": self.step, "optimizer_state": cloned(self.optimizer.state_dict()),
+                 "dropped_stale": self.dropped_stale, "samples": self.samples_total,
+                 **({"averages": self.averages.state()} if self.averages is not None else {})}
+        if not self.tables:
+            return dense
+        if not delta:
+            return {**dense, "tables": {n: part.live_state() for n, part in self.tables.items()}}
+        tables = self.tables
+        return lambda: {**dense, "tables": {n: part.delta_state() for n, part in tables.items()}}
 
-    async def write_part(self, directory: str, name: str) -> dict[str, Any]:
-        """Start writing this task's part of the checkpoint of the held step (``PartWriter.start``);
+    async def write_part(self, directory: str, name: str, tag: int | None = None, since: int | None = None
+                         ) -> dict[str, Any]:
+        """Start writing this task's part of the checkpoint ``tag`` (its step) of the held step
+        (``PartWriter.start``): a delta of the checkpoint ``since`` when that is the one this task
+        counts its changes from (``checkpoint_base``), else a full part (the report's ``kind``).
         ``{"error": ...}`` when the parameters are not finite or a part is still being written."""
         with self.lock:
             if not bool(torch.isfinite(self.param).all()):
                 return {"error": f"the parameters of shard {self.index} became non-finite (NaN or inf) at step "
                                  f"{self.step}"}
-            return self.writer.start(directory, name, self._part_state(), self.step)
+            delta = self.incremental and bool(self.tables) and since is not None and since == self.checkpoint_base
+            meta = {"kind": "delta", "base": since} if delta else {"kind": "full"}
+            out = self.writer.start(directory, name, self._part_state(delta), self.step, meta)
+            if "error" not in out:  # (the writer holds its snapshot: count the changes from here)
+                for part in self.tables.values():
+                    part.mark_clean()
+                self.checkpoint_base = tag
+            return out
 
     async def part_written(self, wait: bool = False) -> dict[str, Any] | None:
         """The last part's outcome (``PartWriter.poll``); None while it is being written."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.writer.poll, True) if wait else self.writer.poll()
 
-    async def load_part(self, path: str, nbytes: int, sha256: str) -> int:
-        """Restore this task from its part of a checkpoint, read and verified here (BadPartError
-        unless its size and sha256 are the manifest's); returns the step."""
-        state = await asyncio.get_running_loop().run_in_executor(None, read_part_file, path, nbytes, sha256)
-        return await self.set_state(state, done=drop_pages)
+    async def load_part(self, chain: list[tuple[str, int, str]], tag: int | None = None) -> int:
+        """Restore this task from its part of the checkpoint ``tag``: ``chain`` is the files that
+        hold it, (path, bytes, sha256) each, a full part then the deltas that follow it, each read
+        and verified here (BadPartError unless its size and sha256 are the manifest's) and applied
+        in turn; returns the step."""
+        loop = asyncio.get_running_loop()
+        step = 0
+        for k, (path, nbytes, sha256) in enumerate(chain):
+            state = await loop.run_in_executor(None, read_part_file, path, nbytes, sha256)
+            if k == 0 and is_delta(state):
+                raise BadPartError(f"{path}: a delta where its chain needs a full part")
+            step = await self.set_state(state, done=drop_pages)
+            del state
+        self.checkpoint_base = tag
+        return step
 
     # ------------------------------------------------------------------ socket data plane
     async def open_data_plane(self, secret: bytes, host: str = "127.0.0.1",

@@ -35,8 +35,8 @@ class SparseRows:
     index: int
     error: str | None
 
-    def _init_tables(self, configs: Any, run_optimizer: dict[str, Any]) -> None:
-        self.tables, self.table_groups = table_parts(configs, run_optimizer)
+    def _init_tables(self, configs: Any, run_optimizer: dict[str, Any], track: bool = False) -> None:
+        self.tables, self.table_groups = table_parts(configs, run_optimizer, track)
         self._grouped = {name: (group, m) for group in self.table_groups for m, name in enumerate(group.names)}
         self._alone = [part for name, part in self.tables.items() if name not in self._grouped]
 

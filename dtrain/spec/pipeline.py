@@ -229,8 +229,14 @@ class PipelineSpec(Strict):
         return bool(layers) and layers[0].type in TABLE_LAYERS and layers[0].sparse
 
     def _check_tables(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
-        """What sparse tables cannot do (torch's sparse gradients cannot either: docs/sparse.md)."""
+        """What sparse tables cannot do (torch's sparse gradients cannot either: docs/sparse.md), and
+        incremental checkpoints without one (a custom module's tables are known once it is built)."""
         if not self.has_sparse_tables():
+            if (self.checkpoint is not None and self.checkpoint.incremental is not None
+                    and (self.model is None or self.model.module is None)):
+                problems.append((("checkpoint", "incremental"), "incremental checkpoints hold the rows of sparse "
+                                 "tables that changed, and the model has none: remove checkpoint.incremental (a "
+                                 "dense model's checkpoints are always whole)"))
             return
         problems.extend(sparse_limits(self))
 

@@ -13,6 +13,17 @@ from .sections import MAX_STEPS, WEEK_S, Strict, did_you_mean, quoted
 # ------------------------------------------------------------------------ checkpoint/summary/eval
 
 
+class IncrementalSpec(Strict):
+    """Incremental checkpoints: between full ones, only the sparse tables' rows that changed."""
+
+    full_every: int = Field(
+        10, ge=2, le=1000,
+        description="Every N-th checkpoint is full; the N-1 between are deltas: each holds, per sparse table, only "
+                    "the rows written since the checkpoint before (for a table without a vocabulary also the ids "
+                    "evicted since), and the dense variables and optimizer state whole. A restore reads the newest "
+                    "full checkpoint and the deltas after it; retention keeps every checkpoint a kept delta needs.")
+
+
 class CheckpointSpec(Strict):
     """CheckpointSaverHook: atomic checkpoints of every shard at one consistent step."""
 
@@ -24,6 +35,9 @@ class CheckpointSpec(Strict):
     keep_every_n_hours: float | None = Field(
         None, gt=0, le=1e6,
         description="Also keep one older checkpoint per N hours (TF's keep_checkpoint_every_n_hours).")
+    incremental: IncrementalSpec | None = Field(
+        None, description="Write deltas between full checkpoints (sparse tables only): see its full_every. "
+                          "Unset: every checkpoint is full.")
 
     @model_validator(mode="after")
     def _when(self) -> CheckpointSpec:

@@ -2,7 +2,8 @@
 SIGKILLed while parts are being written (at seeded moments after a checkpoint fell due): every
 checkpoint with a manifest is complete and verifies (each part's sha256), a directory of parts
 without one is never used, and a resume restores exactly what was snapshotted (the resumed run's
-model, with no step trained, equals the export of that checkpoint, tables included)."""
+model, with no step trained, equals the export of that checkpoint, tables included), with full
+checkpoints only and with incremental ones (deltas between)."""
 
 from __future__ import annotations
 
@@ -31,23 +32,25 @@ pytestmark = pytest.mark.processes
 SCALE = 40
 
 
-def settings(steps: int) -> list[str]:
+def settings(steps: int, incremental: bool = False) -> list[str]:
     import dtrain
 
     spec = dtrain.load(ROOT / "pipelines" / "dlrm_criteo_1tb.yaml")
     out = [f"model.tables.{name}.num_embeddings={max(1, t.num_embeddings // SCALE)}"
            for name, t in spec.model.tables.items()]
     out += [f"training.steps={steps}", "data.epochs=null", "data.batch_size=128", "summary.every_steps=5",
-            "summary.tensorboard=false", "checkpoint={every_steps: 10, keep: 3}", "data.test_fraction=0.25"]
+            "summary.tensorboard=false", "data.test_fraction=0.25",
+            "checkpoint={every_steps: 10, keep: 3" + (", incremental: {full_every: 2}}" if incremental else "}")]
     return [a for s in out for a in ("--set", s)]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_restore_exactly(tmp_path, seed):
+@pytest.mark.parametrize(("seed", "incremental"), [(0, False), (1, True)])  # (1: the delta of step 30 being written)
+def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_restore_exactly(tmp_path, seed,
+                                                                                          incremental):
     run_dir = tmp_path / "run"
     forkservers = set(Path(tempfile.gettempdir()).glob("pymp-*"))
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/dlrm_criteo_1tb.yaml", "--run-dir",
-                             str(run_dir), "--quiet", *settings(1000)], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(run_dir), "--quiet", *settings(1000, incremental)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     deadline = time.monotonic() + 180
@@ -74,7 +77,9 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
     code = subprocess.run([sys.executable, "-m", "dtrain.cli", "export", str(run_dir), str(out)], cwd=ROOT,
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert code.returncode == 0, code.stderr[-2000:]
-    resumed = start_run("pipelines/dlrm_criteo_1tb.yaml", run_dir, *settings(newest.step), "--resume")
+    if incremental:  # (a delta's export merges its chain in the chief; the resume reads it on the ps tasks)
+        assert any(p.get("kind") == "delta" for c in committed for p in ckpt.verify(c)["parts"])
+    resumed = start_run("pipelines/dlrm_criteo_1tb.yaml", run_dir, *settings(newest.step, incremental), "--resume")
     rc, _, err = finish(resumed)
     assert rc == 0, err[-3000:]
     model = torch.load(run_dir / "model.pt", weights_only=True)
