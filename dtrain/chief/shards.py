@@ -34,7 +34,7 @@ from dtrain.plan.tables import (
     table_config,
     table_layout,
 )
-from dtrain.ps.part_writer import part_name, written_report
+from dtrain.ps.part_writer import part_name, read_part_file, written_report
 from dtrain.ps.rows import pack_state
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
@@ -155,14 +155,20 @@ class ShardGroup:
         placement is the same, else resharded (another number of ps tasks or another placement:
         each variable and its optimizer state reassembled and placed anew). A checkpoint of other
         variables (names, shapes) or another optimizer is refused with a RunError saying what
-        differs. Returns whether each ps task restored its own part (the same placement)."""
+        differs. Returns whether each ps task restored its own part (the same placement).
+
+        A checkpoint of parts is read by the ps tasks: on the same placement each reads and checks
+        its own part's chain; on another, each file is checked once by one task, the chief reshards
+        the dense state (reading only that of each part, memory-mapped) and each task reads, from
+        every old part, only the table rows it owns now (``ParameterShard.load_resharded``). A
+        checkpoint of the single-file format is assembled and resharded here."""
         _check_restorable(checkpoint, self.spec)
-        if self._restore_parts(checkpoint):
-            return True
-        states = list(checkpoint.payload["shards"])
         if checkpoint.payload.get("pipeline_hash") not in (None, self.plan.pipeline_hash):
             logger.info("%s was written by another version of this pipeline (its variables and optimizer "
                         "match; settings such as the learning rate or steps may differ)", checkpoint.path.name)
+        if checkpoint.parts is not None:
+            return self._restore_parts(checkpoint)
+        states = list(checkpoint.payload["shards"])
         written = checkpoint.payload.get("layout") or {}
         layout = ShardLayout.from_plan(self.plan)
         if written.get("parts"):
@@ -183,23 +189,48 @@ class ShardGroup:
         return False
 
     def _restore_parts(self, checkpoint: Checkpoint) -> bool:
-        """A checkpoint of parts written for this very placement: each ps task reads and verifies
-        its own part (``ParameterShard.load_part``), nothing passes through the chief. False when
-        the placement differs (the caller reshards through the chief)."""
-        parts = checkpoint.parts
+        """A checkpoint of parts: written for this very placement, each ps task reads and verifies
+        its own part's chain (``ParameterShard.load_part``; True); else :meth:`_reshard_parts`
+        (False). Nothing of the tables passes through the chief."""
+        parts = sorted(checkpoint.parts or (), key=lambda p: int(p["shard"]))
         written = checkpoint.payload.get("layout") or {}
-        if parts is None or not written.get("parts") or len(parts) != len(self.handles):
+        chains = [[(str(path), nbytes, sha) for path, nbytes, sha in part_chain(checkpoint.path, p)] for p in parts]
+        layout = ShardLayout.from_plan(self.plan)
+        old = ShardLayout.from_description(written) if written.get("parts") else layout
+        if not (len(parts) == len(self.handles) and old.same_as(layout)
+                and table_layout(self.plan.tables) == (written.get("tables") or [])):
+            self._reshard_parts(checkpoint, chains, old, layout)
             return False
-        if not ShardLayout.from_description(written).same_as(ShardLayout.from_plan(self.plan)):
-            return False
-        if table_layout(self.plan.tables) != (written.get("tables") or []):
-            return False
-        chains = [[(str(path), nbytes, sha) for path, nbytes, sha in part_chain(checkpoint.path, p)]
-                  for p in sorted(parts, key=lambda p: int(p["shard"]))]
         futures = [s.load_part(chain, checkpoint.step) for s, chain in zip(self.handles, chains, strict=True)]
         for f, shard in zip(futures, self.plan.shards, strict=True):
             call(f, timeout=transfer_timeout(shard.numel) + 600)
         return True
+
+    def _reshard_parts(self, checkpoint: Checkpoint, chains: list[list[tuple[str, int, str]]], old: ShardLayout,
+                       layout: ShardLayout) -> None:
+        """Restore a checkpoint of parts written under another placement (:meth:`restore`)."""
+        recorded = tables.written_tables(self.plan, checkpoint, checkpoint.payload.get("layout") or {})
+        logger.info("%s: resharding %d ps shard(s) onto %d (each ps task reads the table rows it owns)",
+                    checkpoint.path.name, old.num_shards, layout.num_shards)
+        files = sorted({f for chain in chains for f in chain})  # (each checked once, the tasks in parallel)
+        futures = [h.check_files(files[j::len(self.handles)]) for j, h in enumerate(self.handles)]
+        for f in futures:
+            call(f, timeout=3600)
+        dense = []
+        for chain in chains:  # (the newest file of each chain holds its shard's dense state whole)
+            state = read_part_file(*chain[-1], verify=False)  # (memory-mapped: the tables are not read)
+            dense.append({k: v for k, v in state.items() if k not in ("tables", "part_format")})
+        if not old.same_as(layout):
+            dense = reshard(dense, old, layout)
+        if len(dense) != len(self.handles) or any(
+                st["params"].numel() != s.numel for st, s in zip(dense, self.plan.shards, strict=True)):
+            raise RunError(f"{checkpoint.path} was written for a different model or placement "
+                           f"({len(dense)} shard(s)); use another --run-dir")
+        recipes = tables.reshard_recipes(self.plan, recorded, chains)
+        futures = [h.load_resharded(state, recipes.get(j, []))
+                   for j, (h, state) in enumerate(zip(self.handles, dense, strict=True))]
+        for f, shard in zip(futures, self.plan.shards, strict=True):
+            call(f, timeout=transfer_timeout(shard.numel) + 3600)
 
     def refs(self) -> list[tuple[str, str]]:
         """``(worker address, actor key)`` per shard: replicas rebuild their handles from these."""

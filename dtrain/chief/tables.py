@@ -26,29 +26,59 @@ logger = logging.getLogger(__name__)
 TABLE_CHUNK_ROWS = 1 << 18  # rows of a table part a snapshot reads per call (32 MiB at dim 32)
 
 
-def restore_tables(plan: Plan, checkpoint: Checkpoint, states: list[dict[str, Any]],
-                   written: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each table's part states from the checkpoint, repartitioned when it was written by
-    another number of ps tasks or another ``embedding_partition``."""
-    if not plan.tables:
-        return states
+def written_tables(plan: Plan, checkpoint: Checkpoint, written: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What the checkpoint records of each of the plan's tables (``table_layout``), once each can
+    be restored into the pipeline's (RunError saying why one cannot: another size, another row
+    optimizer, with against without a vocabulary)."""
     recorded = {t["name"]: t for t in written.get("tables") or ()}
-    source = list(checkpoint.payload["shards"])  # the states as written: one part per old shard
     run_optimizer = ((checkpoint.payload.get("spec") or {}).get("optimizer") or {}).get("name")
-    out = [dict(st) for st in states]
+    out = {}
     for table in plan.tables:
         was = recorded.get(table.name)
         why = (f"no such table for {table.name} (the pipeline's is {table.num_embeddings}x{table.dim})"
                if was is None else restore_problem(was, table, run_optimizer))
         if why:
             raise RunError(f"{checkpoint.path} holds {why}; use another --run-dir")
-        old = (int(was["parts"]), str(was["partition"]))
-        new = (len(table.parts), table.partition)
-        parts = [st["tables"][table.name] for st in source[:old[0]]]
         if bool(was.get("dynamic")) != (table.dynamic is not None):
             raise RunError(f"{checkpoint.path} holds {table.name} as a table "
                            f"{'without' if was.get('dynamic') else 'with'} a vocabulary, the pipeline's is "
                            f"{'with' if was.get('dynamic') else 'without'} one; use another --run-dir")
+        out[table.name] = was
+    return out
+
+
+def reshard_recipes(plan: Plan, recorded: dict[str, dict[str, Any]], chains: list[list[tuple[str, int, str]]]
+                    ) -> dict[int, list[dict[str, Any]]]:
+    """Per shard of the plan, what its ps task needs to restore its table parts itself from a
+    checkpoint of parts written under another partition (``ParameterShard.load_resharded``):
+    per table its sizes, the old and new partitions, its part, and every old part's chain of files
+    (``chains[k]``: old shard ``k``'s, which held part ``k`` of each table)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for table in plan.tables:
+        was = recorded[table.name]
+        old = [int(was["parts"]), str(was["partition"])]
+        for p in table.parts:
+            out.setdefault(p.shard, []).append({
+                "name": table.name, "num_embeddings": None if table.dynamic is not None else table.num_embeddings,
+                "old": old, "new": [len(table.parts), table.partition], "part": p.part, "chains": chains[:old[0]]})
+    return out
+
+
+def restore_tables(plan: Plan, checkpoint: Checkpoint, states: list[dict[str, Any]],
+                   written: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each table's part states from the checkpoint, repartitioned when it was written by
+    another number of ps tasks or another ``embedding_partition`` (assembled here: a checkpoint
+    of the single-file format)."""
+    if not plan.tables:
+        return states
+    recorded = written_tables(plan, checkpoint, written)
+    source = list(checkpoint.payload["shards"])  # the states as written: one part per old shard
+    out = [dict(st) for st in states]
+    for table in plan.tables:
+        was = recorded[table.name]
+        old = (int(was["parts"]), str(was["partition"]))
+        new = (len(table.parts), table.partition)
+        parts = [st["tables"][table.name] for st in source[:old[0]]]
         if table.dynamic is not None:
             if old[0] != new[0]:  # every new part takes, from all the rows, those whose id lives there
                 merged = merge_dynamic(parts)  # (the counters once, on the first part: they are summed)

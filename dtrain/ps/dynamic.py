@@ -281,7 +281,8 @@ class DynamicTablePart:
             self.ids[slots] = EMPTY_ID
             self.free.extend(slots.tolist())
         ids = state["ids"].to(torch.int64)
-        mine = (home_part(ids, self.num_parts) == self.part) if len(ids) else torch.zeros(0, dtype=torch.bool)
+        mine = ((ids >= 0) & (home_part(ids, self.num_parts) == self.part) if len(ids)
+                else torch.zeros(0, dtype=torch.bool))
         ids = ids[mine].numpy()
         slots = self.index.get(ids)
         new = slots < 0

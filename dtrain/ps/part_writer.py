@@ -100,16 +100,26 @@ def written_report(part: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def read_part_file(path: str | Path, nbytes: int, sha256: str) -> dict[str, Any]:
-    """A part written by :func:`write_part_file`, once its size and checksum match the manifest's
-    (BadPartError naming the file otherwise; OSError when it cannot be read), loaded with
-    ``weights_only=True`` and memory-mapped (its tensors are read as they are copied out)."""
+def check_part_file(path: str | Path, nbytes: int, sha256: str) -> None:
+    """BadPartError naming the file unless its size and sha256 are the manifest's (OSError when it
+    cannot be read); the file is read in chunks."""
     path = Path(path)
     size = path.stat().st_size
     if size != nbytes:
         raise BadPartError(f"{path}: {size} bytes, the manifest says {nbytes} (truncated?)")
     if digest(path)[1] != sha256:
         raise BadPartError(f"{path}: sha256 mismatch (corrupt)")
+
+
+def read_part_file(path: str | Path, nbytes: int, sha256: str, verify: bool = True) -> dict[str, Any]:
+    """A part written by :func:`write_part_file`, once its size and checksum match the manifest's
+    (:func:`check_part_file`; ``verify=False``: checked already, its size only), loaded with
+    ``weights_only=True`` and memory-mapped (its tensors are read as they are copied out)."""
+    path = Path(path)
+    if verify:
+        check_part_file(path, nbytes, sha256)
+    elif path.stat().st_size != nbytes:
+        raise BadPartError(f"{path}: {path.stat().st_size} bytes, the manifest says {nbytes} (truncated?)")
     try:
         state = torch.load(str(path), weights_only=True, map_location="cpu", mmap=True)
     except Exception as exc:  # torch raises several types for bad archives

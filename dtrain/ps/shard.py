@@ -45,8 +45,9 @@ from .control import ShardControl
 from .deltas import is_delta
 from .fastpath import DirectPush
 from .optim import make_optimizer
-from .part_writer import BadPartError, PartWriter, cloned, drop_pages, read_part_file
+from .part_writer import BadPartError, PartWriter, check_part_file, cloned, drop_pages, read_part_file
 from .replication import Apply, AsyncPolicy, StalenessGate
+from .reshard import restore_part
 from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
 from .sync_push import BarrierTimeout, SyncPush
@@ -500,6 +501,38 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             step = await self.set_state(state, done=drop_pages)
             del state
         self.checkpoint_base = tag
+        return step
+
+    async def check_files(self, files: list[tuple[str, int, str]]) -> int:
+        """Check checkpoint files (path, bytes, sha256) against their manifest here, on this task
+        (``check_part_file``: BadPartError naming the first bad one); returns how many. A restore
+        under another placement has each file checked once, by one task, before any is read."""
+        loop = asyncio.get_running_loop()
+        for path, nbytes, sha256 in files:
+            await loop.run_in_executor(None, check_part_file, path, nbytes, sha256)
+        return len(files)
+
+    async def load_resharded(self, dense: dict[str, Any], tables: list[dict[str, Any]]) -> int:
+        """Restore this task from a checkpoint written under another placement: ``dense``, its
+        dense state (resharded by the chief, which reads only the parts' dense state), then each of
+        its table parts from every old part's chain (``tables``: per table ``name``,
+        ``num_embeddings`` (None without a vocabulary), ``old`` and ``new`` (parts, strategy),
+        ``part`` (this task's) and ``chains``: per old part its files, (path, bytes, sha256), full
+        first, checked already by :meth:`check_files`), reading only the rows it owns
+        (ps/reshard.py). Returns the step; the next checkpoint's part is full."""
+        step = await self.set_state(dense)
+        loop = asyncio.get_running_loop()
+        for table in tables:
+            part = self.tables[table["name"]]
+            chains = []
+            for files in table["chains"]:
+                states = [await loop.run_in_executor(None, read_part_file, path, nbytes, sha, False)
+                          for path, nbytes, sha in files]
+                chains.append([unpack_state(st["tables"][table["name"]]) for st in states])
+            with self.lock:
+                restore_part(part, chains, table["num_embeddings"], tuple(table["old"]), tuple(table["new"]),
+                             int(table["part"]))
+            del chains
         return step
 
     # ------------------------------------------------------------------ socket data plane

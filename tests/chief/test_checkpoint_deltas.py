@@ -2,7 +2,8 @@
 third checkpoint full and deltas between, with their chains in the manifests; retention keeps the
 full checkpoint a kept delta needs; a resume from a delta restores (each ps task reading its own
 chain) exactly the model the run ended with and goes on writing deltas; a resume onto three ps
-tasks (the parts merged in the chief) and ``dtrain export`` of a delta predict exactly the same."""
+tasks (each reading from every old part's chain the rows it owns), then onto one, and ``dtrain
+export`` of a delta (the chain merged) predict exactly the same."""
 
 from __future__ import annotations
 
@@ -126,6 +127,13 @@ def test_a_resume_onto_three_ps_tasks_and_an_export_of_a_delta_predict_the_same(
     three = dtrain.run(spec(**{"ps: 2": "ps: 3"}), client=inproc_client, run_dir=copy, resume=True, data=data())
     assert three.summary["start_step"] == 40 and three.summary["ps_tasks"] == [f"/job:ps/task:{i}" for i in range(3)]
     assert torch.equal(predict(three.model), predict(result.model))
+    # On to step 50 on three ps tasks (a full checkpoint: the tables were resharded), then onto one.
+    on = dtrain.run(spec(**{"ps: 2": "ps: 3", "steps: 40": "steps: 50"}), client=inproc_client, run_dir=copy,
+                    resume=True, data=data())
+    assert on.summary["checkpoints"] == ["ckpt-00000050"] and on.summary["checkpoint_deltas"] == 0
+    one = dtrain.run(spec(**{"ps: 2": "ps: 1", "steps: 40": "steps: 50"}), client=inproc_client, run_dir=copy,
+                     resume=True, data=data())
+    assert one.summary["start_step"] == 50 and torch.equal(predict(one.model), predict(on.model))
     out = tmp_path / "served"
     assert export(run_dir, out)["checkpoint"] == "ckpt-00000040"
     x, _ = records(400, 1)

@@ -452,8 +452,10 @@ def test_tables_resume_onto_any_ps_count_keeping_every_row(inproc_client, tmp_pa
         assert float((a.weight - b.weight).detach().abs().max()) <= 1e-6
         figures = resumed.summary["tables"][t]
         assert len(figures["parts"]) == resume_ps
-        if dynamic:
+        if dynamic:  # (the counters come once, summed: not lost, not counted twice)
             assert figures["live_rows"] == len(a.row_ids)
+            assert [figures[k] for k in ("admitted", "evicted", "rejected")] == [
+                ref.summary["tables"][t][k] for k in ("admitted", "evicted", "rejected")]
     if (dynamic, resume_ps) == ("max_rows: 1000", 3):  # the comparison has teeth: step 20's rows differ
         mid = run_small(inproc_client, tmp_path / "mid", spec(2, 20), small_ids)
         assert float((mid.model.tables["C1"].weight - ref.model.tables["C1"].weight[
