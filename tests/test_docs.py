@@ -150,3 +150,16 @@ def test_readme_concept_map_is_the_concepts_page():
         return text.split("## The concepts, mapped", 1)[1].split("\n## ", 1)[0].strip().replace("](docs/", "](")
 
     assert table((ROOT / "README.md").read_text()) == table((DOCS / "concepts.md").read_text())
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's table: each package's row names every module in it (a module added
+    without a word of what it is for fails this)."""
+    text = (DOCS / "architecture.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `dtrain/(\w+)/` \|.*$", text, re.M)}
+    missing = []
+    for package in sorted(p for p in (ROOT / "dtrain").iterdir() if (p / "__init__.py").exists()):
+        row = rows.get(package.name, "")
+        missing += [f"dtrain/{package.name}/{m.name}" for m in sorted(package.glob("*.py"))
+                    if m.name != "__init__.py" and f"`{m.name}`" not in row]
+    assert not missing, f"docs/architecture.md does not name {missing}"

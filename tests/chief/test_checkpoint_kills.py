@@ -7,6 +7,7 @@ checkpoints only and with incremental ones (deltas between)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -92,3 +94,83 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
         stem = name.removesuffix(".weight")
         rows = torch.from_numpy(np.load(out / "tables" / f"{stem}.npy"))
         assert torch.equal(model[name], rows), name  # drawn and undrawn rows alike
+
+
+def _parts_being_written(run_dir: Path, timeout: float = 180) -> Path:
+    """Wait until a checkpoint after the first periodic one has parts being written (a directory
+    without its manifest); returns that directory."""
+    deadline = time.monotonic() + timeout
+    directory = run_dir / "checkpoints"
+    while time.monotonic() < deadline:
+        pending = [p for p in directory.glob("ckpt-*") if p.is_dir() and not p.with_suffix(".json").exists()
+                   and p.name > "ckpt-00000010"] if directory.is_dir() else []
+        if pending:
+            return pending[0]
+        time.sleep(0.01)
+    raise AssertionError("no checkpoint was being written")
+
+
+@pytest.mark.parametrize("victim", ["ps", "chief"])
+def test_a_ps_or_the_chief_killed_during_a_background_write_costs_only_that_checkpoint(tmp_path, victim):
+    """Incremental checkpoints (deltas between full ones), SIGKILL by pid while a checkpoint's parts
+    are being written: ps-1 (its writer dies with it; the run recovers from the newest committed
+    checkpoint, restoring each chain on the ps tasks, and completes), or the chief (its workers end
+    within 15 s, their writers with them; a resume restores the newest committed checkpoint). The
+    half-written checkpoint is never committed nor used, and every committed one verifies."""
+    run_dir = tmp_path / "run"
+    forkservers = set(Path(tempfile.gettempdir()).glob("pymp-*"))
+    steps = 60
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "pipelines/dlrm_criteo_1tb.yaml", "--run-dir",
+                             str(run_dir), "--quiet", *settings(steps, incremental=True),
+                             "--set", "training.call_timeout_s=20", "--set", "training.barrier_timeout_s=30"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        half = _parts_being_written(run_dir)
+        target = (json.loads((run_dir / "cluster.json").read_text())["tasks"]["/job:ps/task:1"]["pid"]
+                  if victim == "ps" else proc.pid)
+        os.kill(int(target), signal.SIGKILL)
+        time.sleep(0.5)
+        # (ps-1's part done before its kill: the chief may commit the checkpoint, rightly)
+        cut = victim == "chief" or not (half / "shard-00001.json").exists()
+        if victim == "ps":
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-4000:]
+            summary = json.loads((run_dir / "summary.json").read_text())
+            assert summary["status"] == "completed" and summary["global_step"] == steps
+            rec = summary["recovery_log"][0]
+            assert "/job:ps/task:1" in rec["lost"]
+            assert rec["restored_step"] < int(half.name.split("-")[1]) or not cut
+        else:
+            proc.communicate(timeout=60)
+            group = [p for p in psutil.process_iter() if _in_group(p, proc.pid)]
+            _gone, alive = psutil.wait_procs(group, timeout=20)  # (workers end within 15 s of their chief)
+            assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        for leftover in set(Path(tempfile.gettempdir()).glob("pymp-*")) - forkservers:
+            shutil.rmtree(leftover, ignore_errors=True)
+    committed = ckpt.list_checkpoints(run_dir)
+    assert half not in committed or not cut
+    for path in committed:  # every manifest's parts, deltas' bases included, whole
+        payload = ckpt.verify(path)
+        for part in payload["parts"]:
+            for f, nbytes, sha in ckpt.part_chain(path, part):
+                read_part_file(f, nbytes, sha)
+    if victim == "chief":
+        newest = ckpt.latest(run_dir)
+        resumed = start_run("pipelines/dlrm_criteo_1tb.yaml", run_dir, *settings(newest.step + 10, True), "--resume")
+        rc, _, err = finish(resumed)
+        assert rc == 0, err[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["start_step"] == newest.step and summary["status"] == "completed"
+        assert not half.exists()  # (an unfinished write goes at the next commit)
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except (ProcessLookupError, psutil.Error):
+        return False
