@@ -48,8 +48,10 @@ test-fast: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "not ($(FAST))" $(PYTEST_ARGS)
 
+# ruff, then mypy over dtrain/ (its configuration: [tool.mypy] in pyproject.toml; docs/development.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples
+	$(VENV)/bin/mypy
 
 # The site's tools are the `docs` extra, installed here when missing (never a main dependency).
 # The pipeline reference (docs/reference.md) must equal its generator's output; any MkDocs warning

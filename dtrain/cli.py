@@ -13,9 +13,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .spec.errors import RunDirError, RunError, SpecError, Terminated
+
+if TYPE_CHECKING:  # rich is imported when the bar first shows
+    from rich.progress import Progress, TaskID
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -23,7 +26,7 @@ logger = logging.getLogger("dtrain")
 
 
 class _Usage(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 already; keep its one-line style
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 already; keep its one-line style
         self.print_usage(sys.stderr)
         print(f"dtrain: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
@@ -290,8 +293,8 @@ class _Progress:
     sharded dataset (the bar then shows the share of the data consumed when the run ends with it)."""
 
     def __init__(self, enabled: bool):
-        self._p = None
-        self._task = None
+        self._p: Progress | None = None
+        self._task: TaskID | None = None
         self.enabled = enabled
 
     def update(self, info: dict[str, Any]) -> None:
@@ -320,6 +323,7 @@ class _Progress:
         if info.get("elastic"):
             parts.append(f"replicas {info['replicas']}/{info['replicas_max']}")
         done = round(100 * info.get("share", 0)) if self._by_share else min(info["step"], info["steps"])
+        assert self._task is not None
         self._p.update(self._task, completed=done, info="  ".join(parts))
 
     def close(self) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.inputs import stream_layout
 
 
-def batches_per_epoch(spec: Any, plan: Any, index: int) -> int:
+def batches_per_epoch(spec: PipelineSpec, plan: Plan, index: int) -> int:
     """Replica ``index``'s batches per epoch."""
     if plan.data is not None:
         return stream_layout(spec, plan, index).batches_per_epoch
@@ -23,7 +25,7 @@ def batches_per_epoch(spec: Any, plan: Any, index: int) -> int:
     return len(dataset_for(spec).x_train) // (spec.data.batch_size * plan.num_replicas)
 
 
-def total_batches(spec: Any, plan: Any, index: int) -> int | None:
+def total_batches(spec: PipelineSpec, plan: Plan, index: int) -> int | None:
     """The batches replica ``index`` takes in all (None: unbounded, no data.epochs)."""
     if spec.data.epochs is None or spec.training.replication == "in_graph":
         return None

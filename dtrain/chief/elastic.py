@@ -25,8 +25,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dtrain.plan.assign import assign_workers, is_replica_task
+from dtrain.plan.compiler import Plan
 from dtrain.spec.elastic import ElasticJob, elastic_of
 from dtrain.spec.errors import RunError
+from dtrain.spec.pipeline import PipelineSpec
 
 if TYPE_CHECKING:
     from dtrain.chief.session import Session
@@ -114,7 +116,7 @@ class Elastic:
             del s.conn.tasks[task]
             self._event("release", index, task, address)
             return
-        s.replica_futures[index] = None  # type: ignore[call-overload]
+        s.replica_futures[index] = None
         if fut is not None:
             try:
                 s.client.cancel([fut], force=True)
@@ -166,7 +168,7 @@ def summary(session: Session) -> dict[str, Any]:
             "replicas_min": e.min, "elastic_log": e.events}
 
 
-def required_missing(spec: Any, plan: Any) -> list[str]:
+def required_missing(spec: PipelineSpec, plan: Plan) -> list[str]:
     """The plan's missing tasks a run cannot start without: an elastic job's free replica slots
     are not among them (``dtrain.deploy.cluster.wait_for_tasks`` waits for ``min`` of them)."""
     if elastic_of(spec) is None:

@@ -11,6 +11,7 @@ import torch
 from dtrain.model.build import build_model
 from dtrain.model.metrics import AucHistogram
 from dtrain.model.tables import tables_of
+from dtrain.plan.compiler import Plan
 from dtrain.worker.inputs import evaluate_stream
 from dtrain.worker.replica import dataset_for
 from dtrain.worker.replica import evaluate as evaluate_on
@@ -61,7 +62,7 @@ memory to write it); a model with larger tables gets a ``model.pt`` of its dense
 tables stay in the checkpoints (docs/recommendation.md)."""
 
 
-def tables_fit_model_pt(plan: Any) -> bool:
+def tables_fit_model_pt(plan: Plan) -> bool:
     """Whether ``plan``'s tables are small enough for the chief to write them into ``model.pt``."""
     return sum(t.rows * t.dim * 4 for t in plan.tables) <= MODEL_PT_TABLE_BYTES
 

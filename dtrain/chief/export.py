@@ -95,7 +95,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> dict[str, Any]:
     shapes = {n: p.shape for n, p in skeleton.named_parameters() if n not in table_names}
     (out / "tables").mkdir(parents=True, exist_ok=True)
     tables: dict[str, Any] = {}
-    fixed: dict[str, np.ndarray] = {}
+    fixed: dict[str, np.memmap[Any, Any]] = {}
     for t in plan.tables:
         stem = t.name.removesuffix(".weight")
         if t.dynamic is None:
@@ -137,6 +137,7 @@ def _export_part(table: Any, part_index: int, state: dict[str, Any], seed: int, 
             hi = min(lo + ROW_BLOCK, n)
             rows = part.chunk(lo, hi)["weight"].to(torch.float32).numpy()
             r = part.rows
+            assert target is not None  # a fixed table's rows go into its file
             target[r.start + lo * r.step:r.start + hi * r.step:r.step] = rows
         return
     live = part.chunk(0, len(part.ids))

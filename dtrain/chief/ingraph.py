@@ -47,8 +47,11 @@ from concurrent.futures import CancelledError
 from dataclasses import asdict
 from typing import Any
 
+from dask.typing import Key
 from distributed import Client, Future, wait
 
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.replica import ReplicaStats
 from dtrain.worker.tasks import read_shard, reduce_apply, release, replica_gradients, shard_state
 
@@ -78,7 +81,7 @@ class InGraphDriver:
     addresses; ``token`` names the run (cached models are keyed by it).
     """
 
-    def __init__(self, client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]],
+    def __init__(self, client: Client, spec: PipelineSpec, plan: Plan, shard_refs: list[tuple[str, str]],
                  tasks: dict[str, str], token: str):
         if len(shard_refs) != len(plan.shards):
             raise ValueError(f"{len(shard_refs)} shard reference(s) for the plan's {len(plan.shards)} shard(s)")
@@ -98,7 +101,7 @@ class InGraphDriver:
         self.global_step = 0
         self._stats = [ReplicaStats(r.index) for r in plan.replicas]
         self._held: dict[Any, list[Future]] = {}
-        self._pending: deque[tuple[int, list[Future], dict[str, str]]] = deque()
+        self._pending: deque[tuple[int, list[Future], dict[Key, str]]] = deque()
         self._config: list[Future] = []  # (spec, plan), scattered to each replica's worker
         self._aborted = False
         self._lock = threading.Lock()
@@ -156,10 +159,10 @@ class InGraphDriver:
         return {"workers": [address], "allow_other_workers": False, "pure": False}
 
     def _submit_step(self, version: int, config: list[Future], previous: list[Future | None]
-                     ) -> tuple[list[Future], dict[str, str]]:
+                     ) -> tuple[list[Future], dict[Key, str]]:
         """Submit step ``version``'s graph; returns its apply futures and a label per task key."""
         c = self.client
-        labels: dict[str, str] = {}
+        labels: dict[Key, str] = {}
         reads = []
         for s, (addr, key) in enumerate(self.shard_refs):
             after = [previous[s]] if previous[s] is not None else []
@@ -180,7 +183,7 @@ class InGraphDriver:
         self._held[version] = reads + grads
         return applies, labels
 
-    def _wait(self, futures: list[Future], what: str, labels: dict[str, str] | None = None,
+    def _wait(self, futures: list[Future], what: str, labels: dict[Key, str] | None = None,
               related: Sequence[Future] = ()) -> None:
         """Wait for ``futures``, raising the first error (named after the task that failed first,
         among ``related`` then ``futures``); gives up after call_timeout_s (a task pinned to a lost
@@ -257,7 +260,7 @@ class InGraphDriver:
 
     def _loop(self) -> None:
         start, stopped = self._begin()
-        steps = self.spec.training.steps
+        steps = self.spec.last_step()
         previous: list[Future | None] = [None] * len(self.shard_refs)
         version = start
         ending = stopped
@@ -287,7 +290,7 @@ class InGraphDriver:
         if refused:
             return True  # stopped before this step (a shard refused it): not a step of the replicas
         self._add_step_stats(results[0]["replicas"])
-        return stop or self.global_step >= self.spec.training.steps
+        return stop or self.global_step >= self.spec.last_step()
 
     def _add_step_stats(self, replicas: list[dict[str, Any]]) -> None:
         """Add one global step's figures (``samples``, ``compute_s``, ``device`` per replica) to
@@ -337,7 +340,7 @@ class InGraphDriver:
                 stats.extra["where"] = {"worker": info["worker"], "pid": info["pid"]}
 
 
-def new_driver(client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]], tasks: dict[str, str],
+def new_driver(client: Client, spec: PipelineSpec, plan: Plan, shard_refs: list[tuple[str, str]], tasks: dict[str, str],
                token: str, local_steps: dict[int, int] | None = None) -> InGraphDriver:
     """The step driver for ``training.mode``. Sync: towers driven step by step over the socket
     data plane (``dtrain.chief.ingraph_towers``) where it can (``transport: socket``, every replica

@@ -31,8 +31,11 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
+from dask.typing import Key
 from distributed import Client, Future, wait
 
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import read_shard, tower_gradients, tower_push
 
 from .ingraph import POLL_S, InGraphDriver, _Aborted, _StepError
@@ -46,7 +49,7 @@ class _TowerStep:
     reads: list[Future]
     grad: Future
     pushes: list[Future]
-    labels: dict[str, str]
+    labels: dict[Key, str]
     deadline: float
 
     def failure(self) -> str | None:
@@ -66,7 +69,7 @@ class AsyncInGraphDriver(InGraphDriver):
     public API as :class:`~dtrain.chief.ingraph.InGraphDriver`. ``local_steps``: replica index ->
     the pushes it had applied (a checkpoint's), where each tower resumes in its data order."""
 
-    def __init__(self, client: Client, spec: Any, plan: Any, shard_refs: list[tuple[str, str]],
+    def __init__(self, client: Client, spec: PipelineSpec, plan: Plan, shard_refs: list[tuple[str, str]],
                  tasks: dict[str, str], token: str, local_steps: dict[Any, int] | None = None):
         super().__init__(client, spec, plan, shard_refs, tasks, token)
         local_steps = local_steps or {}
@@ -78,7 +81,7 @@ class AsyncInGraphDriver(InGraphDriver):
         c, k = self.client, self._local[r]
         self._submitted += 1  # in every key: a step that is submitted again never reuses a released key
         v = f"{k}.{self._submitted}"
-        labels: dict[str, str] = {}
+        labels: dict[Key, str] = {}
         reads = []
         for s, (addr, key) in enumerate(self.shard_refs):
             reads.append(c.submit(read_shard, key, self.timeout, fresh=True, key=self._key(v, f"read{s}-t{r}"),
@@ -99,7 +102,7 @@ class AsyncInGraphDriver(InGraphDriver):
 
     def _loop(self) -> None:
         start, stopped = self._begin()
-        steps = self.spec.training.steps
+        steps = self.spec.last_step()
         active = set() if stopped or start >= steps else set(range(len(self.replica_addresses)))
         while True:
             # Every idle tower gets its next step at once: towers never wait for one another.
@@ -140,7 +143,7 @@ class AsyncInGraphDriver(InGraphDriver):
                 stats.compute_s += first["compute_s"]
                 stats.device = first["device"]
                 stats.final_step = self.global_step
-        return any(res["stop"] for res in results) or self.global_step >= self.spec.training.steps
+        return any(res["stop"] for res in results) or self.global_step >= self.spec.last_step()
 
     def _release(self, t_start: float) -> None:
         self._towers.clear()

@@ -46,6 +46,8 @@ from typing import Any
 from distributed import wait
 
 from dtrain.plan.assign import task_host
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
 
 from .ingraph import POLL_S, InGraphDriver, _Aborted, _StepError
@@ -60,7 +62,7 @@ TOWER_WINDOW = 2
 STEPS_PER_CALL = 4
 
 
-def uses_towers(spec: Any, plan: Any) -> bool:
+def uses_towers(spec: PipelineSpec, plan: Plan) -> bool:
     """Whether in-graph sync runs on towers (else one Dask graph per step): see the module docstring."""
     t = spec.training
     return t.mode == "sync" and t.transport == "socket" and plan.lockstep
@@ -83,6 +85,7 @@ class TowerDriver(InGraphDriver):
         c = self.client
         start, stopped = self._read_start()
         secret = secrets.token_bytes(32)
+        assert c.scheduler is not None  # a connected client
         tls = True if str(c.scheduler.address).startswith("tls://") else None  # each process's own certificate
         planes = [c.submit(open_plane, key, secret, task_host(addr), tls, self.timeout, key=self._key(-1, f"plane{s}"),
                            **self._pin(addr)) for s, (addr, key) in enumerate(self.shard_refs)]
@@ -120,13 +123,15 @@ class TowerDriver(InGraphDriver):
             with contextlib.suppress(cf.InvalidStateError):
                 out.set_result(result)
 
-        self.client.loop.add_callback(relay)
+        loop = self.client.loop
+        assert loop is not None  # a connected client
+        loop.add_callback(relay)
         return out
 
     # ------------------------------------------------------------------ running it
     def _loop(self) -> None:
         start, stopped = self._begin()
-        steps = self.spec.training.steps
+        steps = self.spec.last_step()
         version, ending = start, stopped
         pending: deque[tuple[int, list[cf.Future]]] = deque()
         try:
@@ -152,8 +157,9 @@ class TowerDriver(InGraphDriver):
         while True:
             done, _ = cf.wait(calls, timeout=POLL_S, return_when=cf.FIRST_EXCEPTION)
             for r, f in enumerate(calls):
-                if f in done and f.exception() is not None:
-                    self._failed(version, r, f.exception())
+                exc = f.exception() if f in done else None
+                if exc is not None:
+                    self._failed(version, r, exc)
             if len(done) == len(calls):
                 return [f.result() for f in calls]
             if self._aborted:
@@ -186,7 +192,7 @@ class TowerDriver(InGraphDriver):
             return True  # stopped before this step: not a step of the replicas
         self.global_step = results[0]["steps"][0]
         self._add_step_stats(results)
-        return stop or self.global_step >= self.spec.training.steps
+        return stop or self.global_step >= self.spec.last_step()
 
     # ------------------------------------------------------------------ the end
     def _outstanding(self) -> list[Any]:

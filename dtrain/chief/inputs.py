@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal, overload
 
 import cloudpickle
 import numpy as np
 
 from dtrain.data.shards import Manifest, Shard, ShardError, is_sharded, manifest_for, read_shard, split_eval
 from dtrain.data.stats import DataStats, Moments, finish, moments
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 
 COLLECTION_SOURCE = "dask-collection"
 """``data.source`` as plans and summaries show a Dask collection passed to ``dtrain.run``."""
@@ -40,11 +42,15 @@ class DataInput:
         return self.train, self.test
 
 
-def sharded(spec: Any) -> bool:
+def sharded(spec: PipelineSpec) -> bool:
     return spec.model is not None and is_sharded(spec.data.source, spec.base_dir)
 
 
-def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest, Manifest | None]:
+@overload
+def file_input(spec: PipelineSpec, with_stats: Literal[True] = ...) -> DataInput: ...
+@overload
+def file_input(spec: PipelineSpec, with_stats: Literal[False]) -> tuple[Manifest, Manifest | None]: ...
+def file_input(spec: PipelineSpec, with_stats: bool = True) -> DataInput | tuple[Manifest, Manifest | None]:
     """The manifests of ``spec``'s sharded files (ShardError naming the file on a bad header) and,
     ``with_stats``, the statistics pass (ValueError naming the problem)."""
     d = spec.data
@@ -64,7 +70,7 @@ def file_input(spec: Any, with_stats: bool = True) -> DataInput | tuple[Manifest
     return DataInput(train, test, file_stats(train, d.standardize, d.task, d.readers))
 
 
-def record_layout_of(spec: Any) -> Any:
+def record_layout_of(spec: PipelineSpec) -> Any:
     """The packed record of a model with ``model.features`` (``dtrain.data.features.RecordLayout``), or None."""
     features = spec.model.features if spec.model is not None else None
     if features is None:
@@ -74,7 +80,7 @@ def record_layout_of(spec: Any) -> Any:
     return record_layout(features.model_dump())
 
 
-def _as_ids(manifest: Manifest, spec: Any) -> Manifest:
+def _as_ids(manifest: Manifest, spec: PipelineSpec) -> Manifest:
     """Integer features are ids when the model takes ids (an embedding table first), numbers
     otherwise (as for a file held in memory); float features for a model that takes ids: ShardError."""
     from dtrain.worker.replica import id_rows_of
@@ -158,7 +164,7 @@ def _partitions(data: Any, target: str) -> tuple[list[Any], tuple[str, ...]]:
     return list(data.to_delayed()), features
 
 
-def collection_input(spec: Any, client: Any, data: Any) -> DataInput:
+def collection_input(spec: PipelineSpec, client: Any, data: Any) -> DataInput:
     """Partitions of ``data`` as shards: one pass on the cluster for their rows and moments."""
     import dask
 
@@ -192,6 +198,7 @@ def _moments_xy(xy: tuple[np.ndarray, np.ndarray]) -> Moments:
     return moments(*xy)
 
 
-def with_stats(plan: Any, data: DataInput) -> Any:
+def with_stats(plan: Plan, data: DataInput) -> Plan:
     """``plan`` with the statistics its replicas standardise and encode with."""
+    assert plan.data is not None  # a plan of a sharded dataset
     return replace(plan, data=replace(plan.data, stats=data.stats, partitions=data.partitions))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dtrain.plan.compiler import Plan
 from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
@@ -294,7 +295,7 @@ def _sequential(spec: PipelineSpec, problems: list[Problem]) -> None:
                                 "remove placement.layer_devices", path="placement.layer_devices"))
 
 
-def _memory(spec: PipelineSpec, plan: Any, problems: list[Problem]) -> None:
+def _memory(spec: PipelineSpec, plan: Plan, problems: list[Problem]) -> None:
     from dtrain.spec.sizes import memory_limit_bytes
 
     limit = memory_limit_bytes(spec.cluster.memory_limit)

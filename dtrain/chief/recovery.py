@@ -120,13 +120,12 @@ class Recovery:
     def recover_if_transient(self, exc: BaseException | None) -> bool:
         """After an error while every task lives: a transient one (:func:`is_transient`) restarts the
         session from the newest checkpoint; say whether it did."""
-        if not is_transient(exc):
+        if exc is None or not is_transient(exc):
             return False
         # A timeout or a broken connection is often the first sign of a lost task: give the
         # scheduler a moment to notice, and then recover that loss (only what was lost restarts).
         if self.recover_if_lost(exc, wait_s=2.0):
             return True
-        assert exc is not None
         self.recover([], [], error=exc)
         return True
 
@@ -135,7 +134,8 @@ class Recovery:
         s = self.session
         for f in [*s.replica_futures, *stages.futures_of(s)]:
             if f is not None and f.status == "error":
-                return f.exception(timeout=5)
+                err: BaseException | None = f.exception(timeout=5)
+                return err
         return None
 
     def recover(self, lost_shards: list[int], lost_replicas: list[int], error: BaseException | None = None) -> None:

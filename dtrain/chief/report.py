@@ -127,7 +127,8 @@ def _final_line(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any
     parts = [f"final: step {summary.get('global_step', '?')}", f"status {summary.get('status', '?')}"]
     if _number(summary.get("final_loss")) is not None:
         parts.append(f"loss {summary['final_loss']:.4f}")
-    ev = summary.get("eval") if isinstance(summary.get("eval"), dict) else {}
+    ev_raw = summary.get("eval")
+    ev: dict[str, Any] = ev_raw if isinstance(ev_raw, dict) else {}
     if _number(ev.get("loss")) is not None:
         parts.append(f"eval loss {ev['loss']:.4f}")
     if _number(ev.get("accuracy")) is not None:
@@ -198,7 +199,8 @@ def plot(train: dict[int, dict[str, Any]], evals: dict[int, dict[str, Any]], sum
         fig = Figure(figsize=(max(width, report_panels.PANEL_WIDTH * len(extra)), height + below), dpi=100,
                      layout="constrained")
         FigureCanvasAgg(fig)
-        top, bottom = fig.subfigures(2, 1, height_ratios=[height, below])
+        # matplotlib's stubs: SubFigure | ndarray, whatever the grid (2 x 1 is an array of two)
+        top, bottom = fig.subfigures(2, 1, height_ratios=[height, below])  # type: ignore[misc]
         _draw_curves(top, train, evals, acc)
         report_panels.draw(bottom, summary)
     if summary is not None:

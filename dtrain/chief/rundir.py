@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from dtrain.plan.compiler import Plan
 from dtrain.spec.errors import RunDirError
+from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +35,11 @@ class Result:
     model: Any = None  # torch.nn.Module for a training pipeline
     run_dir: Path | None = None
     fetched: dict[str, Any] = field(default_factory=dict)
-    plan: Any = None  # dtrain.plan.compiler.Plan
+    plan: Plan | None = None
     replica_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
-def default_run_dir(spec: Any) -> Path:
+def default_run_dir(spec: PipelineSpec) -> Path:
     return Path("runs") / spec.name
 
 
@@ -161,7 +163,7 @@ def remove_unused_run_dir(run_dir: Path) -> None:
         pass
 
 
-def early_summary(spec: Any, status: str, error: str, wall_s: float) -> dict[str, Any]:
+def early_summary(spec: PipelineSpec, status: str, error: str, wall_s: float) -> dict[str, Any]:
     """summary.json for a run that ended before its session could write one (the cluster did not
     start, its task workers never came): the contract's keys, nothing trained."""
     t = spec.training

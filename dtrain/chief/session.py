@@ -76,7 +76,7 @@ class Session:
         self.dropped_stale = 0
         self.samples = 0
         self.records: list[dict[str, Any]] = []
-        self.replica_futures: list[Future] = []
+        self.replica_futures: list[Future | None] = []
         self.stage_futures: dict[int, list[Future]] = {}  # a pipeline's later stages, per replica (chief/stages.py)
         self.replica_stats: list[dict[str, Any]] = []
         self.sinks: list[Any] = []
@@ -124,7 +124,7 @@ class Session:
             return
         refs = self.shards.refs()
         if only is None:
-            self.replica_futures = [None] * self.plan.num_replicas  # type: ignore[list-item]
+            self.replica_futures = [None] * self.plan.num_replicas
         self.retired -= {r.index for r in self.plan.replicas if only is None or r.index == only}
         self._submits += 1
         replicas = [r for r in self.plan.replicas if (only is None or r.index == only) and r.task in self.conn.tasks]

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 HANDLED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 FORCE = 3  # the third signal during a cleanup ends the process at once
-EXIT_CODES = {signal.SIGINT: 130}  # SIGTERM and SIGHUP: 143 (the contract's code for a stop request)
+EXIT_CODES: dict[int, int] = {signal.SIGINT: 130}  # SIGTERM and SIGHUP: 143 (the contract's code for a stop request)
 
 
 def exit_code(signum: int) -> int:

@@ -35,7 +35,9 @@ def _share(part: float, whole: float) -> float | None:
 def finding_key(line: str) -> str:
     """What a finding is about, its figures left out: its kind and the replica or shard it names
     (logged once each, however its figures move)."""
-    return re.match(r"[^:]*:(?: (?:replica|shard) \S+)?", line).group(0)
+    m = re.match(r"[^:]*:(?: (?:replica|shard) \S+)?", line)
+    assert m is not None, line  # a finding reads "kind: ..."
+    return m.group(0)
 
 
 def replica_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def shard_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str,
     """A shard's figures: its counters, applies per second and busy share since ``prev``."""
     base = prev or {}
     wall = cur.get("wall_s", 0.0) - base.get("wall_s", 0.0)
-    out = {k: cur[k] for k in ("pushes", "applies", "bytes_in", "bytes_out", "dropped", "staleness", "tables")
+    out: dict[str, Any] = {k: cur[k] for k in ("pushes", "applies", "bytes_in", "bytes_out", "dropped", "staleness", "tables")
            if k in cur}
     if wall > 0 and cur.get("pushes"):
         out["applies_per_s"] = (cur.get("applies", 0) - base.get("applies", 0)) / wall

@@ -356,9 +356,9 @@ def _hex_lists(data: np.ndarray, offs: np.ndarray, lens: np.ndarray, arr: Any) -
     field = np.repeat(np.arange(n), lens)  # the field of each byte
     if (bad := np.flatnonzero((nib == 255) & ~comma)).size:
         r = int(field[bad[0]])
-        token = next(t for t in _text(arr[r].as_py()).split(",")
-                     if t and _LUT[np.frombuffer(t.encode(), np.uint8)].max() == 255)
-        raise _BadId(r, f"{token!r} is not a hexadecimal id")
+        bad_id = next(t for t in _text(arr[r].as_py()).split(",")
+                   if t and _LUT[np.frombuffer(t.encode(), np.uint8)].max() == 255)
+        raise _BadId(r, f"{bad_id!r} is not a hexadecimal id")
     nonempty = lens > 0
     starts = offs[:-1][nonempty]
     ends = offs[1:][nonempty] - 1

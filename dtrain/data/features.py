@@ -196,17 +196,19 @@ class RecordLayout:
             if (lengths == m).all():  # every list full (the single-id case): a reshape, no scatter
                 block[:] = values.reshape(n, m)
                 if wblock is not None:
+                    assert w is not None  # (a weighted column: checked above)
                     wblock[:] = _bits(w).reshape(n, m)
                 continue
             block[:] = PAD
             if wblock is not None:
                 wblock[:] = 0
             starts = np.cumsum(lengths) - lengths
-            r = np.repeat(rows, lengths)
+            row_of = np.repeat(rows, lengths)
             j = np.arange(len(values)) - np.repeat(starts, lengths)
-            block[r, j] = values
+            block[row_of, j] = values
             if wblock is not None:
-                wblock[r, j] = _bits(w)
+                assert w is not None  # (a weighted column: checked above)
+                wblock[row_of, j] = _bits(w)
         return out
 
     # ------------------------------------------------------------------ unpacking

@@ -389,7 +389,7 @@ def load_dataset(
             )
         x = x.reshape(len(x), *shape)
     ids = id_rows is not None  # ids into an embedding table: kept exact, never standardised
-    if ids:
+    if id_rows is not None:
         _check_ids(x, int(id_rows), where, kind)
     task, y, n_classes, classes = _labels(y, task, where)
     if held:

@@ -34,6 +34,7 @@ class Moments:
             return other
         if not other.count:
             return self
+        assert self.sum is not None and self.sumsq is not None and other.sum is not None and other.sumsq is not None
         kind = self.y_kind if self.y_kind == other.y_kind else ("O" if "O" in (self.y_kind, other.y_kind) else "f")
         return Moments(self.count + other.count, self.sum + other.sum, self.sumsq + other.sumsq, kind,
                        min(self.y_min, other.y_min), max(self.y_max, other.y_max),
@@ -79,8 +80,10 @@ def finish(m: Moments, *, feature_shape: tuple[int, ...], ids: bool, standardize
     numeric = m.y_kind in "iubf" and not m.labels
     if task is None:
         task = "classification" if (m.y_kind in "iub" or not numeric) else "regression"
-    mean = std = None
+    mean: np.ndarray | None = None
+    std: np.ndarray | None = None
     if standardize and not ids:
+        assert m.sum is not None and m.sumsq is not None  # (rows counted)
         mean = m.sum / m.count
         var = np.maximum(m.sumsq / m.count - np.square(mean), 0.0)
         std = np.sqrt(var)
@@ -113,6 +116,7 @@ def make_transform(stats: DataStats) -> Any:
         else:
             x = np.ascontiguousarray(x, dtype=np.float32)  # (x is a shard just read: changed in place)
             if stats.mean is not None:
+                assert stats.std is not None  # (set together)
                 x -= stats.mean.reshape(-1)
                 x /= stats.std.reshape(-1)
         x = x.reshape(len(x), *stats.feature_shape)

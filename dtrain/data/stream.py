@@ -238,7 +238,9 @@ class ShardStream:
             for k in range(first, min(last + 1 + self._readers, len(order))):  # read ahead
                 if k not in futures and k not in loaded:
                     futures[k] = self._pool.submit(self._load, int(order[k]))
-            xs, ys, valid = [], [], []
+            xs: list[np.ndarray | None] = []
+            ys: list[np.ndarray | None] = []
+            valid: list[np.ndarray] = []
             for k in range(first, last + 1):
                 if k not in loaded:
                     loaded[k] = futures.pop(k).result()
@@ -257,14 +259,14 @@ class ShardStream:
             template = next((p for p in xs if p is not None), None)
             if template is not None:
                 ytemplate = next(p for p in ys if p is not None)
-                xs = [p if p is not None else np.zeros((len(v), *template.shape[1:]), template.dtype)
+                fx = [p if p is not None else np.zeros((len(v), *template.shape[1:]), template.dtype)
                       for p, v in zip(xs, valid, strict=True)]
-                ys = [p if p is not None else np.zeros((len(v), *ytemplate.shape[1:]), ytemplate.dtype)
+                fy = [p if p is not None else np.zeros((len(v), *ytemplate.shape[1:]), ytemplate.dtype)
                       for p, v in zip(ys, valid, strict=True)]
                 perm = window_permutation(hi - lo, lay.seed, lay.replica, epoch, window, lay.shuffle)
-                one = len(xs) == 1  # the window within one shard: gather from it directly (one copy)
-                wx = (xs[0] if one else np.concatenate(xs))[perm]
-                wy = (ys[0] if one else np.concatenate(ys))[perm]
+                one = len(fx) == 1  # the window within one shard: gather from it directly (one copy)
+                wx = (fx[0] if one else np.concatenate(fx))[perm]
+                wy = (fy[0] if one else np.concatenate(fy))[perm]
                 wv = (valid[0] if one else np.concatenate(valid))[perm]
             else:  # the whole window is in skipped shards
                 wx = wy = None

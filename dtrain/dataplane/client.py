@@ -111,6 +111,7 @@ class SocketShard:
                 offer[0].close()
         if self.shm is not None and ssl_context is not None:
             try:  # only headers cross this socket, on this machine: see protocol.py (TLS)
+                assert isinstance(self._sock, ssl.SSLSocket)  # (wrapped above)
                 self._sock.unwrap()
             except (OSError, ValueError) as exc:
                 self.shm.close()
@@ -247,7 +248,8 @@ class SocketShard:
               local_step: int = 0, loss: float = 0.0, samples: int = 0, flags: int = 0) -> None:
         """A request header and ``grad[start:end]`` in the wire dtype (narrowed here, on this
         thread, off the compute path), to be stored at that offset of the ps's gradient."""
-        payload, offset = b"", 0
+        payload: bytes | memoryview = b""
+        offset = 0
         if grad is not None and end > start:
             if self._wire_out is not None:
                 self._wire_out[start:end].copy_(grad[start:end])
@@ -270,16 +272,16 @@ class SocketShard:
         self._pool.submit(self._send_part, grad, start, end)
 
     def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
+                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future | InlineReply:
         """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`).
         ``sparse``: rows to push and to gather (``dtrain.ps.sparse``); the reply then has the rows."""
         return self._submit(OP_PUSH_PULL, grad, version, loss, samples, local_step, head, sparse)
 
     def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future:
+                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future | InlineReply:
         return self._submit(OP_PUSH_SYNC, grad, version, loss, samples, local_step, head, sparse)
 
-    def pull(self, min_step: int = 0, sparse: dict | None = None) -> Future:
+    def pull(self, min_step: int = 0, sparse: dict | None = None) -> Future | InlineReply:
         return self._submit(OP_PULL, None, min_step, None, 0, 0, None, sparse)
 
     def close(self) -> None:

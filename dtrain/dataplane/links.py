@@ -96,7 +96,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
         t = t.view(torch.int16)
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
-    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]  # numpy: the buffer protocol for 3.12+ only
 
 
 class StageLink:
@@ -135,7 +135,7 @@ class StageLink:
                     return
                 kind, mb, loss, tensors, count = item
                 t0 = time.perf_counter()
-                parts = [HEAD.pack(kind, len(tensors), count, mb, loss)]
+                parts: list[bytes | memoryview] = [HEAD.pack(kind, len(tensors), count, mb, loss)]
                 data = [_as_bytes(t) for t in tensors]
                 region = self._region(kind, mb, sum(_align(len(d)) for d in data), self._parity)
                 off = 0
@@ -195,7 +195,7 @@ class StageLink:
                         t.view(-1).view(torch.uint8).copy_(region[off:off + nbytes])  # type: ignore[index]
                         off += _align(nbytes)
                     elif nbytes:
-                        recv_exact(self._sock, memoryview(t.numpy()).cast("B"))
+                        recv_exact(self._sock, memoryview(t.numpy()).cast("B"))  # type: ignore[arg-type]  # (numpy: 3.12+)
                         self.bytes_received += nbytes
                     tensors.append(t.view(dtype) if wire != dtype else t)
                 self._in.put(Message(kind, mb, loss, tensors, count))

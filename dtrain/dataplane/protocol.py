@@ -134,7 +134,7 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
 def tensor_view(t: torch.Tensor) -> memoryview:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bytes as int16
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy declares the buffer protocol for Python 3.12+ only
 
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -150,7 +150,7 @@ def _load_chain(ctx: ssl.SSLContext, cert_pem: str, key_pem: str | None) -> None
     if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
         fds = []
         try:
-            paths = []
+            paths: list[str | None] = []
             for pem in (cert_pem, key_pem):
                 if pem:
                     fd = os.memfd_create("dtrain-tls")
@@ -159,7 +159,9 @@ def _load_chain(ctx: ssl.SSLContext, cert_pem: str, key_pem: str | None) -> None
                     paths.append(f"/proc/self/fd/{fd}")
                 else:
                     paths.append(None)
-            ctx.load_cert_chain(paths[0], paths[1])
+            certfile = paths[0]
+            assert certfile is not None  # (the certificate is given)
+            ctx.load_cert_chain(certfile, paths[1])
         finally:
             for fd in fds:
                 os.close(fd)
@@ -184,13 +186,16 @@ def client_ssl_context(tls: dict[str, str | None]) -> ssl.SSLContext:
     Dask: the files named in ``cluster.security`` live on the client's machine, not the workers'."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=tls["ca"])
     ctx.check_hostname = False  # workers are addressed by IP; the CA and the HMAC secret authenticate
-    if tls.get("cert"):
-        _load_chain(ctx, tls["cert"], tls.get("key"))
+    cert = tls.get("cert")
+    if cert:
+        _load_chain(ctx, cert, tls.get("key"))
     return ctx
 
 
 def server_ssl_context(tls: dict[str, str | None]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=tls["ca"])
-    _load_chain(ctx, tls["cert"], tls.get("key"))
+    cert = tls["cert"]
+    assert cert is not None  # a ps serves with its certificate
+    _load_chain(ctx, cert, tls.get("key"))
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx

@@ -278,6 +278,7 @@ class ShardServer:
                     if f32:
                         g, target = src, out  # the apply reads the slot, the snapshot lands in one
                     else:
+                        assert grad is not None and reply is not None  # (allocated for a bfloat16 wire)
                         g, target = grad.copy_(src) if op != proto.OP_PULL else grad, reply
                     self._answer(conn, op, g, replica, version, local_step, loss, samples, target,
                                  narrow_into=None if f32 else out, send=False, sparse=sparse, dims=dims,
@@ -287,6 +288,7 @@ class ShardServer:
                     if offset + nbytes > gbytes or offset % itemsize or nbytes % itemsize:
                         raise _Refused(f"gradient bytes [{offset}, {offset + nbytes}) not whole {itemsize}-byte "
                                        f"values inside a shard of {gbytes} bytes")
+                    assert gview is not None  # (a connection without shared memory)
                     proto.recv_exact(conn, gview[offset:offset + nbytes])
                 sparse = self._sparse(conn, flags, dims)
             except _Refused as exc:
@@ -295,7 +297,9 @@ class ShardServer:
                 return
             if op == proto.OP_PART:
                 continue  # a bucket: the push that completes the gradient follows
+            assert grad is not None and reply is not None  # (a connection without shared memory)
             if wire_in is not grad:
+                assert wire_in is not None
                 grad.copy_(wire_in)
             self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
                          narrow_into=wire_out, send=True, sparse=sparse, dims=dims, direct=direct)

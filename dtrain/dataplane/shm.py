@@ -227,7 +227,8 @@ def sweep_stale(min_age_s: float = STALE_S) -> list[str]:
     """Unlink this user's ``dtrain-*`` files whose creator is dead and that are older than
     ``min_age_s`` (a replica killed between creating its file and the handshake's end leaves
     one). Harmless even if wrong: a file is needed only until the ps has mapped it."""
-    removed, now, uid = [], time.time(), os.getuid()
+    removed: list[str] = []
+    now, uid = time.time(), os.getuid()
     try:
         names = [n for n in os.listdir(SHM_DIR) if SHM_NAME.match(n) and len(n) == 7 + 8 + 32]
     except OSError:

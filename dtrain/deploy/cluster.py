@@ -192,10 +192,12 @@ class Connection:
         """The scheduler's current workers, asked of the scheduler itself: the client's cached
         ``scheduler_info`` is periodically refreshed and can briefly list no workers, which would
         look like lost tasks."""
+        scheduler = self.client.scheduler
+        assert scheduler is not None  # a connected client
         try:
-            info = self.client.sync(self.client.scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_TIMEOUT_S)
+            info = self.client.sync(scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_TIMEOUT_S)
         except TimeoutError:
-            raise RunError(f"the scheduler at {self.client.scheduler.address} does not answer "
+            raise RunError(f"the scheduler at {scheduler.address} does not answer "
                            f"(no reply in {SCHEDULER_TIMEOUT_S} s); is it overloaded, stopped or frozen?") from None
         return info["workers"]
 
@@ -234,6 +236,8 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
             return conn.tasks
         if time.monotonic() >= deadline:
             have = sorted(str(w.get("name")) for w in conn.workers().values())
+            scheduler = conn.client.scheduler
+            assert scheduler is not None  # a connected client
             if assignment.mode == "auto":
                 replicas = sum(1 for m in used if is_replica_task(spec, m))
                 raise RunError(
@@ -245,7 +249,7 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
                 f"no worker for task(s) {', '.join(missing)} after waiting {timeout:.0f} s (cluster.wait_s); "
                 f"workers present: {', '.join(have) or 'none'}. Start them with "
                 + "; ".join(f"`dtrain worker --job {m.split('/')[1][4:]} --task {m.split(':')[-1]} "
-                            f"--scheduler {conn.client.scheduler.address}`" for m in missing[:3]))
+                            f"--scheduler {scheduler.address}`" for m in missing[:3]))
         time.sleep(0.2)
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import dask
 
+from dtrain.spec.pipeline import PipelineSpec
+
 logger = logging.getLogger(__name__)
 
 METHOD_KEY = "distributed.worker.multiprocessing-method"
@@ -36,7 +38,7 @@ PRELOAD = ("torch", "dtrain.worker.tasks", "dtrain.ps.shard")
 SIGNALS = "dtrain.deploy.quiet_signals"  # imported first of all, before distributed's list
 
 
-def preload_for(spec: Any) -> list[str]:
+def preload_for(spec: PipelineSpec) -> list[str]:
     return _preload(str(getattr(spec.data, "source", "") or ""))
 
 
@@ -61,7 +63,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def warm(spec: Any, config: dict[str, Any]) -> bool:
+def warm(spec: PipelineSpec, config: dict[str, Any]) -> bool:
     """Start the forkserver now, preloaded for ``spec`` (``config``: the run's Dask settings, so
     the server gets the nannies' ``pre-spawn-environ``); say whether worker processes will be
     forked from it. Idempotent: a server already running (an earlier run in this process) is kept."""
@@ -85,8 +87,9 @@ def warm_for_file(path: str, overrides: list[str]) -> None:
         return  # the run reports it
     if not isinstance(doc, dict):
         return
-    cluster = doc.get("cluster") if isinstance(doc.get("cluster"), dict) else {}
-    data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+    cluster_raw, data_raw = doc.get("cluster"), doc.get("data")
+    cluster: dict[str, Any] = cluster_raw if isinstance(cluster_raw, dict) else {}
+    data: dict[str, Any] = data_raw if isinstance(data_raw, dict) else {}
     if cluster.get("scheduler") or cluster.get("start_method") == "spawn" or any(
             o.startswith(("cluster.scheduler=", "cluster.start_method=spawn")) for o in overrides):
         return
@@ -123,8 +126,9 @@ def _start(preload: list[str], config: dict[str, Any]) -> bool:
             get_mp_context()  # distributed's own preload list (distributed, numpy, ...), set once
             env = {str(k): str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
         server = forkserver._forkserver
-        if server._forkserver_pid is None:
-            known = [m for m in server._preload_modules or [] if m != SIGNALS]
+        # (private attributes of multiprocessing's ForkServer, which typeshed leaves out)
+        if server._forkserver_pid is None:  # type: ignore[attr-defined]
+            known = [m for m in server._preload_modules or [] if m != SIGNALS]  # type: ignore[attr-defined]
             multiprocessing.get_context("forkserver").set_forkserver_preload(
                 [SIGNALS, *known, *(m for m in preload if m not in known)])
         with _environ(env):

@@ -45,5 +45,5 @@ def register(client: Any, plugin: SchedulerPlugin | None = None,
         return True
     except Exception as exc:  # dtrain not importable on a remote scheduler, or an old one
         logger.warning("the scheduler did not take dtrain's %s (%s: %s): %s; install dtrain where the scheduler runs",
-                       plugin.name, type(exc).__name__, exc, without)
+                       getattr(plugin, "name", type(plugin).__name__), type(exc).__name__, exc, without)
         return False

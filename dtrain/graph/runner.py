@@ -19,6 +19,7 @@ import torch
 
 from dtrain.graph.initializers import initialize
 from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
+from dtrain.plan.compiler import Plan
 from dtrain.spec.errors import ConnectError, RunError, SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
@@ -48,6 +49,7 @@ def _node_task(name: str, op: str, args: list[Any], device: str, soft: bool) -> 
     where = str(get_worker().name)
     try:
         dev = _torch_device(device, soft)
+        value: torch.Tensor | str
         if op == "variable" and isinstance(args[0], str):
             return args[0], where  # a string constant
         if op == "variable" and isinstance(args[0], dict):
@@ -65,7 +67,7 @@ def _worker_name(result: tuple[torch.Tensor | str, str]) -> str:
     return result[1]
 
 
-def _needed(plan: Any) -> list[Any]:
+def _needed(plan: Plan) -> list[Any]:
     """The nodes the fetched names depend on, in plan order (all of them when nothing is fetched)."""
     by_name = {o.name: o for o in plan.ops}
     if not plan.fetch:
@@ -80,7 +82,7 @@ def _needed(plan: Any) -> list[Any]:
     return [o for o in plan.ops if o.name in need]
 
 
-def build_graph(plan: Any, client: Any, soft: bool = True) -> dict[str, Any]:
+def build_graph(plan: Plan, client: Any, soft: bool = True) -> dict[str, Any]:
     """Submit one pinned task per needed node; returns node name -> Future of (tensor, worker)."""
     token = uuid.uuid4().hex[:8]
     futures: dict[str, Any] = {}

@@ -14,9 +14,9 @@ Pure torch: no Dask, no spec objects (the builders take the spec's dumped sectio
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, Mapping, Sequence, ValuesView
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,11 @@ class Lookup:
 class FeatureTables(nn.ModuleDict):
     """The tables of ``model.tables`` by name, and the features that look them up, pooled per
     example. A model holds it as ``tables``: its weights are ``tables.<name>.weight``."""
+
+    if TYPE_CHECKING:  # every value is a Table (nn.ModuleDict's types say any Module)
+        def __getitem__(self, key: str) -> Table: ...
+        def items(self) -> ItemsView[str, Table]: ...
+        def values(self) -> ValuesView[Table]: ...
 
     def __init__(self, features: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], seed: int = 0,
                  gathered: bool = False, device: torch.device | str | None = None):
@@ -144,7 +149,7 @@ class FeatureTables(nn.ModuleDict):
             if t.ids is None or t.rows is None:
                 raise RuntimeError(f"table {t.name}: no rows gathered for this step")
             base[name], start = start, start + len(t.ids)
-        rows = torch.cat([t.rows for t in self.values()])
+        rows = torch.cat([t.rows for t in self.values() if t.rows is not None])  # (every table's: checked above)
         weighted = any(records.features[f][2] is not None or self[t].mode == "mean" for f, t in self.features)
         parts, offsets, folded, weights, total = [], [], [], [], 0
         batch = 0
@@ -154,7 +159,9 @@ class FeatureTables(nn.ModuleDict):
             if index is None:
                 f = self.fold(table, ids)
                 folded.append(f)
-                parts.append(torch.searchsorted(self[table].ids, f) + base[table])
+                gathered = self[table].ids
+                assert gathered is not None  # (checked above)
+                parts.append(torch.searchsorted(gathered, f) + base[table])
             offsets.append(starts + total)
             total += len(ids)
             if weighted:
@@ -164,7 +171,8 @@ class FeatureTables(nn.ModuleDict):
                 weights.append(w if w is not None else torch.ones(len(ids), dtype=rows.dtype, device=rows.device))
         if index is None:
             index = torch.cat(parts)
-            known, folded_t = torch.cat([t.ids for t in self.values()]), torch.cat(folded)
+            known = torch.cat([t.ids for t in self.values() if t.ids is not None])  # (every table's: checked above)
+            folded_t = torch.cat(folded)
             if index.numel() and (int(index.max()) >= len(known) or not bool((known[index] == folded_t).all())):
                 raise RuntimeError("the batch has ids that were not gathered for their tables")
         pooled = pooled_rows(rows, index, torch.cat(offsets), torch.cat(weights) if weighted else None)
@@ -331,6 +339,6 @@ def feed_features(module: nn.Module, features: Mapping[str, Any]) -> nn.Module:
                 for weight, names in routes.items()}
 
     module.register_forward_pre_hook(unpack)
-    module.table_ids = table_ids  # (an instance attribute: the worker's router asks for it)
-    module.layout = layout
+    setattr(module, "table_ids", table_ids)  # noqa: B010 (an instance attribute: the worker's router asks for it)
+    setattr(module, "layout", layout)  # noqa: B010 (nn.Module's types take tensors and modules only)
     return module

@@ -264,7 +264,7 @@ def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) ->
     as declared. Returns the tables' weight names; ValueError naming the layer for an
     option the tables do not have (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, mode
     ``max``). Embeddings with ``sparse=False`` stay ordinary dense parameters."""
-    found: list[tuple[str, nn.Module]] = [(n, m) for n, m in module.named_modules()
+    found: list[tuple[str, nn.Embedding | nn.EmbeddingBag]] = [(n, m) for n, m in module.named_modules()
                                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     names = []
     for name, emb in found:
@@ -278,7 +278,7 @@ def swap_embeddings(module: nn.Module, seed: int = 0, gathered: bool = False) ->
                              "(docs/sparse.md#limits): drop the option, or build it with sparse=False")
         init, scale = declared_init(name, emb)
         table = Table(emb.num_embeddings, emb.embedding_dim, kind="embedding_bag" if bag else "embedding",
-                      mode=emb.mode if bag else "mean", init_std=scale, name=f"{name}.weight" if name else "weight",
+                      mode=emb.mode if isinstance(emb, nn.EmbeddingBag) else "mean", init_std=scale, name=f"{name}.weight" if name else "weight",
                       seed=seed, gathered=gathered, device=emb.weight.device, init=init)
         parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         setattr(parent, name.rpartition(".")[2], table)

@@ -73,7 +73,8 @@ def staleness(shards: dict[str, dict[str, Any]], limit: float) -> list[str]:
             continue
         le = list(st.get("le") or le)
         c = [_num(x) or 0.0 for x in st["counts"]]
-        losses = st.get("loss") if isinstance(st.get("loss"), list) else [None] * len(c)
+        raw_losses = st.get("loss")
+        losses: list[Any] = raw_losses if isinstance(raw_losses, list) else [None] * len(c)
         if len(counts) < len(c):
             counts += [0.0] * (len(c) - len(counts))
             loss_sum += [0.0] * (len(c) - len(loss_sum))

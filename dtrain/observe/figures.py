@@ -87,7 +87,7 @@ def _figure(title: str, tooltips: list[tuple[str, str]] | None = None, **kwargs:
 
         fig.add_tools(HoverTool(tooltips=tooltips, formatters={"@t": _hover(_JS_DURATION)}))
     fig.xgrid.grid_line_color = None
-    fig.title.text_font_size = "13px"
+    fig.title.text_font_size = "13px"  # type: ignore[union-attr]  # bokeh types the setter's str | None too
     fig.toolbar.logo = None
     fig.toolbar.active_scroll = None  # the page scrolls over a figure; a click on the tool zooms
     return fig
@@ -95,11 +95,11 @@ def _figure(title: str, tooltips: list[tuple[str, str]] | None = None, **kwargs:
 
 def _legend(fig: Any, items: list[tuple[str, Any]], place: str = "below") -> None:
     """A legend outside the plotting area (it never covers the data): below, in a row, or right."""
-    from bokeh.models import Legend, LegendItem
+    from bokeh.models.annotations import Legend, LegendItem
 
     legend = Legend(items=[LegendItem(label=label, renderers=[r]) for label, r in items],
                     orientation="horizontal" if place == "below" else "vertical", label_text_font_size="11px",
-                    spacing=4, padding=4, margin=4, click_policy="hide")
+                    spacing=4, padding=4, margin=4, click_policy="hide")  # type: ignore[arg-type]  # bokeh types padding as a Property
     fig.add_layout(legend, place)
 
 

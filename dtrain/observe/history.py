@@ -164,10 +164,10 @@ class RunHistory:
             seen.sort()
             del seen[:-MAX_MARKS]
         ev = payload.get("eval")
-        if isinstance(ev, dict) and (step := _finite(ev.get("step"))) is not None \
-                and all(e["step"] != step for e in self.evals):
+        if isinstance(ev, dict) and (ev_step := _finite(ev.get("step"))) is not None \
+                and all(e["step"] != ev_step for e in self.evals):
             when = _finite(ev.get("time")) or _finite(payload.get("time")) or self.t0
-            self.evals.append({"t": max(when - self.t0, 0.0), "step": step, "loss": _finite(ev.get("loss")),
+            self.evals.append({"t": max(when - self.t0, 0.0), "step": ev_step, "loss": _finite(ev.get("loss")),
                                "accuracy": _finite(ev.get("accuracy"))})
             self.evals.sort(key=lambda e: e["t"] or 0.0)
             del self.evals[:-MAX_MARKS]

@@ -92,10 +92,12 @@ def _histogram(stale: Any) -> tuple[list[tuple[str, float]], float | None] | Non
     if stale is None:
         return None
     le, counts = stale["le"], stale["counts"]
-    bounds = [_num(b) for b in le]
-    per = [_num(c) for c in counts]
-    if None in bounds or None in per or len(per) not in (len(bounds), len(bounds) + 1) \
-            or bounds != sorted(bounds):
+    maybe_bounds = [_num(b) for b in le]
+    maybe_per = [_num(c) for c in counts]
+    bounds = [b for b in maybe_bounds if b is not None]
+    per = [c for c in maybe_per if c is not None]
+    if len(bounds) != len(maybe_bounds) or len(per) != len(maybe_per) \
+            or len(per) not in (len(bounds), len(bounds) + 1) or bounds != sorted(bounds):
         raise ValueError(f"staleness le={le!r} counts={counts!r}")
     buckets, total = [], 0.0
     for bound, count in zip(bounds, per[:len(bounds)], strict=True):
@@ -169,15 +171,23 @@ def _samples(run: str, payload: Any) -> list[_Sample]:
             logger.debug("dtrain telemetry: skipping run %r's %s: a %s", run, section, type(entries).__name__)
             continue
         for index, entry in entries.items():
-            out += _guarded(f"{section}[{index!r}] of run {run!r}",
-                            lambda index=index, entry=entry, build=build: build(run, index, dict(entry)))
+            out += _guarded(f"{section}[{index!r}] of run {run!r}", _deferred(build, run, index, entry))
     return out
 
 
-def _empty() -> dict[str, Metric]:
-    made: dict[str, Metric] = {}
+def _deferred(build: Callable[[str, str, dict[str, Any]], list[_Sample]], run: str, index: str,
+              entry: Any) -> Callable[[], list[_Sample]]:
+    """``build``'s samples of one entry, built when called (inside :func:`_guarded`)."""
+    return lambda: build(run, index, dict(entry))
+
+
+_Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+
+
+def _empty() -> dict[str, _Family]:
+    made: dict[str, _Family] = {}
     for name, (kind, doc, labels) in _SPECS.items():
-        cls = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}[kind]
+        cls: type[_Family] = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}[kind]
         made[name] = cls(name, doc, labels=list(labels))
     return made
 

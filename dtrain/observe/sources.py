@@ -83,7 +83,9 @@ def staleness_bars(payload: dict) -> tuple[list[str], list[float], list[float]] 
     loss_n: list[float] = []
     for _, shard in _entries(payload, "shards"):
         stale = shard.get("staleness")
-        shard_counts = _seq(stale.get("counts")) if isinstance(stale, dict) else None
+        if not isinstance(stale, dict):
+            continue
+        shard_counts = _seq(stale.get("counts"))
         if shard_counts is None:
             continue
         shard_le = _seq(stale.get("le")) or []
@@ -121,15 +123,26 @@ def _lines(t: list[float], members: dict[str, list[float | None]], label: str) -
         out["names"] = [f"{label} {key}".strip() for key in members]
         return out
     keys = list(members)
-    low, mid, high, low_who, high_who = [], [], [], [], []
+    low: list[float | None] = []
+    mid: list[float | None] = []
+    high: list[float | None] = []
+    low_who: list[str] = []
+    high_who: list[str] = []
     for n in range(len(t)):
         seen = [(v, k) for k in keys if (v := members[k][n]) is not None]
         if not seen:
-            low.append(None), mid.append(None), high.append(None), low_who.append(""), high_who.append("")
+            low.append(None)
+            mid.append(None)
+            high.append(None)
+            low_who.append("")
+            high_who.append("")
             continue
         lo, hi = min(seen), max(seen)
-        low.append(lo[0]), high.append(hi[0]), mid.append(statistics.median(v for v, _ in seen))
-        low_who.append(f"{label} {lo[1]}"), high_who.append(f"{label} {hi[1]}")
+        low.append(lo[0])
+        high.append(hi[0])
+        mid.append(statistics.median(v for v, _ in seen))
+        low_who.append(f"{label} {lo[1]}")
+        high_who.append(f"{label} {hi[1]}")
     out.update(y0=low, y1=mid, y2=high, low_who=low_who, high_who=high_who)
     out["names"] = [f"lowest {label}", f"median {label}", f"highest {label}"]
     return out

@@ -62,7 +62,12 @@ def _natural(text: str) -> tuple[Any, ...]:
 
 def _infos(workers: Iterable[Any] | Mapping[str, Any]) -> list[dict[str, Any]]:
     infos: list[dict[str, Any]] = []
-    items = workers.items() if isinstance(workers, Mapping) else ((w.get("address"), w) for w in workers)
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(workers, Mapping):
+        items = workers.items()
+    else:
+        listed: Iterable[Any] = workers  # scheduler_info()'s worker dicts
+        items = ((w.get("address"), w) for w in listed)
     for addr, info in items:
         addr = addr or info.get("address")
         if not addr:
@@ -149,8 +154,9 @@ def _auto(spec: PipelineSpec, infos: list[dict[str, Any]], out: dict[str, str | 
         if len(candidates) > replicas_waiting:
             load = {task_host(w["address"]): 0 for w in candidates}
             for k in other_keys:
-                if out[k] and task_host(out[k]) in load:
-                    load[task_host(out[k])] += 1
+                at = out[k]
+                if at and task_host(at) in load:
+                    load[task_host(at)] += 1
             best = min(candidates, key=lambda w: load[task_host(w["address"])])
             out[key] = best["address"]
             used.add(best["address"])

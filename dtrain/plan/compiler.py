@@ -9,7 +9,7 @@ and how many bytes each ps task holds. ``dtrain plan`` prints it; the session ru
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -107,7 +107,7 @@ class Plan:
     name: str
     mode: str
     replication: str
-    steps: int
+    steps: int | None  # None for a graph pipeline (no training steps)
     replicas_to_aggregate: int
     variables: tuple[VariablePlan, ...] = ()
     shards: tuple[ShardPlan, ...] = ()
@@ -135,6 +135,11 @@ class Plan:
     def num_replicas(self) -> int:
         return len(self.replicas)
 
+    def required_data(self) -> DataPlan:
+        """``data``, which the plan of a sharded dataset has (asking another plan is a bug)."""
+        assert self.data is not None, "the plan has no sharded dataset"
+        return self.data
+
     @property
     def lockstep(self) -> bool:
         """Sync with every one of a fixed set of replicas in each step (no backups, not elastic):
@@ -150,7 +155,8 @@ class Plan:
         d["variables"] = [v if v["slice_spec"] else {k: x for k, x in v.items() if k not in _PART_KEYS}
                           for v in d["variables"]]
         d["data"] = data_json(self.data) if self.data is not None else None
-        return json.loads(json.dumps(d))
+        out: dict[str, Any] = json.loads(json.dumps(d))
+        return out
 
     def format(self) -> str:
         """log_device_placement-style text."""
@@ -167,7 +173,7 @@ class Plan:
                         else "")
                      + (" with TF's token queue" if self.sync_tokens else "")
                      + (f", {self.epochs} epoch(s)" if self.epochs else "")
-                     + (f", {self.steps} steps" if self.steps < MAX_STEPS else "")]
+                     + (f", {self.steps} steps" if self.steps is not None and self.steps < MAX_STEPS else "")]
         if self.variables:
             lines.append("variables:")
             w = max(len(v.name) for v in self.variables)
@@ -241,7 +247,8 @@ def _task_key(dev: DeviceSpec) -> str:
     return f"/job:{dev.job}/task:{dev.task if dev.task is not None else 0}"
 
 
-def _worker_of(spec: PipelineSpec, job: str, task: int) -> str:
+def _worker_of(spec: PipelineSpec, job: str | None, task: int | None) -> str:
+    assert job is not None and task is not None, (job, task)  # a placed device names its job and task
     return spec.cluster.task_workers(job)[task]
 
 
@@ -310,11 +317,11 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
                                       req.axis, req.blocks, req.stride, req.slice_spec))
         fill[key] += numel
     shards = []
-    for i, (key, pos) in enumerate(shard_keys):
-        dev = DeviceSpec.from_string(key)
+    for i, (task_key, pos) in enumerate(shard_keys):
+        dev = DeviceSpec.from_string(task_key)
         table_bytes = sum(p.bytes for t in tables for p in t.parts if p.shard == i)
-        shards.append(ShardPlan(i, key, _worker_of(spec, dev.job, dev.task), addresses.get(key), fill[key, pos],
-                                fill[key, pos] * FLOAT32_BYTES, i == 0, table_bytes, pos))
+        shards.append(ShardPlan(i, task_key, _worker_of(spec, dev.job, dev.task), addresses.get(task_key),
+                                fill[task_key, pos], fill[task_key, pos] * FLOAT32_BYTES, i == 0, table_bytes, pos))
     ps_bytes: dict[str, int] = {}
     for s in shards:
         if s.task.startswith(f"/job:{ps_job}/"):
@@ -330,8 +337,8 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         dev = base.make_merged_spec(compute)
         if staging is not None:  # the device of the replica's first stage
             dev = base.make_merged_spec(DeviceSpec.from_string(staging.stages[0].device).replace(job=None, task=None))
-        key = f"/job:{worker_job}/task:{r * stride}"
-        replicas.append(ReplicaPlan(r, key, _worker_of(spec, worker_job, r * stride), addresses.get(key),
+        task_key = f"/job:{worker_job}/task:{r * stride}"
+        replicas.append(ReplicaPlan(r, task_key, _worker_of(spec, worker_job, r * stride), addresses.get(task_key),
                                     dev.to_string(), staging.tasks_of(r, worker_job) if staging is not None else ()))
 
     layers = []
@@ -352,7 +359,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
                                  "queue and the update are one step of one ps task): remove sync_tokens",
                                  path="training.sync_tokens")])
     return Plan(
-        name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.training.steps,
+        name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.last_step(),
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
         replicas=tuple(replicas), layers=tuple(layers), tables=tables, ps_bytes=ps_bytes,
         missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
@@ -386,7 +393,7 @@ def _pin_for(name: str, pins: Mapping[str, str]) -> DeviceSpec | None:
     return DeviceSpec.from_string(pins[max(keys, key=len)]) if keys else None
 
 
-def _check_pins(pins: Mapping[str, str], names: list[str], tables: list[str] = ()) -> None:  # type: ignore[assignment]
+def _check_pins(pins: Mapping[str, str], names: list[str], tables: Sequence[str] = ()) -> None:
     """A pin that matches no parameter is a typo: say so instead of silently ignoring it."""
     problems = []
     for key in pins:

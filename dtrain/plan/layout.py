@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the compiler imports this module
+    from .compiler import Plan, VariablePlan
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Part:
         return view if self.blocks == 1 else view.view(self.blocks, -1)
 
 
-def part_of(v, shard: int) -> Part:  # v: dtrain.plan.compiler.VariablePlan
+def part_of(v: VariablePlan, shard: int) -> Part:
     """A plan variable's :class:`Part` on ``shard`` (its index in the layout at hand)."""
     return Part(shard, v.offset, v.numel, v.source, v.start, v.blocks, v.stride)
 
@@ -59,7 +62,7 @@ class ShardLayout:
         self.shard_numel = list(shard_numel)
 
     @classmethod
-    def from_plan(cls, plan) -> ShardLayout:  # plan: dtrain.compiler.Plan (kept untyped: no import cycle)
+    def from_plan(cls, plan: Plan) -> ShardLayout:
         return cls([part_of(v, v.shard) for v in plan.variables], [s.numel for s in plan.shards])
 
     @property
@@ -100,14 +103,14 @@ class ShardLayout:
 
 
     # ------------------------------------------------------------------ checkpoints
-    def describe(self) -> dict[str, list]:
+    def describe(self) -> dict[str, list[Any]]:
         """Plain data for a checkpoint (see :meth:`from_description`)."""
         return {"parts": [[p.shard, p.offset, p.numel, p.param, p.start] + ([p.blocks, p.stride] if p.blocks > 1 else [])
                           for p in self.parts],
                 "shard_numel": list(self.shard_numel)}
 
     @classmethod
-    def from_description(cls, data: Mapping[str, list]) -> ShardLayout:
+    def from_description(cls, data: Mapping[str, list[Any]]) -> ShardLayout:
         return cls([Part(int(s), int(o), int(n), str(name), int(st), *(int(x) for x in rest))
                     for s, o, n, name, st, *rest in data["parts"]],
                    [int(n) for n in data["shard_numel"]])
@@ -120,7 +123,7 @@ class ShardLayout:
         return self.unpack(buffers, {name: torch.Size([n]) for name, n in numel.items()})
 
 
-def reshard(states: Sequence[Mapping], old: ShardLayout, new: ShardLayout) -> list[dict]:
+def reshard(states: Sequence[Mapping[str, Any]], old: ShardLayout, new: ShardLayout) -> list[dict[str, Any]]:
     """Shard states written under ``old`` (``params``, ``optimizer_state``, ``step``, ...) -> states
     for the shards of ``new``: every variable and every per-element optimizer tensor (momentum,
     Adam's moments, Adagrad's sums) and the moving averages (``averages``) reassembled from its
@@ -178,7 +181,7 @@ class BoundModel:
         # gradients can then be views into the shard buffers (DDP's gradient_as_bucket_view).
         self.zero_copy = self.device.type == "cpu" and all(
             p.start == 0 and p.numel == params[p.param].numel() for p in layout.parts)
-        self._view_cache: dict[tuple, list[Any]] = {}
+        self._view_cache: dict[tuple[Any, ...], list[Any]] = {}
 
     def grads_as_views(self, bufs: Sequence[torch.Tensor]) -> None:
         """Make every ``param.grad`` a view into ``bufs`` (zeroed): backward then writes the

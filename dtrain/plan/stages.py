@@ -18,6 +18,7 @@ from typing import Any
 
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import Problem, SpecError
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.spec.sections import worker_device_spec
 from dtrain.spec.stages import contiguity_problem, missing_positions, stage_tasks
 
@@ -55,7 +56,7 @@ def _children(skeleton: Any) -> list[tuple[str, Any]]:
     return list(skeleton.named_children())
 
 
-def _module_pins(spec: Any, names: list[str]) -> tuple[list[str | None], list[Problem]]:
+def _module_pins(spec: PipelineSpec, names: list[str]) -> tuple[list[str | None], list[Problem]]:
     """The device string of each child (exact name, else the longest key that prefixes it)."""
     pins = spec.placement.layer_devices
     out: list[str | None] = []
@@ -65,22 +66,23 @@ def _module_pins(spec: Any, names: list[str]) -> tuple[list[str | None], list[Pr
         if key is not None:
             used.add(key)
         out.append(pins[key] if key is not None else None)
-    problems = [Problem(f"{key!r} names no top-level child of {spec.model.module} (children: {', '.join(names)}); "
+    problems = [Problem(f"{key!r} names no top-level child of {spec.required_model().module} (children: {', '.join(names)}); "
                         "use a child's name or a prefix of names", path=f"placement.layer_devices.{key}")
                 for key in pins if key not in used]
     return out, problems
 
 
-def _module_shapes(spec: Any, skeleton: Any) -> list[tuple[int, ...]]:
+def _module_shapes(spec: PipelineSpec, skeleton: Any) -> list[tuple[int, ...]]:
     """Run the children in order on the meta device; the module must give the same output shape
     as when called whole (else it is not a sequence of its children)."""
     import torch
 
     path = "placement.layer_devices"
-    if not spec.model.input_shape:
-        raise SpecError([Problem(f"pipeline stages of {spec.model.module} need model.input_shape (the shape of "
+    model = spec.required_model()
+    if not model.input_shape:
+        raise SpecError([Problem(f"pipeline stages of {model.module} need model.input_shape (the shape of "
                                  "one example) to size the activations between stages; add it", path="model.input_shape")])
-    x = torch.empty((2, *spec.model.input_shape), device="meta")
+    x = torch.empty((2, *model.input_shape), device="meta")
     shapes = []
     was = skeleton.training
     skeleton.eval()
@@ -92,28 +94,28 @@ def _module_shapes(spec: Any, skeleton: Any) -> list[tuple[int, ...]]:
                     h = child(h)
                 except Exception as exc:
                     raise SpecError([Problem(
-                        f"{spec.model.module} cannot be split into stages: its children do not run one after the "
+                        f"{spec.required_model().module} cannot be split into stages: its children do not run one after the "
                         f"other like nn.Sequential (child {name!r} failed on the previous child's output: "
                         f"{type(exc).__name__}: {exc}); make its forward a sequence of its children or remove "
                         "the pins", path=path)]) from None
                 if not isinstance(h, torch.Tensor):
-                    raise SpecError([Problem(f"{spec.model.module} cannot be split into stages: child {name!r} "
+                    raise SpecError([Problem(f"{spec.required_model().module} cannot be split into stages: child {name!r} "
                                              f"returns {type(h).__name__}, not one tensor", path=path)])
                 shapes.append(tuple(h.shape[1:]))
             whole = skeleton(x)
     finally:
         skeleton.train(was)
     if tuple(whole.shape[1:]) != shapes[-1]:
-        raise SpecError([Problem(f"{spec.model.module} cannot be split into stages: its children run in order "
+        raise SpecError([Problem(f"{spec.required_model().module} cannot be split into stages: its children run in order "
                                  f"give shape {list(shapes[-1])} but the module gives {list(whole.shape[1:])}; "
                                  "make its forward a sequence of its children or remove the pins", path=path)])
     return shapes
 
 
-def plan_stages(spec: Any, skeleton: Any, layer_shapes: list[tuple[int, ...]] | None) -> Staging | None:
+def plan_stages(spec: PipelineSpec, skeleton: Any, layer_shapes: list[tuple[int, ...]] | None) -> Staging | None:
     """The stages of a model with stage pins (None for a model without any: one stage, no split).
     ``skeleton``: the model on the meta device; ``layer_shapes``: ``model.layers``' output shapes."""
-    model = spec.model
+    model = spec.required_model()
     pins_given = any(layer.device for layer in model.layers) if model.layers is not None \
         else bool(spec.placement.layer_devices)
     if not pins_given:

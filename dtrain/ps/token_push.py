@@ -66,4 +66,4 @@ class TokenPush:
                     return shard._sparse_reply(out, sparse)
                 token = self.sync.take(replica)
             reply = shard._sparse_reply(out, sparse)
-            return (reply[0], token, *reply[2:])  # type: ignore[return-value]
+            return (reply[0], token, *reply[2:])

@@ -71,7 +71,9 @@ class ExportedModel:
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output on the batch ``x`` (as training fed it)."""
-        wanted = table_ids(self.model, x, record=self.spec.model.module is not None)
+        model = self.spec.model
+        assert model is not None  # an export holds a model
+        wanted = table_ids(self.model, x, record=model.module is not None)
         for name, table in tables_of(self.model):
             table.gather(wanted[name], self.lookup(name, wanted[name]))
         return self.model(x)

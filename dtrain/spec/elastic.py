@@ -16,9 +16,12 @@ workers between its bounds (``dtrain.deploy.adaptive``); on a cluster of the use
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:  # the pipeline imports this module
+    from .pipeline import PipelineSpec
 
 MAX_ELASTIC = 256  # as MAX_TASKS_PER_JOB
 
@@ -70,13 +73,13 @@ def parse_elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[s
         return tasks
 
 
-def elastic_of(spec: Any) -> ElasticJob | None:
+def elastic_of(spec: PipelineSpec) -> ElasticJob | None:
     """The replicas' job's elastic bounds, or None for a fixed count."""
     tasks = spec.cluster.jobs.get(spec.placement.worker_job)
     return tasks if isinstance(tasks, ElasticJob) else None
 
 
-def adaptive_bounds(spec: Any) -> tuple[int, int] | None:
+def adaptive_bounds(spec: PipelineSpec) -> tuple[int, int] | None:
     """(min, max) replica workers of an adaptive embedded cluster, or None without ``cluster.adaptive``."""
     adaptive, elastic = spec.cluster.adaptive, elastic_of(spec)
     if adaptive is None or elastic is None:
@@ -84,7 +87,7 @@ def adaptive_bounds(spec: Any) -> tuple[int, int] | None:
     return (adaptive.min or elastic.min, adaptive.max or elastic.max)
 
 
-def _check_adaptive(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+def _check_adaptive(spec: PipelineSpec, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
     loc = ("cluster", "adaptive")
     elastic = elastic_of(spec)
     if elastic is None or spec.is_graph:
@@ -99,7 +102,7 @@ def _check_adaptive(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]
         problems.append((loc, problem))
 
 
-def bounds_problem(spec: Any, lo: int, hi: int) -> str | None:
+def bounds_problem(spec: PipelineSpec, lo: int, hi: int) -> str | None:
     """Why ``lo`` to ``hi`` replica workers do not fit the elastic replicas' job, or None."""
     elastic = elastic_of(spec)
     assert elastic is not None
@@ -109,7 +112,7 @@ def bounds_problem(spec: Any, lo: int, hi: int) -> str | None:
             f"({{min: {elastic.min}, max: {elastic.max}}}) with min <= max")
 
 
-def check_elastic(spec: Any, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+def check_elastic(spec: PipelineSpec, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
     """The combinations elastic replicas do not support, one problem each (the fix named)."""
     for job, tasks in spec.cluster.jobs.items():
         if isinstance(tasks, ElasticJob) and (spec.is_graph or job != spec.placement.worker_job):

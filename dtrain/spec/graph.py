@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from .sections import MAX_SEED, NAME, Strict, check_device_string
+
+if TYPE_CHECKING:  # the pipeline imports this module
+    from .pipeline import PipelineSpec
 
 MAX_INIT_ELEMENTS = 2**24  # 64 MiB of float32: a graph node is one Dask task's value
 
@@ -121,7 +124,7 @@ def graph_jobs(jobs: list[str], ps_job: str, worker_job: str) -> tuple[str | Non
     return (ps_job if ps_job in jobs else None), (worker_job if worker_job in jobs else jobs[0])
 
 
-def graph_problems(spec: Any, check_device: Any) -> list[tuple[tuple[str | int, ...], str]]:
+def graph_problems(spec: PipelineSpec, check_device: Any) -> list[tuple[tuple[str | int, ...], str]]:
     """The graph section's rules: unique names, known inputs and fetches, arities, string ops, and
     devices (``check_device(loc, value, scope_job)``: a pin without a job is in ``scope_job``)."""
     ps_job, worker_job = graph_jobs(list(spec.cluster.jobs), spec.placement.ps_job, spec.placement.worker_job)

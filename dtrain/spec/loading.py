@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from .errors import CrossFieldErrors, Problem, SpecError, dotted
 from .messages import discriminated, error_message, union_messages
@@ -291,25 +292,25 @@ def _problems(exc: ValidationError, filename: str, data: Any, node: yaml.Node | 
               overrides: dict[tuple[str, ...], str]) -> list[Problem]:
     problems: list[Problem] = []
     # Errors of one value from several union branches (int | list[str], ...) become one message.
-    groups: dict[tuple[str | int, ...], list[tuple[dict[str, Any], tuple, bool]]] = {}
+    groups: dict[tuple[str | int, ...], list[tuple[ErrorDetails, tuple[str | int, ...], bool]]] = {}
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         inner = (err.get("ctx") or {}).get("error")
         if isinstance(inner, CrossFieldErrors):
             for rel, msg in inner.problems:
-                path, _ = _data_path(loc + tuple(rel), data, keep_last=True)
-                problems.append(_locate(path, msg, filename, node, overrides))
+                found, _ = _data_path(loc + tuple(rel), data, keep_last=True)
+                problems.append(_locate(found, msg, filename, node, overrides))
             continue
         path, dropped = _data_path(loc, data, keep_last=err["type"] in ("missing", "extra_forbidden"))
         groups.setdefault(tuple(path), []).append((err, loc, dropped))
-    for path, errs in groups.items():
+    for key, errs in groups.items():
         if len(errs) > 1 and all(dropped for _, _, dropped in errs):
             for msg in union_messages(errs):
-                problems.append(_locate(list(path), msg, filename, node, overrides))
+                problems.append(_locate(list(key), msg, filename, node, overrides))
             continue
         for err, loc, _ in errs:
             message = error_message(err, loc)
-            at = list(path)
+            at = list(key)
             if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
                 at.append(str(err["ctx"]["discriminator"]).strip("'"))
             problems.append(_locate(at, message, filename, node, overrides))
@@ -338,7 +339,7 @@ def _locate(path: list[str | int], message: str, filename: str, node: yaml.Node 
     return Problem(message, path=dotted(path), file=filename, line=line, column=column)
 
 
-def _data_path(loc: tuple, data: Any, keep_last: bool) -> tuple[list[str | int], bool]:
+def _data_path(loc: tuple[str | int, ...], data: Any, keep_last: bool) -> tuple[list[str | int], bool]:
     """The path of a pydantic ``loc`` in the user's data, and whether parts were dropped.
 
     pydantic's ``loc`` also names union branches (``'linear'``, ``'int'``, ``'list[str]'``,

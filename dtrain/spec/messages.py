@@ -9,11 +9,14 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import ErrorDetails
 
 from .layers import Layer
 from .partitioner import PartitionerSpec
 from .pipeline import PipelineSpec
 from .sections import BOUND_NAMES, OptimizerSpec, did_you_mean, quoted
+
+Loc = tuple[str | int, ...]  # a pydantic error's location
 
 _EXPECTED = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -34,7 +37,7 @@ _ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "
             "devices": "device", "ps_tasks": "jobs", "cluster_spec": "jobs"}
 
 
-def union_messages(errs: list[tuple[dict[str, Any], tuple, bool]]) -> list[str]:
+def union_messages(errs: list[tuple[ErrorDetails, Loc, bool]]) -> list[str]:
     # A branch whose type matched but whose constraint failed says the most (ps: 0 -> ">= 1").
     specific = [e for e, _, _ in errs if e["type"] not in _EXPECTED]
     if specific:
@@ -54,7 +57,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def error_message(err: dict[str, Any], loc: tuple) -> str:
+def error_message(err: ErrorDetails, loc: Loc) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     value = err.get("input")
@@ -101,8 +104,8 @@ def error_message(err: dict[str, Any], loc: tuple) -> str:
         named = f" ({BOUND_NAMES[bound]})" if bound in BOUND_NAMES else ""
         return f"must be {op} {bound}{named}, got {_show(value)}"
     if kind in ("too_short", "too_long"):
-        n = ctx.get("min_length" if kind == "too_short" else "max_length")
-        return f"needs {'at least' if kind == 'too_short' else 'at most'} {n} item(s), got {_show(value)}"
+        length = ctx.get("min_length" if kind == "too_short" else "max_length")
+        return f"needs {'at least' if kind == 'too_short' else 'at most'} {length} item(s), got {_show(value)}"
     if kind == "string_pattern_mismatch":
         return f"{_show(value)} must be letters, digits, '_', '.' or '-' (and not start with '.' or '-')"
     if kind in _EXPECTED:
@@ -132,7 +135,7 @@ def _scientific(text: str) -> str | None:
 # ------------------------------------------------------------------- the models behind a location
 
 
-def _models_at(loc: tuple) -> list[Any]:
+def _models_at(loc: Loc) -> list[Any]:
     """Annotations found at ``loc`` walking from PipelineSpec (several for a union)."""
     candidates: list[Any] = [PipelineSpec]
     for part in loc:
@@ -151,7 +154,7 @@ def _models_at(loc: tuple) -> list[Any]:
     return _expand(candidates)
 
 
-def _allowed_keys(loc: tuple) -> list[str]:
+def _allowed_keys(loc: Loc) -> list[str]:
     """Field names of the model found at ``loc``, for 'did you mean'."""
     fields: list[str] = []
     for c in _models_at(loc):
@@ -160,7 +163,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return fields
 
 
-def _field_at(loc: tuple) -> Any:
+def _field_at(loc: Loc) -> Any:
     if not loc:
         return None
     for c in _models_at(loc[:-1]):
@@ -169,7 +172,7 @@ def _field_at(loc: tuple) -> Any:
     return None
 
 
-def _literal_choices(loc: tuple) -> list[str]:
+def _literal_choices(loc: Loc) -> list[str]:
     info = _field_at(loc)
     choices: list[str] = []
     for arg in _expand([info.annotation] if info is not None else []):
@@ -178,7 +181,7 @@ def _literal_choices(loc: tuple) -> list[str]:
     return choices
 
 
-def _union_tags(loc: tuple) -> list[str]:
+def _union_tags(loc: Loc) -> list[str]:
     tags: list[str] = []
     for c in _models_at(loc):
         if isinstance(c, type) and issubclass(c, BaseModel):

@@ -15,20 +15,19 @@ from pathlib import Path
 
 from pydantic import Field, ValidationInfo, model_validator
 
+from .data import STREAM_KEYS, DataSpec
 from .device import DeviceSpec, is_clear
 from .elastic import check_elastic, elastic_of
 from .errors import CrossFieldErrors
 from .graph import OpSpec, VariableSpec, graph_problems
 from .imports import missing_module
-from .layers import TABLE_LAYERS, ModelSpec
+from .layers import TABLE_LAYERS, EmbeddingLayer, ModelSpec
 from .observe import ObserveSpec
 from .sections import (
     MAX_EMBEDDED_TASKS,
     MAX_STEPS,
     NAME,
-    STREAM_KEYS,
     ClusterSpec,
-    DataSpec,
     OptimizerSpec,
     PlacementSpec,
     SgdOptimizer,
@@ -66,6 +65,16 @@ class PipelineSpec(Strict):
     fetch: list[str] = Field(default_factory=list, description="Graph section: names whose values are printed.")
 
     # ---- derived, used by the compiler and runtime
+    def last_step(self) -> int:
+        """``training.steps``, which validation fills in (1000, or unbounded with ``data.epochs``)."""
+        assert self.training.steps is not None, "an unvalidated spec"
+        return self.training.steps
+
+    def required_model(self) -> ModelSpec:
+        """``model``, which a training pipeline has (a graph pipeline, none: asking is a bug)."""
+        assert self.model is not None, "a graph pipeline has no model"
+        return self.model
+
     @property
     def is_graph(self) -> bool:
         return self.model is None
@@ -226,7 +235,8 @@ class PipelineSpec(Strict):
         if self.model is not None and self.model.tables:
             return True
         layers = self.model.layers if self.model is not None else None
-        return bool(layers) and layers[0].type in TABLE_LAYERS and layers[0].sparse
+        first = layers[0] if layers else None
+        return isinstance(first, EmbeddingLayer) and first.type in TABLE_LAYERS and first.sparse
 
     def _check_tables(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
         """What sparse tables cannot do (torch's sparse gradients cannot either: docs/sparse.md), and
@@ -359,7 +369,8 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
     """Settings a model with sparse embedding tables cannot use, one problem each (also checked
     for ``model.module`` models once their tables are known, before start: chief/preflight.py)."""
     out: list[tuple[tuple[str | int, ...], str]] = []
-    opt, t = spec.optimizer, spec.training
+    opt: OptimizerSpec | None = spec.optimizer
+    t = spec.training
     fix = "sparse tables take sgd, adagrad or adam (lazy Adam, torch.optim.SparseAdam)"
     tables = spec.model.tables if spec.model is not None else None
     if tables and all(table.optimizer is not None for table in tables.values()):

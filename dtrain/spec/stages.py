@@ -15,9 +15,12 @@ built: the compiler checks those (``dtrain.plan.stages``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .device import DeviceSpec
+
+if TYPE_CHECKING:  # the pipeline imports this module
+    from .pipeline import PipelineSpec
 
 Loc = tuple[str | int, ...]
 
@@ -32,7 +35,7 @@ def pinned_task(value: str | None, worker_job: str) -> int | None:
     return dev.task
 
 
-def _pins(spec: Any) -> list[tuple[Loc, str | None]]:
+def _pins(spec: PipelineSpec) -> list[tuple[Loc, str | None]]:
     model = spec.model
     if model is None:
         return []
@@ -41,15 +44,15 @@ def _pins(spec: Any) -> list[tuple[Loc, str | None]]:
     return [(("placement", "layer_devices", k), v) for k, v in spec.placement.layer_devices.items()]
 
 
-def stage_tasks(spec: Any) -> int:
+def stage_tasks(spec: PipelineSpec) -> int:
     """T: one more than the highest worker task a layer pin names (1 without task pins)."""
     tasks = [pinned_task(v, spec.placement.worker_job) for _, v in _pins(spec)]
     return 1 + max((t for t in tasks if t is not None), default=0)
 
 
-def layer_tasks(spec: Any) -> list[int]:
+def layer_tasks(spec: PipelineSpec) -> list[int]:
     """``model.layers``: each layer's stage position (an unpinned layer is on its replica's task 0)."""
-    return [pinned_task(layer.device, spec.placement.worker_job) or 0 for layer in spec.model.layers or ()]
+    return [pinned_task(layer.device, spec.placement.worker_job) or 0 for layer in spec.required_model().layers or ()]
 
 
 def contiguity_problem(tasks: list[int], names: list[str]) -> tuple[int, str] | None:
@@ -70,7 +73,7 @@ def missing_positions(tasks: list[int], count: int) -> list[int]:
     return [p for p in range(count) if p not in tasks]
 
 
-def stage_problems(spec: Any) -> list[tuple[Loc, str]]:
+def stage_problems(spec: PipelineSpec) -> list[tuple[Loc, str]]:
     """What is wrong with the stage pins and what a pipeline of several stage tasks is combined with."""
     problems: list[tuple[Loc, str]] = []
     worker_job, ps_job = spec.placement.worker_job, spec.placement.ps_job
@@ -86,7 +89,7 @@ def stage_problems(spec: Any) -> list[tuple[Loc, str]]:
     count = stage_tasks(spec)
     if problems or not any(v for _, v in _pins(spec)):
         return problems
-    model = spec.model
+    model = spec.required_model()  # (pins come from the model)
     where: Loc = ("model", "layers") if model.layers is not None else ("placement", "layer_devices")
     if count > 1 and model.layers is not None:
         tasks = layer_tasks(spec)

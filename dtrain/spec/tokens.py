@@ -10,16 +10,19 @@ one shard's step would not say that the others reached it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .device import DeviceSpec
 from .elastic import elastic_of
 from .stages import stage_tasks
 
+if TYPE_CHECKING:  # the pipeline imports this module
+    from .pipeline import PipelineSpec
+
 Problems = list[tuple[tuple[str | int, ...], str]]
 
 
-def check_tokens(spec: Any, problems: Problems) -> None:
+def check_tokens(spec: PipelineSpec, problems: Problems) -> None:
     """Append the problems of the token keys (none when they are unset)."""
     t = spec.training
     if t.init_tokens is not None and not t.sync_tokens:

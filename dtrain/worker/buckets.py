@@ -59,6 +59,7 @@ class GradBuckets:
         buckets = self.buckets[s]
         while self._next[s] < len(buckets) and self._pending[(s, self._next[s])] == 0:
             lo, hi, _ = buckets[self._next[s]]
+            assert self._grads is not None  # a step's gradients are bound (begin)
             self.shards[s].send_part(self._grads[s], lo, hi)
             self.parts_sent += 1
             self._cut[s] = lo

@@ -35,7 +35,11 @@ from typing import Any
 from distributed import get_worker
 from distributed.utils import sync
 
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
+
 from .buckets import GradBuckets
+from .inputs import MemoryBatches
 from .replica import ReplicaModel, model_buffers
 from .tasks import _local_shard, socket_handles
 
@@ -45,7 +49,7 @@ class Tower:
     ``data_plane``: the shards' endpoints and the driver's secret (``socket_handles``);
     ``start``: the first step the coordinator will run."""
 
-    def __init__(self, spec: Any, plan: Any, index: int, data_plane: dict[str, Any], start: int):
+    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, data_plane: dict[str, Any], start: int):
         t = spec.training
         self.spec = spec
         self.index = index
@@ -159,6 +163,7 @@ class Tower:
                                    f"sent step {version}")
             rep.load([r[0] for r in replies])
             self._loaded = version
+        assert isinstance(rep.batches, MemoryBatches)  # in-graph replication: in-memory data (never a sharded source)
         if rep.batches.local_step != version:
             rep.batches.seek(version)
         t0 = time.perf_counter()

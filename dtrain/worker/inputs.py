@@ -25,6 +25,8 @@ from dtrain.data.sampling import ShardIterator
 from dtrain.data.shards import Shard, read_shard
 from dtrain.data.stats import make_transform
 from dtrain.data.stream import OutOfRange, ShardStream, StreamLayout
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 
 Reader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]
 
@@ -32,7 +34,7 @@ Reader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]
 class MemoryBatches:
     """Batches of an in-memory dataset (see the module docstring)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, spec: Any, index: int, num_replicas: int,
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, spec: PipelineSpec, index: int, num_replicas: int,
                  start: int = 0):
         b = spec.data.batch_size
         self.x, self.y = x, y
@@ -72,30 +74,36 @@ class MemoryBatches:
         pass
 
 
-def stream_layout(spec: Any, plan: Any, index: int) -> StreamLayout:
+def stream_layout(spec: PipelineSpec, plan: Plan, index: int) -> StreamLayout:
     """Replica ``index``'s stream layout (also what the chief locates positions with)."""
     d = spec.data
-    rep = plan.data.replicas[index]
+    rep = plan.required_data().replicas[index]
     return StreamLayout(tuple(p.rows for p in rep.parts), d.batch_size, d.shuffle_buffer, spec.training.seed, index,
                         d.shuffle, d.epochs)
 
 
-def file_reader(plan: Any) -> Reader:
+def file_reader(plan: Plan) -> Reader:
     """Reads a file shard of ``plan``'s sharded dataset."""
-    schema = plan.data.schema
-    return lambda shard: read_shard(schema, shard)
+    schema = plan.required_data().schema
+
+    def read(shard: Shard) -> tuple[np.ndarray, np.ndarray]:
+        assert schema is not None  # a plan of files carries their schema
+        return read_shard(schema, shard)
+
+    return read
 
 
 class StreamBatches:
     """Batches streamed from the replica's shards (see the module docstring)."""
 
-    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device, start: int = 0,
+    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, device: torch.device, start: int = 0,
                  read: Reader | None = None):
         d = spec.data
         self.layout = stream_layout(spec, plan, index)
         self.device = device
-        self.stream = ShardStream(self.layout, plan.data.replicas[index].parts, read or file_reader(plan),
-                                  make_transform(plan.data.stats), readers=d.readers, prefetch=d.prefetch,
+        data = plan.required_data()
+        self.stream = ShardStream(self.layout, data.replicas[index].parts, read or file_reader(plan),
+                                  make_transform(data.stats), readers=d.readers, prefetch=d.prefetch,
                                   skip_bad=d.skip_bad_files, start=start,
                                   get_timeout_s=spec.training.call_timeout_s * 10)
 
@@ -116,11 +124,11 @@ class StreamBatches:
         self.stream.close()
 
 
-def evaluate_stream(plan: Any, evaluate: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
+def evaluate_stream(plan: Plan, evaluate: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
                     read: Reader | None = None) -> dict[str, float]:
     """``evaluate`` (mean loss and accuracy of the model on (x, y)) over the evaluation shards, read
     one at a time, weighted by their rows."""
-    data = plan.data
+    data = plan.required_data()
     read = read or file_reader(plan)
     transform = make_transform(data.stats)
     sums: dict[str, float] = {}

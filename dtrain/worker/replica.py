@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -28,12 +28,19 @@ from dtrain.model.layers import get_loss
 from dtrain.model.metrics import AucHistogram
 from dtrain.model.tables import TABLE_TYPES, tables_of
 from dtrain.observe.meters import Every
+from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import BoundModel, ShardLayout
+from dtrain.plan.tables import TablePlan
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.errors import Unavailable  # a transient error: the session recovers
+from dtrain.spec.layers import EmbeddingLayer
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.buckets import GradBuckets
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.tables import SparseRouter
+
+if TYPE_CHECKING:  # the stages import this module
+    from dtrain.worker.stages import StageModel
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +57,7 @@ class ReplicaError(RuntimeError):
 
 @lru_cache(maxsize=4)
 def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
-                    task: str | None, num_samples: int, num_features: int | None, num_classes: int,
+                    task: Literal["classification", "regression"] | None, num_samples: int, num_features: int | None, num_classes: int,
                     id_rows: int | None, eval_source: str | None) -> Dataset:
     return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
                         standardize=standardize, seed=seed, task=task, num_samples=num_samples,
@@ -77,34 +84,36 @@ def _module_has_tables(model: Any) -> bool:
     return _TABLE_MODULES[key]
 
 
-def dataset_for(spec: Any) -> Dataset:
+def dataset_for(spec: PipelineSpec) -> Dataset:
     """The pipeline's dataset (cached per process: replicas and the session load it once)."""
     d = spec.data
+    model = spec.required_model()
     task = d.task
     if task is None and d.source == "synthetic":
-        task = "classification" if spec.model.loss in ("cross_entropy", "bce_with_logits") else "regression"
+        task = "classification" if model.loss in ("cross_entropy", "bce_with_logits") else "regression"
     num_features = None
-    if d.source == "synthetic" and spec.model.input_shape:
+    if d.source == "synthetic" and model.input_shape:
         num_features = 1
-        for n in spec.model.input_shape:
+        for n in model.input_shape:
             num_features *= n
-    num_classes = d.num_classes if spec.model.loss == "cross_entropy" else 2
+    num_classes = d.num_classes if model.loss == "cross_entropy" else 2
     id_rows = id_rows_of(spec)
     return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
                            spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows,
                            d.eval_source)
 
 
-def id_rows_of(spec: Any) -> int | None:
+def id_rows_of(spec: PipelineSpec) -> int | None:
     """The model takes integer ids: the rows of its first layer's table, or 0 for a ``model.module``
     with sparse embeddings (what it computes from them is its own: the ps checks them); None when
     its features are numbers."""
-    if spec.model.features is not None:
+    model = spec.required_model()
+    if model.features is not None:
         return 0  # packed records: each table folds (or checks) its ids itself
-    layers = spec.model.layers or []
-    if layers and layers[0].type in TABLE_TYPES:
-        return layers[0].num_embeddings
-    return 0 if spec.model.module is not None and _module_has_tables(spec.model) else None
+    first = model.layers[0] if model.layers else None
+    if isinstance(first, EmbeddingLayer) and first.type in TABLE_TYPES:
+        return first.num_embeddings
+    return 0 if model.module is not None and _module_has_tables(model) else None
 
 
 def torch_device(device: str, soft: bool) -> torch.device:
@@ -151,7 +160,7 @@ def counters(stats: dict[str, Any]) -> dict[str, Any]:
 class ReplicaModel:
     """The replica's model, data slice, loss and persistent buffers."""
 
-    def __init__(self, spec: Any, plan: Any, index: int, device: torch.device | None = None,
+    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, device: torch.device | None = None,
                  start_local_step: int = 0, owns_replies: bool = False, read: Reader | None = None):
         torch.set_num_threads(spec.training.torch_threads)
         self.spec = spec
@@ -159,7 +168,7 @@ class ReplicaModel:
         self.device = device or torch_device(plan.replicas[index].device, spec.placement.soft)
         self.model = build_model(spec, device=self.device, gathered_tables=bool(getattr(plan, "tables", ())))
         self.model.train()
-        self.loss_fn = get_loss(spec.model.loss)
+        self.loss_fn = get_loss(spec.required_model().loss)
         self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
         # Zero-copy needs reply buffers that stay ours until the next reply (the socket data
         # plane's); Dask's replies may share memory with the ps in an in-process cluster.
@@ -192,6 +201,7 @@ class ReplicaModel:
             self.bound.grads_as_views(grads)
         else:
             for p in self.model.parameters():
+                assert p.grad is not None  # bound to the gradient buffers (ReplicaModel.__init__)
                 p.grad.zero_()
         loss = microbatched(self.model, self.loss_fn, xb, yb, self.spec.training.microbatches)
         if not self.zero_copy:
@@ -249,7 +259,7 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
     return cpus
 
 
-def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]], *,
+def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]], *,
                 start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None,
                 read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
@@ -273,17 +283,17 @@ def run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[
         os.sched_setaffinity(0, before)
 
 
-def _run_replica(spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
+def _run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]],
                  start_local_step: int, owns_replies: bool, read: Reader | None = None,
                  report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
     try:
-        return _train(rep, spec, plan, index, shards, start_local_step, report)
+        return _train(rep, spec, plan.tables, index, shards, start_local_step, report)
     finally:
         rep.batches.close()
 
 
-def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any] | Callable[[], list[Any]],
+def _train(rep: ReplicaModel | StageModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], index: int, shards: list[Any] | Callable[[], list[Any]],
            start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     stats = ReplicaStats(index, device=str(rep.device))
     if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
@@ -294,7 +304,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     slots = [getattr(sh, "grad_slots", lambda: None)() for sh in shards]
     if rep.zero_copy and all(s is not None for s in slots):
         # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
-        rep.grad_bufs = [[s[j] for s in slots] for j in range(2)]
+        rep.grad_bufs = [[s[j] for s in slots if s is not None] for j in range(2)]
     buckets = None
     if spec.training.bucket_mb and rep.zero_copy and spec.training.microbatches == 1:  # (not mid-accumulation)
         buckets = GradBuckets(rep.bound, shards, max(1, int(spec.training.bucket_mb * 2**20 / 4)))
@@ -327,8 +337,8 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
     def said_stop(replies: list[tuple[Any, ...]]) -> bool:
         return not follows and any(r[2] for r in replies)
 
-    router = SparseRouter(rep.model, plan.tables, len(shards), rep.device, record=spec.model.module is not None) \
-        if getattr(plan, "tables", ()) else None
+    router = SparseRouter(rep.model, tables, len(shards), rep.device, record=spec.required_model().module is not None) \
+        if tables else None
 
     def sparse(s: int, with_grads: bool = True, _cache: dict = {}) -> dict[str, Any]:  # noqa: B006
         """The ``sparse`` keyword of shard ``s``'s request (none without tables)."""
@@ -339,14 +349,22 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         block = _cache["requests"][s]
         return {"sparse": block} if block else {}
 
+    def repull(s: int, with_grads: bool = True) -> dict[str, Any]:
+        """The ``sparse`` keyword of a lagging shard's re-pull (:func:`_consistent`): its rows of the
+        current requests (none without tables)."""
+        if not sparse(s, with_grads) or router is None:
+            return {}
+        return {"sparse": router.requests(False)[s]}
+
     # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
     if router is not None:
-        router.plan_next(rep.peek_inputs())  # type: ignore[arg-type]  (not None: checked above)
+        first = rep.peek_inputs()
+        assert first is not None  # the first batch (a replica's data is never empty: checked before start)
+        router.plan_next(first)
     replies = wait([s.pull(0, **sparse(i, False)) for i, s in enumerate(shards)])
     version = replies[0][1]
     if t.mode == "sync":
-        replies, version = _consistent(replies, shards, wait, lambda i: sparse(i, False) and
-                                       {"sparse": router.requests(False)[i]})
+        replies, version = _consistent(replies, shards, wait, lambda i: repull(i, False))
     if router is not None and not any(r[2] for r in replies):
         router.take(replies)
     rep.load([r[0] for r in replies])
@@ -379,8 +397,7 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
         if t.mode == "sync":
             futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
                                  **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
-            replies, version = _consistent(wait(futs), shards, wait, lambda i: sparse(i) and
-                                           {"sparse": router.requests(False)[i]})
+            replies, version = _consistent(wait(futs), shards, wait, repull)
             rep.load([r[0] for r in replies])
             stop = said_stop(replies)
             if router is not None and not stop:
@@ -428,7 +445,8 @@ def _train(rep: ReplicaModel, spec: Any, plan: Any, index: int, shards: list[Any
 def _head(heads: list[int | None] | None, s: int) -> dict[str, int]:
     """The ``head`` keyword for shard ``s``'s push when buckets already went (else no keyword:
     the actor path's methods do not take it)."""
-    return {"head": heads[s]} if heads is not None and heads[s] is not None else {}
+    head = heads[s] if heads is not None else None
+    return {"head": head} if head is not None else {}
 
 
 def _consistent(replies: list[tuple[Any, ...]], shards: list[Any], wait: Any,

@@ -19,6 +19,8 @@ from distributed import get_worker, secede
 
 from dtrain.dataplane.links import StageListener, connect
 from dtrain.plan.assign import task_host
+from dtrain.plan.compiler import Plan
+from dtrain.spec.pipeline import PipelineSpec
 
 from .stages import link_shape, run_stage, stage_shards
 from .tasks import own_tls, partition_reader, shard_handles, socket_handles
@@ -43,7 +45,7 @@ def open_stage_listener(key: str, secret: bytes, tls: bool, shm: tuple[int, int]
     return listener.host, listener.port
 
 
-def stage_task(spec: Any, plan: Any, index: int, position: int, refs: list[tuple[str, str]],
+def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: list[tuple[str, str]],
                start_local_step: int, data_plane: dict[str, Any] | None, links: dict[str, Any],
                attempt: int = 0) -> dict[str, Any]:
     """Stage ``position`` of pipeline replica ``index``: trains until the pipeline stops, returns

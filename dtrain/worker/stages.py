@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,7 +31,9 @@ from torch import nn
 from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, Message, StageLink
 from dtrain.model.build import build_model, build_model_skeleton
 from dtrain.model.layers import get_loss, init_parameters
+from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import BoundModel, ShardLayout, part_of
+from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, microbatched, torch_device
 
@@ -43,12 +44,12 @@ class StageError(ReplicaError):
     """A stage received what the pipeline protocol does not allow."""
 
 
-def stage_shards(plan: Any, position: int) -> list[int]:
+def stage_shards(plan: Plan, position: int) -> list[int]:
     """The shards holding stage ``position``'s variables, in plan order."""
     return [s.index for s in plan.shards if s.stage == position]
 
 
-def link_shape(spec: Any, plan: Any, position: int) -> tuple[int, int] | None:
+def link_shape(spec: PipelineSpec, plan: Plan, position: int) -> tuple[int, int] | None:
     """(micro-batches, capacity in bytes) of the shared-memory regions of the link from stage
     ``position`` to the next: one micro-batch's activations as the plan sizes them, plus room for
     its labels (64 bytes an example). None when ``training.shared_memory`` is off."""
@@ -59,7 +60,7 @@ def link_shape(spec: Any, plan: Any, position: int) -> tuple[int, int] | None:
     return spec.training.microbatches, -(-(last.activation_bytes + 64 * examples) // 64) * 64 + 64
 
 
-def stage_layout(plan: Any, position: int) -> ShardLayout:
+def stage_layout(plan: Plan, position: int) -> ShardLayout:
     """The layout of stage ``position``'s shards, numbered from 0 in :func:`stage_shards` order."""
     ids = stage_shards(plan, position)
     local = {g: i for i, g in enumerate(ids)}
@@ -83,7 +84,7 @@ class _Steps:
 class StageModel:
     """A stage's layers, buffers and links, with ``ReplicaModel``'s interface (module docstring)."""
 
-    def __init__(self, spec: Any, plan: Any, index: int, position: int, up: StageLink | None,
+    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, position: int, up: StageLink | None,
                  down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
                  owns_replies: bool = False):
         torch.set_num_threads(spec.training.torch_threads)
@@ -97,7 +98,7 @@ class StageModel:
         # materialised and initialised here; the ps sends their values at the first pull), so a
         # model too large for one process can be split. A model.module is built whole (its own
         # buffers need its constructor), then only this stage's children are kept.
-        lean = spec.model.layers is not None
+        lean = spec.required_model().layers is not None
         whole = build_model_skeleton(spec) if lean else build_model(spec)
         children = list(whole.named_children())
         self.model = nn.Module()
@@ -114,7 +115,7 @@ class StageModel:
         del whole
         self.device = self.parts[0][0]
         self.model.train()
-        self.loss_fn = get_loss(spec.model.loss)
+        self.loss_fn = get_loss(spec.required_model().loss)
         self.bound = BoundModel(self.model, stage_layout(plan, position))
         # As a whole replica's (ReplicaModel): gradients written by backward straight into the
         # shard-shaped buffers, parameters as views of the replies when they stay ours.
@@ -191,6 +192,7 @@ class StageModel:
             self.bound.grads_as_views(grads)
         else:
             for p in self.model.parameters():
+                assert p.grad is not None  # bound to the gradient buffers (__init__)
                 p.grad.zero_()
         if self.position == 0:
             loss, n = self._first(*peeked)
@@ -210,11 +212,11 @@ class StageModel:
         outs = []
         for i, (xb, yb) in enumerate(chunks):
             out = self.forward(xb)
-            self.down.send(FORWARD, i, (out, yb), loss=len(yb) / len(y), count=len(chunks))  # type: ignore[union-attr]
+            self.down.send(FORWARD, i, (out, yb), loss=len(yb) / len(y), count=len(chunks))
             outs.append(out)
         loss = 0.0
         for _ in chunks:
-            msg = self._receive(self.down, BACKWARD)  # type: ignore[arg-type]
+            msg = self._receive(self.down, BACKWARD)
             outs[msg.microbatch].backward(msg.tensors[0].to(outs[msg.microbatch].device))
             loss += msg.loss
         return loss, len(y)
@@ -222,10 +224,12 @@ class StageModel:
     def _later(self, first: Message) -> tuple[float, int]:
         if first.count < 1:
             raise StageError(f"replica {self.index} stage {self.position}: a step of {first.count} micro-batches")
+        up = self.up
+        assert up is not None  # a later stage has the stage before it
         kept = []
         n = 0
         for i in range(first.count):  # each micro-batch as soon as it arrives (overlaps the stage before)
-            msg = first if i == 0 else self._receive(self.up, FORWARD)  # type: ignore[arg-type]
+            msg = first if i == 0 else self._receive(up, FORWARD)
             if msg.microbatch != i:
                 raise StageError(f"replica {self.index} stage {self.position}: micro-batch {msg.microbatch} "
                                  f"arrived as the step's {i}-th")
@@ -236,15 +240,16 @@ class StageModel:
             if self.down is None:  # the last stage: the loss, and the input's gradient back at once
                 loss = self.loss_fn(out, y.to(out.device)) * msg.loss
                 loss.backward()
-                self.up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=float(loss.detach()))  # type: ignore[union-attr]
+                up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=float(loss.detach()))
             else:
                 self.down.send(FORWARD, msg.microbatch, (out, y), loss=msg.loss, count=first.count)
                 kept.append((inp, out))
         for _ in kept:
+            assert self.down is not None  # (kept only with a downstream neighbour)
             msg = self._receive(self.down, BACKWARD)
             inp, out = kept[msg.microbatch]
             out.backward(msg.tensors[0].to(out.device))
-            self.up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=msg.loss)  # type: ignore[union-attr]
+            up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=msg.loss)
         return 0.0, n
 
     def load(self, buffers: list[torch.Tensor]) -> None:
@@ -259,7 +264,7 @@ def _grad_of(inp: torch.Tensor) -> torch.Tensor:
     return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
 
-def run_stage(spec: Any, plan: Any, index: int, position: int, shards: Any, up: StageLink | None,
+def run_stage(spec: PipelineSpec, plan: Plan, index: int, position: int, shards: Any, up: StageLink | None,
               down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
               owns_replies: bool = False) -> ReplicaStats:
     """Run stage ``position`` of replica ``index`` until the pipeline stops (the first stage: the
@@ -269,7 +274,7 @@ def run_stage(spec: Any, plan: Any, index: int, position: int, shards: Any, up: 
     rep = None
     try:
         rep = StageModel(spec, plan, index, position, up, down, start_local_step, read, owns_replies)
-        stats = _train(rep, spec, SimpleNamespace(tables=()), index, shards, start_local_step)
+        stats = _train(rep, spec, (), index, shards, start_local_step)
         stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
                                 "devices": [str(dev) for dev, _ in rep.parts],
                                 "send_s": sum(lk.send_s for lk in (up, down) if lk is not None),

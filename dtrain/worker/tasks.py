@@ -30,8 +30,11 @@ from distributed import get_worker, secede
 from distributed.actor import Actor
 from distributed.utils import sync
 
+from dtrain.plan.compiler import Plan
 from dtrain.ps.shard import ParameterShard
+from dtrain.spec.pipeline import PipelineSpec
 
+from .inputs import MemoryBatches
 from .replica import ReplicaModel, model_buffers, run_replica
 
 logger = logging.getLogger(__name__)
@@ -93,7 +96,7 @@ class WorkerShard(ParameterShard):
         return self.step > before
 
 
-def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any], attempt: int = 0,
+def socket_handles(spec: PipelineSpec, plan: Plan, index: int, data_plane: dict[str, Any], attempt: int = 0,
                    only: list[int] | None = None) -> list[Any]:
     """Socket data-plane handles (``training.transport: socket``), one per shard (TLS with this
     worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``: this
@@ -110,7 +113,7 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
     return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
                         shared_memory=data_plane.get("shared_memory", True), attempt=attempt,
-                        in_place_views=spec.model.module is None,
+                        in_place_views=spec.required_model().module is None,
                         tables={t.name: t.dim for t in plan.tables if s.index < len(t.parts)})
             for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)
             if only is None or s.index in only]
@@ -119,7 +122,7 @@ def socket_handles(spec: Any, plan: Any, index: int, data_plane: dict[str, Any],
 REPLICA_TOPIC = "dtrain-replica"  # a replica's counters, for the chief (docs/observability.md)
 
 
-def reporter(spec: Any, attempt: int, run_id: str | None = None) -> Any:
+def reporter(spec: PipelineSpec, attempt: int, run_id: str | None = None) -> Any:
     """A replica's telemetry: its counters as an event on ``REPLICA_TOPIC`` (the worker's batched
     stream to the scheduler, thread-safe; no round trip), which the chief subscribes to. Tagged
     with the run's id, so a chief never counts another run's replicas of the same name."""
@@ -130,7 +133,7 @@ def reporter(spec: Any, attempt: int, run_id: str | None = None) -> Any:
     return lambda counters: worker.log_event(REPLICA_TOPIC, {**tag, **counters})
 
 
-def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
+def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[str, str]],
                  start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
                  local_rank: int | None = None, attempt: int = 0, run_id: str | None = None) -> dict[str, Any]:
     """One long-running replica: trains until the ps says stop, returns its counters.
@@ -145,6 +148,7 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
     def open_handles() -> list[Any]:
         # Called by run_replica once its model is built and its data loaded: a connection opened
         # before would sit idle through that (the ps used to drop it after about 2 minutes).
+        assert data_plane is not None  # (only with a data plane)
         opened.extend(socket_handles(spec, plan, index, data_plane, attempt))
         return opened
 
@@ -165,7 +169,7 @@ def replica_task(spec: Any, plan: Any, index: int, refs: list[tuple[str, str]],
 
 
 
-def partition_reader(plan: Any) -> Any:
+def partition_reader(plan: Plan) -> Any:
     """For a Dask collection's partitions (``dtrain.run(spec, data=...)``): a reader that computes
     one partition at a time on this worker (its readers' threads call it); None for files."""
     if plan.data is None or plan.data.format != "dask":
@@ -247,6 +251,7 @@ def _gradients(rep: ReplicaModel, local_step: int, reads: tuple[tuple[torch.Tens
                ) -> dict[str, Any]:
     """``rep``'s gradient on its ``local_step``-th batch (its data order put there first: a restored
     checkpoint's place), on the parameters it read."""
+    assert isinstance(rep.batches, MemoryBatches)  # in-graph replication: in-memory data (never a sharded source)
     if rep.batches.local_step != local_step:
         rep.batches.seek(local_step)
     t0 = time.perf_counter()
