@@ -8,7 +8,8 @@ See ``protocol`` for the bytes.
 
 Abuse and faults (anyone who can reach the port can connect): a handshake has an absolute
 deadline (a 1-byte drip cannot keep it alive) and at most ``MAX_PENDING`` connections may be in
-their handshake at once (more are closed at once); refused handshakes are logged rate-limited;
+their handshake at once (a new one closes the oldest: silent sockets cannot keep a replica out,
+only a flood faster than a replica's handshake could); refused handshakes are logged rate-limited;
 a transient ``accept()`` error (EMFILE...) never stops the listener. An authenticated
 connection has no idle timeout (a replica may load its data or run a long step between
 requests; TCP keepalive and the session's liveness checks find dead peers), every header field
@@ -40,7 +41,7 @@ from .shm import F_SHM, SharedParams, SharedSlots
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING = 64  # connections in their handshake at once; more are closed at once
+MAX_PENDING = 64  # connections in their handshake at once; a new one past it closes the oldest
 _VALID_OPS = (proto.OP_PUSH_PULL, proto.OP_PUSH_SYNC, proto.OP_PULL, proto.OP_PART)
 
 
@@ -108,14 +109,20 @@ class ShardServer:
                 continue
             failures = 0
             with self._lock:
-                full = len(self._pending) >= MAX_PENDING
-                if not full:
-                    self._pending[conn] = time.monotonic() + self.handshake_timeout
-                    self._conns.add(conn)
-            if full:
-                self._note_refusal("too many connections in their handshake")
-                _close(conn)
-                continue
+                # At the cap the oldest handshake gives way: refusing the newest instead let
+                # MAX_PENDING silent sockets, renewed at each deadline, lock every replica out.
+                oldest = min(self._pending, key=self._pending.__getitem__) \
+                    if len(self._pending) >= MAX_PENDING else None
+                if oldest is not None:
+                    del self._pending[oldest]
+                self._pending[conn] = time.monotonic() + self.handshake_timeout
+                self._conns.add(conn)
+            if oldest is not None:
+                self._note_refusal("too many connections in their handshake: the oldest was closed")
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # (its thread then ends, and closes it)
+                except OSError:
+                    pass
             try:
                 threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                  name=f"dtrain-ps{self.shard.index}-conn").start()
