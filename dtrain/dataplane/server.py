@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import hashlib
 import hmac
 import logging
@@ -68,7 +67,7 @@ class ShardServer:
         self.timeout = timeout
         self.handshake_timeout = min(timeout, 10.0) if handshake_timeout is None else handshake_timeout
         self.ssl_context = ssl_context
-        self._sock = _listen(host, shard.index)
+        self._sock = proto.listen(host, f"ps {shard.index}: the data plane")
         self._sock.settimeout(0.25)  # the accept loop also cuts handshakes past their deadline
         self.host, self.port = host, self._sock.getsockname()[1]  # replicas connect to ``host``
         self._closed = threading.Event()
@@ -396,22 +395,6 @@ class ShardServer:
             except OSError:
                 pass
             _close(s)
-
-
-def _listen(host: str, index: int) -> socket.socket:
-    """A listener for replicas that connect to ``host``: an IPv6 literal gets an IPv6 socket, and
-    a host that is no local interface (a worker's contact address behind NAT or in a container,
-    ``--contact-address``/``--listen-address``) the wildcard address of its family."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, 0), family=family, backlog=64)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
-    logger.info("ps %d: %s is no local address (a contact address?): the data plane listens on %s", index,
-                host, wildcard)
-    return socket.create_server((wildcard, 0), family=family, backlog=64)
 
 
 def _close(sock: socket.socket) -> None:
