@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import queue
 import socket
@@ -56,6 +57,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.bool, torch.int16, torch.int8]
 CODES = {d: i for i, d in enumerate(DTYPES)}
 MAX_DIMS = 16
+MAX_TENSOR_BYTES = 2**31  # one received tensor, at most (checked before it is allocated)
 MAX_PENDING = 16  # connections in their handshake at once on a stage listener; a new one closes the oldest
 
 
@@ -188,6 +190,10 @@ class StageLink:
                         raise DataPlaneError(f"bad tensor shape {shape}")
                     dtype = DTYPES[code]
                     wire = torch.int16 if dtype == torch.bfloat16 else torch.uint8 if dtype == torch.bool else dtype
+                    size = math.prod(shape) * wire.itemsize
+                    if size > MAX_TENSOR_BYTES:
+                        raise DataPlaneError(f"a tensor of shape {list(shape)} ({size} bytes), past the limit of "
+                                             f"{MAX_TENSOR_BYTES} bytes")
                     t = torch.empty(shape, dtype=wire)
                     nbytes = t.numel() * t.element_size()
                     if where and nbytes:

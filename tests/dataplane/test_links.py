@@ -191,3 +191,21 @@ def test_a_contact_host_that_is_no_local_address_listens_on_the_wildcard():
         out["down"].close()
     finally:
         listener.close()
+
+
+def test_a_tensor_header_past_the_size_limit_fails_the_link_naming_it():
+    """A received tensor's shape was allocated as it came (an authenticated but broken peer could
+    ask for any size): past MAX_TENSOR_BYTES it fails the link with a message naming the size,
+    instead of killing the receiver thread and leaving the stage waiting out its timeout."""
+    import struct
+
+    from dtrain.dataplane.links import HEAD, TENSOR
+
+    up, down = pair()
+    try:
+        up._sock.sendall(HEAD.pack(FORWARD, 1, 1, 0, 0.0) + TENSOR.pack(0, 2, 0) + struct.pack("<2q", 2**40, 2**40))
+        with pytest.raises(DataPlaneError, match="past the limit"):
+            down.receive(timeout=3)
+    finally:
+        up.close()
+        down.close()
