@@ -4,8 +4,8 @@ A *sharded* source is a glob, a directory or a filesystem URL (anything fsspec u
 ``s3://…``, ``gs://…``, local paths) of ``.parquet``, ``.csv`` or ``.npz`` files, or Criteo-layout
 ``.tsv`` / ``.tsv.gz`` files (format ``criteo``; even a single one). Its :class:`Manifest` lists the
 shards — one per parquet row group, one per CSV, npz or Criteo file, one per partition of a Dask
-collection — with their row counts, read from the headers only (a CSV's or Criteo file's rows are
-counted by its newlines), and the columns every file must share. With a
+collection — with their row counts, read from the headers only (a CSV's rows are counted by
+parsing it as ``read_shard`` does, a Criteo file's by its newlines), and the columns every file must share. With a
 :class:`~dtrain.data.features.RecordLayout` (recommendation records: Criteo files, or parquet with
 dense, id, list and string columns) a shard reads as packed int64 rows. Nothing here imports Dask:
 the compiler assigns the shards to replicas (``dtrain.plan.inputs``), each replica streams its own
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from .features import RecordLayout
 
 GLOB_CHARS = "*?["
+# Directory entries ``check_source`` (``dtrain validate``) looks at, at most: a source such as ``/``
+# would otherwise be listed whole. A larger listing is left to the run (its preflight lists it).
+LISTING_LIMIT = 20_000
 
 
 class ShardError(ValueError):
@@ -142,6 +145,28 @@ def discover(source: str, base_dir: str | Path = ".") -> list[str]:
     return [p if protocol in ("file", "local") else f"{protocol}://{p}" for p in files]
 
 
+def check_source(source: str, base_dir: str | Path = ".") -> bool:
+    """:func:`discover`'s check for ``dtrain validate`` on a local source, bounded: True when it
+    matches shard files of one format, False when its directory tree holds more than
+    ``LISTING_LIMIT`` entries (not listed here: the run lists it), ShardError as ``discover``."""
+    import os
+
+    path = _url(source, base_dir)
+    cut = min((path.find(c) for c in GLOB_CHARS if c in path), default=-1)
+    root = path if cut < 0 else os.path.dirname(path[:cut]) or "."
+    recursive = cut < 0 or "**" in path
+    if os.path.isdir(root):
+        seen = 0
+        for _dir, dirs, files in os.walk(root):
+            seen += len(dirs) + len(files)
+            if seen > LISTING_LIMIT:
+                return False
+            if not recursive:
+                break
+    discover(source, base_dir)
+    return True
+
+
 def _open(path: str) -> Any:
     fs, p = _fs(path)
     return fs.open(p, "rb")
@@ -160,16 +185,13 @@ def _parquet_header(path: str) -> tuple[list[tuple[str, str]], list[int]]:
 def _csv_header(path: str) -> tuple[list[tuple[str, str]], int]:
     import pyarrow.csv as pacsv
 
+    # Rows as read_shard's parser reads them (streamed, a block at a time): newlines alone miscount
+    # carriage-return line ends, blank lines and quoted values that span lines.
     with _open(path) as f:
         reader = pacsv.open_csv(f)  # types from the first block
         schema = reader.schema
-    with _open(path) as f:  # rows: newlines after the header (a last line without one counts too)
-        lines, last = 0, b"\n"
-        while chunk := f.read(1 << 22):
-            lines += chunk.count(b"\n")
-            last = chunk[-1:]
-        rows = lines - 1 + (last != b"\n")
-    return [(n, str(t)) for n, t in zip(schema.names, schema.types, strict=True)], max(rows, 0)
+        rows = sum(batch.num_rows for batch in reader)
+    return [(n, str(t)) for n, t in zip(schema.names, schema.types, strict=True)], rows
 
 
 def _npy_header(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -373,6 +395,10 @@ def read_shard(manifest: Manifest, shard: Shard) -> tuple[np.ndarray, np.ndarray
         raise BadShardError(f"{shard.name} ({shard.path}): holds {len(x)} rows, its header said {shard.rows}")
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise BadShardError(f"{shard.name} ({shard.path}): holds NaN or infinite features")
+    if y.dtype.kind == "f" and not np.isfinite(y).all():  # (a missing CSV value reads as NaN too)
+        row = int(np.flatnonzero(~np.isfinite(y))[0])
+        raise BadShardError(f"{shard.name} ({shard.path}): holds NaN or infinite targets ({manifest.target!r} "
+                            f"of row {row} is {y[row]}): fix or drop those rows")
     if manifest.ids:
         return x.astype(np.int64, copy=False), y
     return (x if x.dtype.kind == "f" else x.astype(np.float32)), y  # floats as stored (float32 stays float32)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import queue
 import socket
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .protocol import DataPlaneError, authenticated, recv_bytes, recv_exact, tune
+from .protocol import DataPlaneError, authenticated, listen, recv_bytes, recv_exact, tune
 from .shm import SHM_DIR, SharedSlots, unlink
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.bool, torch.int16, torch.int8]
 CODES = {d: i for i, d in enumerate(DTYPES)}
 MAX_DIMS = 16
+MAX_TENSOR_BYTES = 2**31  # one received tensor, at most (checked before it is allocated)
+MAX_PENDING = 16  # connections in their handshake at once on a stage listener; a new one closes the oldest
 
 
 @dataclass
@@ -187,6 +190,10 @@ class StageLink:
                         raise DataPlaneError(f"bad tensor shape {shape}")
                     dtype = DTYPES[code]
                     wire = torch.int16 if dtype == torch.bfloat16 else torch.uint8 if dtype == torch.bool else dtype
+                    size = math.prod(shape) * wire.itemsize
+                    if size > MAX_TENSOR_BYTES:
+                        raise DataPlaneError(f"a tensor of shape {list(shape)} ({size} bytes), past the limit of "
+                                             f"{MAX_TENSOR_BYTES} bytes")
                     t = torch.empty(shape, dtype=wire)
                     nbytes = t.numel() * t.element_size()
                     if where and nbytes:
@@ -235,44 +242,105 @@ class StageLink:
 
 
 class StageListener:
-    """A listening socket for the upstream stage's connection (on the downstream stage's worker)."""
+    """A listening socket for the upstream stage's connection (on the downstream stage's worker).
+
+    Anyone who can reach the port can connect: each connection's handshake runs on a thread of its
+    own with an absolute deadline (a socket that drips a byte at a time cannot hold the listener),
+    at most ``MAX_PENDING`` at once (a new one closes the oldest), and the first connection that
+    authenticates is the link; the others are closed."""
 
     def __init__(self, host: str, secret: bytes, ssl_context: ssl.SSLContext | None = None,
                  shm: tuple[int, int] | None = None):
         self.secret = secret
         self.shm = shm  # (micro-batches, capacity): accept a shared-memory offer of that shape
         self.ssl_context = ssl_context
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.bind((host, 0))
-        self._sock.listen(4)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        self._sock = listen(host, "stage link", backlog=4)  # (the wildcard for a contact address)
+        self.host, self.port = host, self._sock.getsockname()[1]  # the upstream stage connects to ``host``
         self.created = time.monotonic()
 
     def accept(self, name: str, timeout: float) -> StageLink:
         """The upstream stage's authenticated connection (others are refused and closed)."""
         deadline = time.monotonic() + timeout
+        handshake_s = min(10.0, timeout)
+        lock = threading.Lock()
+        pending: dict[socket.socket, float] = {}  # a duplicate of each socket in its handshake -> deadline
+        won: queue.Queue = queue.Queue()
+        done = threading.Event()
+
+        def handshake(sock: socket.socket, cut: socket.socket) -> None:
+            try:
+                sock, slots = self._handshake(sock, handshake_s)
+            except (OSError, DataPlaneError, ValueError) as exc:
+                if not done.is_set():
+                    logger.warning("stage link %s: refused a connection: %s", name, exc)
+                sock.close()
+                return
+            finally:
+                with lock:
+                    pending.pop(cut, None)
+                cut.close()
+            with lock:
+                late = done.is_set()
+                if not late:
+                    won.put((sock, slots))
+            if late:  # another connection won meanwhile
+                sock.close()
+                if slots is not None:
+                    slots.close()
+
         try:
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DataPlaneError(f"stage link {name}: the upstream stage did not connect in {timeout:.0f} s")
-                self._sock.settimeout(min(left, 1.0))
                 try:
-                    sock, _ = self._sock.accept()
+                    sock, slots = won.get_nowait()
+                    break
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if now >= deadline:
+                    raise DataPlaneError(f"stage link {name}: the upstream stage did not connect in {timeout:.0f} s")
+                with lock:
+                    overdue = [c for c, d in pending.items() if d < now]
+                for c in overdue:
+                    _shutdown(c)  # its handshake thread ends
+                self._sock.settimeout(min(deadline - now, 0.05))
+                try:
+                    conn, _ = self._sock.accept()
                 except TimeoutError:
                     continue
-                try:
-                    sock, slots = self._handshake(sock, min(10.0, timeout))
-                except (OSError, DataPlaneError) as exc:
-                    logger.warning("stage link %s: refused a connection: %s", name, exc)
-                    sock.close()
+                except OSError as exc:  # EMFILE...: transient, keep listening
+                    logger.warning("stage link %s: accept failed: %s", name, exc)
+                    time.sleep(0.1)
                     continue
-                tune(sock, timeout)
-                authenticated(sock)  # no receive timeout: receive() has the deadline
-                return StageLink(sock, name, timeout, slots)
+                cut = conn.dup()  # (shut down from here: the TLS wrap detaches ``conn``)
+                with lock:
+                    oldest = min(pending, key=pending.__getitem__) if len(pending) >= MAX_PENDING else None
+                    pending[cut] = now + handshake_s
+                if oldest is not None:
+                    _shutdown(oldest)
+                try:
+                    threading.Thread(target=handshake, args=(conn, cut), daemon=True,
+                                     name=f"dtrain-{name}-handshake").start()
+                except RuntimeError as exc:  # can't start new thread
+                    logger.warning("stage link %s: connection dropped: %s", name, exc)
+                    with lock:
+                        pending.pop(cut, None)
+                    cut.close()
+                    conn.close()
         finally:
+            with lock:
+                done.set()
+                rest = list(pending)
+            for c in rest:
+                _shutdown(c)
             self.close()
+            while not won.empty():  # one that authenticated as the deadline passed: nobody takes it
+                extra, extra_slots = won.get_nowait()
+                extra.close()
+                if extra_slots is not None:
+                    extra_slots.close()
+        tune(sock, timeout)
+        authenticated(sock)  # no receive timeout: receive() has the deadline
+        return StageLink(sock, name, timeout, slots)
 
     def _handshake(self, sock: socket.socket, timeout: float) -> tuple[socket.socket, LinkSlots | None]:
         sock.settimeout(timeout)
@@ -295,6 +363,13 @@ class StageListener:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def connect(host: str, port: int, secret: bytes, name: str, timeout: float,

@@ -57,6 +57,7 @@ behave identically; only the bytes travel differently. No Dask import here.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -112,6 +113,22 @@ def tune(sock: socket.socket, timeout: float) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
         except OSError:  # capped by the kernel: fine
             pass
+
+
+def listen(host: str, who: str, backlog: int = 64) -> socket.socket:
+    """A listener for peers that connect to ``host``: an IPv6 literal gets an IPv6 socket, and a
+    host that is no local interface (a worker's contact address behind NAT or in a container,
+    ``--contact-address``/``--listen-address``) the wildcard address of its family. ``who``
+    names the listener in the log line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, 0), family=family, backlog=backlog)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    logger.info("%s: %s is no local address (a contact address?): listening on %s", who, host, wildcard)
+    return socket.create_server((wildcard, 0), family=family, backlog=backlog)
 
 
 def authenticated(sock: socket.socket) -> None:

@@ -8,7 +8,8 @@ See ``protocol`` for the bytes.
 
 Abuse and faults (anyone who can reach the port can connect): a handshake has an absolute
 deadline (a 1-byte drip cannot keep it alive) and at most ``MAX_PENDING`` connections may be in
-their handshake at once (more are closed at once); refused handshakes are logged rate-limited;
+their handshake at once (a new one closes the oldest: silent sockets cannot keep a replica out,
+only a flood faster than a replica's handshake could); refused handshakes are logged rate-limited;
 a transient ``accept()`` error (EMFILE...) never stops the listener. An authenticated
 connection has no idle timeout (a replica may load its data or run a long step between
 requests; TCP keepalive and the session's liveness checks find dead peers), every header field
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import hashlib
 import hmac
 import logging
@@ -40,7 +40,7 @@ from .shm import F_SHM, SharedParams, SharedSlots
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING = 64  # connections in their handshake at once; more are closed at once
+MAX_PENDING = 64  # connections in their handshake at once; a new one past it closes the oldest
 _VALID_OPS = (proto.OP_PUSH_PULL, proto.OP_PUSH_SYNC, proto.OP_PULL, proto.OP_PART)
 
 
@@ -67,7 +67,7 @@ class ShardServer:
         self.timeout = timeout
         self.handshake_timeout = min(timeout, 10.0) if handshake_timeout is None else handshake_timeout
         self.ssl_context = ssl_context
-        self._sock = _listen(host, shard.index)
+        self._sock = proto.listen(host, f"ps {shard.index}: the data plane")
         self._sock.settimeout(0.25)  # the accept loop also cuts handshakes past their deadline
         self.host, self.port = host, self._sock.getsockname()[1]  # replicas connect to ``host``
         self._closed = threading.Event()
@@ -108,14 +108,20 @@ class ShardServer:
                 continue
             failures = 0
             with self._lock:
-                full = len(self._pending) >= MAX_PENDING
-                if not full:
-                    self._pending[conn] = time.monotonic() + self.handshake_timeout
-                    self._conns.add(conn)
-            if full:
-                self._note_refusal("too many connections in their handshake")
-                _close(conn)
-                continue
+                # At the cap the oldest handshake gives way: refusing the newest instead let
+                # MAX_PENDING silent sockets, renewed at each deadline, lock every replica out.
+                oldest = min(self._pending, key=self._pending.__getitem__) \
+                    if len(self._pending) >= MAX_PENDING else None
+                if oldest is not None:
+                    del self._pending[oldest]
+                self._pending[conn] = time.monotonic() + self.handshake_timeout
+                self._conns.add(conn)
+            if oldest is not None:
+                self._note_refusal("too many connections in their handshake: the oldest was closed")
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # (its thread then ends, and closes it)
+                except OSError:
+                    pass
             try:
                 threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                  name=f"dtrain-ps{self.shard.index}-conn").start()
@@ -393,22 +399,6 @@ class ShardServer:
             except OSError:
                 pass
             _close(s)
-
-
-def _listen(host: str, index: int) -> socket.socket:
-    """A listener for replicas that connect to ``host``: an IPv6 literal gets an IPv6 socket, and
-    a host that is no local interface (a worker's contact address behind NAT or in a container,
-    ``--contact-address``/``--listen-address``) the wildcard address of its family."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, 0), family=family, backlog=64)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
-    logger.info("ps %d: %s is no local address (a contact address?): the data plane listens on %s", index,
-                host, wildcard)
-    return socket.create_server((wildcard, 0), family=family, backlog=64)
 
 
 def _close(sock: socket.socket) -> None:

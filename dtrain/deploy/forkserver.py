@@ -83,8 +83,8 @@ def warm_for_file(path: str, overrides: list[str]) -> None:
 
     try:
         doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeError, yaml.YAMLError):
-        return  # the run reports it
+    except (OSError, UnicodeError, yaml.YAMLError, RecursionError):  # (deep nesting: the loader recurses)
+        return  # the run reports it, with its line
     if not isinstance(doc, dict):
         return
     cluster_raw, data_raw = doc.get("cluster"), doc.get("data")
@@ -118,7 +118,12 @@ def _signals_held() -> Iterator[None]:
 def _start(preload: list[str], config: dict[str, Any]) -> bool:
     try:
         import multiprocessing
-        from multiprocessing import forkserver, resource_tracker
+        from multiprocessing import forkserver, resource_tracker, util
+
+        # Python 3.10.0-3.10.8 put the server's socket in Linux's abstract namespace, which any local
+        # user can connect to and send it pickles (CVE-2022-42919); this is CPython's own switch
+        # back to a 0600 file in a 0700 directory (later versions never use the namespace for it).
+        util.abstract_sockets_supported = False  # type: ignore[misc]  # (typeshed marks it Final; CPython documents this)
 
         from distributed.utils import get_mp_context
 

@@ -247,7 +247,9 @@ def _build_one(index: int, in_shape: Shape, layers: Sequence[Mapping[str, Any]])
             f"from {_describe(index - 1, layers)}" + (f"; {exc.hint}" if exc.hint else ""),
         ) from None
     except (ValueError, TypeError) as exc:
-        raise LayerError(index, f"{_describe(index, layers)}: {exc}") from None
+        # (torch's own errors carry a C++ backtrace after their first line: one line is the message)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LayerError(index, f"{_describe(index, layers)}: {message}") from None
 
 
 _SAME_SHAPE = (nn.ReLU, nn.Tanh, nn.GELU, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Dropout,

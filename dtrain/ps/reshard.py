@@ -49,6 +49,7 @@ def fixed_deltas(state: dict[str, Any], num_embeddings: int, old: tuple[int, str
     opt = dict(state.get("optimizer") or {})
     per_row = {k: v for k, v in opt.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
     scalars = {k: v for k, v in opt.items() if k not in per_row}
+    blocks: list[tuple[torch.Tensor, torch.Tensor | None]]
     if state.get("delta"):
         rows = state["rows"].to(torch.int64)
         blocks = [(rows, torch.arange(len(rows)))]
@@ -87,7 +88,7 @@ def restore_part(part: Any, chains: list[list[dict[str, Any]]], num_embeddings: 
     clock, counters = 0, {"admitted": 0, "evicted": 0, "rejected": 0}
     for k, chain in enumerate(chains):
         for state in chain:
-            if dynamic:
+            if num_embeddings is None:
                 part.load_delta(dynamic_delta(state))
             else:
                 for delta in fixed_deltas(state, num_embeddings, old, k, new, index):

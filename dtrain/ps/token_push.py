@@ -45,25 +45,28 @@ class TokenPush:
     async def _push_token(self, grad: torch.Tensor, replica: int, version: int, loss: float | None,
                           samples: int, local_step: int, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
         shard: Any = self
-        await shard._wait_unheld(version)
         cond: asyncio.Condition = shard._condition()
-        async with cond:
-            with self.lock:
-                if self.stop or self.error is not None or shard._bad_ids(sparse, replica):
-                    decision = None
-                else:
-                    decision = shard._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
-            if decision is None or isinstance(decision, Apply):  # applied (tokens_per_step new tokens), or failed
-                cond.notify_all()
-            if self.stop or self.error is not None:
-                return shard._sparse_reply(out, sparse)
-            token = self.sync.take(replica)
-            if token is None:  # TF blocks on the dequeue; dtrain fails after barrier_timeout_s instead
-                await shard._wait(cond, lambda: bool(self.sync.tokens) or self.stop or self.error is not None,
-                                  f"replica {replica} waited for a sync token after its gradient of local step "
-                                  f"{version} (global step {self.sync.step}; sync_tokens)")
+        while True:
+            await shard._wait_unheld(version)
+            async with cond:
+                with self.lock:
+                    if shard._still_held(version):  # a hold placed while this push waited for the condition
+                        continue
+                    if self.stop or self.error is not None or shard._bad_ids(sparse, replica):
+                        decision = None
+                    else:
+                        decision = shard._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
+                if decision is None or isinstance(decision, Apply):  # applied (tokens_per_step new tokens), or failed
+                    cond.notify_all()
                 if self.stop or self.error is not None:
                     return shard._sparse_reply(out, sparse)
                 token = self.sync.take(replica)
-            reply = shard._sparse_reply(out, sparse)
-            return (reply[0], token, *reply[2:])
+                if token is None:  # TF blocks on the dequeue; dtrain fails after barrier_timeout_s instead
+                    await shard._wait(cond, lambda: bool(self.sync.tokens) or self.stop or self.error is not None,
+                                      f"replica {replica} waited for a sync token after its gradient of local step "
+                                      f"{version} (global step {self.sync.step}; sync_tokens)")
+                    if self.stop or self.error is not None:
+                        return shard._sparse_reply(out, sparse)
+                    token = self.sync.take(replica)
+                reply = shard._sparse_reply(out, sparse)
+                return (reply[0], token, *reply[2:])

@@ -107,11 +107,14 @@ LAYER_NAMES = (
 )
 
 
+MAX_DIM = 2**31 - 1  # one example's extent along one axis (torch indexes with int64: past it, a C++ error)
+
+
 class ModelSpec(Strict):
     """The model: a stack of layers, a torch.nn.Module factory by import path, or a DLRM over
     declared features and tables."""
 
-    input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+    input_shape: list[Annotated[int, Field(ge=1, le=MAX_DIM)]] | None = Field(
         None, description="Shape of one example without the batch dimension, e.g. [64] or [1, 28, 28]."
     )
     layers: list[Layer] | None = Field(None, description="Layers applied in order (docs/pipeline-file.md describes each type).")

@@ -263,7 +263,7 @@ class PipelineSpec(Strict):
                     files: bool = True) -> None:
         """The data section against the model; ``files``: also that the data files exist (not for a
         checkpoint's pipeline read back to serve its model: its data may be elsewhere by then)."""
-        from dtrain.data.shards import ShardError, discover, is_sharded
+        from dtrain.data.shards import ShardError, check_source, is_sharded
         from dtrain.data.sources import FILE_SUFFIXES, SKLEARN_DATASETS, data_source_kind, resolve_data_path
 
         assert self.model is not None
@@ -293,8 +293,8 @@ class PipelineSpec(Strict):
             for key in ("source", "eval_source"):
                 value = getattr(data, key)
                 if value is not None and "://" not in value:  # a remote listing waits for the run's preflight
-                    try:
-                        discover(value, base_dir)
+                    try:  # (bounded: a huge tree, e.g. source: /, is listed by the run, not here)
+                        check_source(value, base_dir)
                     except ShardError as exc:
                         problems.append((("data", key), str(exc)))
         elif kind == "file":

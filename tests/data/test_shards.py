@@ -94,3 +94,50 @@ def test_a_corrupt_shard_is_a_bad_shard_naming_the_file(tmp_path):
     (tmp_path / "d" / "part-001.parquet").write_bytes(b"PAR1 not parquet at all PAR1")
     with pytest.raises(BadShardError, match="part-001.parquet"):
         read_shard(m, m.shards[1])
+
+
+def test_csv_rows_are_counted_as_the_reader_parses_them(tmp_path):
+    """Rows used to be counted by newline bytes: a CSV with carriage-return line ends counted 0 rows
+    and was dropped from the manifest without a word, and a blank line made the header's count
+    disagree with the rows read (the shard then failed when read, mid-run for held-out shards)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.csv").write_bytes(b"f0,f1,label\r1,2,0\r3,4,1\r5,6,0\r")
+    (d / "b.csv").write_bytes(b"f0,f1,label\n1,2,0\n\n3,4,1\n")
+    m = read_manifest("d/*.csv", tmp_path)
+    assert [(s.name, s.rows) for s in m.shards] == [("a.csv", 3), ("b.csv", 2)]
+    for s in m.shards:
+        x, y = read_shard(m, s)
+        assert len(x) == len(y) == s.rows
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_targets_in_a_shard_are_refused_naming_the_file(tmp_path, bad):
+    """Only the features were checked: a NaN or inf regression target passed the reader and the
+    statistics pass, and training ran on NaN until the parameter checks stopped it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    pq.write_table(pa.table({"f0": [1.0, 2.0, 3.0], "target": [0.5, bad, 1.5]}), d / "part-000.parquet")
+    m = read_manifest("d/*.parquet", tmp_path, target="target")
+    with pytest.raises(BadShardError, match=r"part-000\.parquet.*NaN or infinite targets"):
+        read_shard(m, m.shards[0])
+
+
+def test_a_listing_too_large_to_check_is_left_to_the_run(tmp_path, monkeypatch):
+    """`dtrain validate` listed a directory source whole (``data.source: /`` walked the file
+    system): it now looks at ``LISTING_LIMIT`` entries at most, and says nothing past them (the
+    run lists the source). Below the limit, the full check runs."""
+    from dtrain.data import shards as module
+
+    d = tmp_path / "d"
+    for i in range(6):
+        (d / f"sub{i}").mkdir(parents=True)
+        (d / f"sub{i}" / "notes.txt").write_text("x")
+    monkeypatch.setattr(module, "LISTING_LIMIT", 5)
+    assert module.check_source("d", tmp_path) is False  # not looked at whole
+    monkeypatch.setattr(module, "LISTING_LIMIT", 100)
+    with pytest.raises(ShardError, match="file matches .d."):
+        module.check_source("d", tmp_path)
+    shards.write(d, [3])
+    assert module.check_source("d", tmp_path) is True
+    assert module.check_source("d/**/*.parquet", tmp_path) is True

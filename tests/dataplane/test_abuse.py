@@ -286,6 +286,45 @@ def test_unauthenticated_connections_are_capped(loop, caplog):  # noqa: F811
         server.close()
 
 
+def ended(s: socket.socket, within: float = 5.0) -> bool:
+    """The server closed ``s`` (what it sent first, its challenge, read and dropped)."""
+    deadline = time.monotonic() + within
+    try:
+        while time.monotonic() < deadline:
+            s.settimeout(max(deadline - time.monotonic(), 0.01))
+            if s.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+def test_silent_connections_at_the_cap_cannot_lock_a_replica_out(loop):  # noqa: F811
+    """MAX_PENDING silent connections kept open within their handshake deadline made the server
+    close every new connection at once, so a replica that connected then (its start, a recovery,
+    an elastic join) failed. The oldest handshake now gives way to the newest connection."""
+    server = ShardServer(make_shard(n=10), loop, SECRET, timeout=30, handshake_timeout=30)
+    silent = []
+    try:
+        for _ in range(server_mod.MAX_PENDING):
+            silent.append(socket.create_connection((server.host, server.port), timeout=5))
+        for i in range(3):
+            time.sleep(0.3)  # every silent one in its handshake: the cap is reached
+            client = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5,
+                                 shared_memory=False)
+            assert client.pull(0).result(5)[1] == 0
+            client.close()
+            assert ended(silent[i])  # the oldest went
+            assert not ended(silent[i + 1], within=0.1)  # the others still wait (their deadline: 30 s)
+            silent.append(socket.create_connection((server.host, server.port), timeout=5))  # the cap again
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
+
+
 def test_closed_connections_leave_the_server_list(loop):  # noqa: F811
     server = ShardServer(make_shard(n=10), loop, SECRET, timeout=5)
     try:

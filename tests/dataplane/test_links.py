@@ -127,3 +127,85 @@ def test_without_a_shape_the_listener_declines_the_offer():
     finally:
         up.close()
         out["down"].close()
+
+
+def test_a_dripping_connection_does_not_keep_the_upstream_stage_out():
+    """The listener ran each handshake inline, with per-read timeouts: one unauthenticated socket
+    sending a byte now and then (anyone who can reach the port) held it, and the real upstream
+    stage's connect failed. Handshakes now run beside the accept loop, with an absolute deadline."""
+    import socket
+    import time
+
+    listener = StageListener("127.0.0.1", SECRET)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("down", _accept(listener, 20.0)))
+    t.start()
+    drip = socket.create_connection(("127.0.0.1", listener.port))
+    stop = threading.Event()
+
+    def dripping() -> None:
+        while not stop.is_set():
+            try:
+                drip.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    dripper = threading.Thread(target=dripping)
+    dripper.start()
+    up = None
+    try:
+        time.sleep(0.3)  # the drip is in its handshake
+        up = connect("127.0.0.1", listener.port, SECRET, "test 0->1", 3.0)
+        t.join(10)
+        down = out["down"]
+        assert not isinstance(down, BaseException), down
+        up.send(STOP)
+        assert down.receive(timeout=5).kind == STOP
+        down.close()
+    finally:
+        stop.set()
+        dripper.join()
+        drip.close()
+        t.join()
+        if up is not None:
+            up.close()
+
+
+def test_a_contact_host_that_is_no_local_address_listens_on_the_wildcard():
+    """A worker's contact address behind NAT or in a container (``--contact-address``) is no local
+    interface: binding it failed with EADDRNOTAVAIL, and so did every model-parallel run there. The
+    listener falls back to the wildcard address (as the ps data plane does) and still gives the
+    contact host to the upstream stage."""
+    listener = StageListener("203.0.113.7", SECRET)  # (TEST-NET-3: never a local address)
+    try:
+        assert listener.host == "203.0.113.7"
+        assert listener._sock.getsockname()[0] == "0.0.0.0"
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.setdefault("down", _accept(listener, 5.0)))
+        t.start()
+        up = connect("127.0.0.1", listener.port, SECRET, "test 0->1", 5.0)
+        t.join()
+        assert not isinstance(out["down"], BaseException), out["down"]
+        up.close()
+        out["down"].close()
+    finally:
+        listener.close()
+
+
+def test_a_tensor_header_past_the_size_limit_fails_the_link_naming_it():
+    """A received tensor's shape was allocated as it came (an authenticated but broken peer could
+    ask for any size): past MAX_TENSOR_BYTES it fails the link with a message naming the size,
+    instead of killing the receiver thread and leaving the stage waiting out its timeout."""
+    import struct
+
+    from dtrain.dataplane.links import HEAD, TENSOR
+
+    up, down = pair()
+    try:
+        up._sock.sendall(HEAD.pack(FORWARD, 1, 1, 0, 0.0) + TENSOR.pack(0, 2, 0) + struct.pack("<2q", 2**40, 2**40))
+        with pytest.raises(DataPlaneError, match="past the limit"):
+            down.receive(timeout=3)
+    finally:
+        up.close()
+        down.close()

@@ -113,3 +113,27 @@ def test_a_restore_refills_the_init_tokens():
         assert step == 5  # an init token of the restored step
 
     asyncio.run(main())
+
+
+def test_a_hold_placed_while_a_push_waits_for_the_lock_is_kept():
+    """A push passes the hold check, then waits for the shard's condition; a hold placed meanwhile
+    (the chief's snapshot) must still stop its apply. Without the re-check under the lock the
+    apply landed during the hold, and the sync checkpoint was refused ("did not agree")."""
+    async def main():
+        shard = token_shard(2, 1, None)  # every gradient applies at once
+        cond = shard._condition()
+        await cond.acquire()  # (what another push or a waiter holds, as the push comes)
+        push = asyncio.create_task(shard.push_sync(grad(0), 0, 0))
+        await asyncio.sleep(0.05)  # past its hold check, waiting for the condition
+        hold = asyncio.create_task(shard.hold())  # holds at once, then waits to wake the others
+        await asyncio.sleep(0.05)
+        assert shard.hold_at == 0 and not push.done()
+        cond.release()
+        await asyncio.sleep(0.2)
+        assert shard.step == 0 and not push.done()  # no apply under the hold
+        await hold
+        await shard.release()
+        await asyncio.wait_for(push, 5)
+        assert shard.step == 1  # and it applies once released
+
+    asyncio.run(main())

@@ -118,3 +118,25 @@ def test_recursive_alias_and_deep_nesting_are_spec_errors():
         dtrain.loads("model:\n  module: tests.helpers.models:TinyMLP\n  kwargs: &k {again: *k}\n")
     with pytest.raises(SpecError, match=r"<string>:1: YAML nests too deeply"):
         dtrain.loads("model: " + "[" * 5000 + "]" * 5000)
+
+
+def test_an_input_shape_past_int64_is_one_line_naming_the_field(tmp_path, capsys):
+    """An ``input_shape`` entry past int64 reached torch, whose message carries a 40-line C++
+    backtrace, and exit 2 printed all of it: a dimension is now bounded in the spec (no example
+    has 2**31 values along one axis) and a layer's build error is one line."""
+    f = tmp_path / "p.yaml"
+    f.write_text("model:\n  input_shape: [99999999999999999999]\n  layers:\n    - {type: linear, out: 3}\n")
+    assert main(["validate", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{f}:2: model.input_shape[0]: "), err
+    assert "must be <= 2147483647" in err[0]
+
+
+def test_a_layer_size_past_int64_is_one_line(tmp_path, capsys):
+    """The same C++ backtrace came from any layer torch cannot build (here a linear layer's
+    ``out`` past int64): only the message's first line is kept."""
+    f = tmp_path / "p.yaml"
+    f.write_text("model:\n  input_shape: [4]\n  layers:\n    - {type: linear, out: 99999999999999999999}\n")
+    assert main(["validate", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{f}:4: model.layers[0]: layer 0 (linear): "), err
