@@ -362,9 +362,10 @@ class ShardGroup:
             directory = directory_for(steps[0])
             if directory is None:  # (written already)
                 return steps[0], None
-            started = [call(s.write_part(str(directory), part_name(i), steps[0], since),
-                            timeout=transfer_timeout(shard.numel))
-                       for i, (s, shard) in enumerate(zip(self.handles, self.plan.shards, strict=True))]
+            futures = [s.write_part(str(directory), part_name(i), steps[0], since)  # (all at once)
+                       for i, s in enumerate(self.handles)]
+            started = [call(f, timeout=transfer_timeout(shard.numel))
+                       for f, shard in zip(futures, self.plan.shards, strict=True)]
         finally:
             self.release()
         if errors := [r["error"] for r in started if "error" in r]:

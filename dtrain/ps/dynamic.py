@@ -264,10 +264,13 @@ class DynamicTablePart:
                 "clock": self.clock, "counters": dict(self.counters), "evicted": torch.from_numpy(evicted)}
 
     def mark_clean(self) -> None:
-        """A checkpoint's snapshot was taken: the next delta holds what changes after it."""
+        """Nothing counts as changed: a snapshot was taken (the next delta holds what changes after
+        it), or the part was just restored."""
         if self.track:
             self.changed[:] = False
             self.evicted = []
+
+    snapshot_taken = mark_clean  # (a part's slots are few: cleared under the hold, as TablePart's are not)
 
     def load_delta(self, state: dict[str, Any]) -> None:
         """Apply :meth:`delta_state`'s output over the rows restored from the checkpoint it follows

@@ -36,6 +36,7 @@ from dtrain.model.tables import global_rows
 
 from .rows import (
     STORAGE,
+    ChangeMarks,
     TablePart,
     _stream_seed,
     make_row_optimizer,
@@ -79,14 +80,14 @@ class TableGroup:
             torch.tensor([len(r) for r in spans]), output_size=total)
         # The rows written since the last checkpoint's snapshot (incremental checkpoints): the
         # members mark their views of it, and so does the group's own apply.
-        self.changed = torch.zeros(total, dtype=torch.bool) if track else None
+        self.marks = ChangeMarks(total) if track else None
         self.parts: list[TablePart] = []
         for c, lo, hi in zip(configs, self.starts, self.starts[1:], strict=False):
             settings = {k: v for k, v in c.items() if k not in ("optimizer", "dynamic")}
             views = (self.weight[lo:hi], {k: t[lo:hi] for k, t in state.items()})
             self.parts.append(TablePart(**settings, optimizer_config=optimizer_config, buffers=views,
                                         fresh=self.fresh[lo:hi],
-                                        changed=self.changed[lo:hi] if self.changed is not None else None))
+                                        marks=(self.marks, lo) if self.marks is not None else None))
         # Global id -> group row: id // num_parts (mod) or id (div), plus ``shift``; a member's rows
         # are [starts[m], starts[m + 1]) of the group, its ids [lo, hi) (mod: and id % num_parts == part).
         shift = [lo if self.strategy == "mod" else lo - r.start for lo, r in zip(self.starts, spans, strict=False)]
@@ -187,8 +188,8 @@ class TableGroup:
                     out[a:b] = round_stochastic(w[a:b], self.weight.dtype, part._generator)
             w = out
         self.weight.index_copy_(0, rows, w)
-        if self.changed is not None:
-            self.changed[rows] = True
+        if self.marks is not None:
+            self.marks.current[rows] = True
 
     def _cuts(self, rows: torch.Tensor) -> list[int]:
         return torch.searchsorted(rows, torch.tensor(self.starts, dtype=rows.dtype)).tolist()

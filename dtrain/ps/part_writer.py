@@ -228,6 +228,9 @@ class PartWriter:
                 os.closerange(3, w)
                 os.closerange(w + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
                 _die_with_parent()
+                # One thread: the task's OpenMP pool did not survive the fork, and a parallel
+                # torch op here (picking out a delta's rows) would wait on it forever.
+                torch.set_num_threads(1)
                 try:
                     out = {"step": step, **write_part_file(directory, name, _built(state), meta)}
                     code = 0

@@ -41,7 +41,7 @@ from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
 
 from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
 
-__all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "TablePart", "make_row_optimizer", "pack_state",
+__all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "ChangeMarks", "TablePart", "make_row_optimizer", "pack_state",
            "round_stochastic", "row_state_bytes", "table_part", "unique_rows", "unpack_state"]
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,6 +93,24 @@ def unpack_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class ChangeMarks:
+    """Which rows were written since the last checkpoint's snapshot, in two masks: :meth:`flip`
+    (under the snapshot's hold, once the writer has its copy-on-write view) makes the clean one
+    current at no cost, and :meth:`clear_spare` clears the other afterwards, off the hold (zeroing
+    a mask of 10**8 rows takes a tenth of a second, most of it copying the pages the writer
+    shares)."""
+
+    def __init__(self, rows: int):
+        self.current = torch.zeros(rows, dtype=torch.bool)
+        self.spare = torch.zeros(rows, dtype=torch.bool)
+
+    def flip(self) -> None:
+        self.current, self.spare = self.spare, self.current
+
+    def clear_spare(self) -> None:
+        self.spare.zero_()
+
+
 def unique_rows(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(local, return_inverse=True)``, through a stable sort: a step's rows come as a
     few sorted runs (each push's ids are sorted), which a stable (merge) sort takes in one pass,
@@ -128,12 +146,13 @@ class TablePart:
     def __init__(self, name: str, num_embeddings: int, dim: int, num_parts: int, part: int, strategy: str,
                  init_std: float, seed: int, optimizer_config: dict[str, Any], storage: str = "float32",
                  init: str = "chunked", buffers: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
-                 fresh: torch.Tensor | None = None, track: bool = False, changed: torch.Tensor | None = None):
+                 fresh: torch.Tensor | None = None, track: bool = False,
+                 marks: tuple[ChangeMarks, int] | None = None):
         """``buffers``: where the part keeps its rows and optimizer state instead of tensors of its
         own (views into a :class:`~dtrain.ps.groups.TableGroup`'s, already holding the optimizer's
-        initial state); the rows are initialised there. ``track``: mark the rows that change
-        (``changed``: a group's view to mark instead of a mask of its own), for incremental
-        checkpoints (:meth:`delta_state`)."""
+        initial state); the rows are initialised there. ``track``: mark the rows that change, for
+        incremental checkpoints (:meth:`delta_state`), in marks of its own or, ``marks``, in a
+        group's (its :class:`ChangeMarks` and where this part's rows start in it)."""
         if storage not in STORAGE:
             raise ValueError(f"table {name}: storage {storage!r} is not one of {', '.join(map(repr, STORAGE))}")
         self.name, self.num_embeddings, self.dim = name, int(num_embeddings), int(dim)
@@ -161,8 +180,9 @@ class TablePart:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._generator = torch.Generator()  # the stochastic rounding's bits, reseeded every step
         # The rows written since the last checkpoint's snapshot (updated, or drawn on first use).
-        self._changed: torch.Tensor | None = changed if changed is not None else (
-            torch.zeros(len(self.rows), dtype=torch.bool) if track else None)
+        self.marks, self._mark_at = marks if marks is not None else (
+            (ChangeMarks(len(self.rows)), 0) if track else (None, 0))
+        self.owns_marks = marks is None and track
 
     def _init(self, std: float, init: str) -> None:
         if self.weight.dtype == torch.float32:
@@ -277,10 +297,25 @@ class TablePart:
                for k, v in self.optimizer.state_dict().items()}
         return {"delta": True, "rows": rows, "weight": self.weight.index_select(0, rows), "optimizer": opt}
 
+    @property
+    def _changed(self) -> torch.Tensor | None:
+        """This part's current change marks (a view), None when changes are not tracked."""
+        if self.marks is None:
+            return None
+        return self.marks.current[self._mark_at:self._mark_at + len(self.rows)]
+
+    def snapshot_taken(self) -> None:
+        """A checkpoint's snapshot was taken (the writer holds the marks as they were): the next
+        delta holds the rows written after it (a group's member: its group flips the marks)."""
+        if self.owns_marks and self.marks is not None:
+            self.marks.flip()
+
     def mark_clean(self) -> None:
-        """A checkpoint's snapshot was taken: the next delta holds the rows written after it."""
-        if self._changed is not None:
-            self._changed.zero_()
+        """No row counts as changed (the part was just restored)."""
+        if self.marks is not None:
+            lo, hi = self._mark_at, self._mark_at + len(self.rows)
+            self.marks.current[lo:hi] = False
+            self.marks.spare[lo:hi] = False
 
     def load_delta(self, state: dict[str, Any]) -> None:
         """Apply :meth:`delta_state`'s output over the rows restored from the checkpoint it follows."""

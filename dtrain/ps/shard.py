@@ -130,6 +130,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # an incremental checkpoint's part holds the rows changed since (ps/deltas.py).
         self.writer = PartWriter()
         self.checkpoint_base: int | None = None
+        self._clearing: asyncio.Future[None] | None = None  # the previous snapshot's marks, cleared off the hold
 
     # ------------------------------------------------------------------ helpers (not remote)
     @property
@@ -469,6 +470,9 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         (``PartWriter.start``): a delta of the checkpoint ``since`` when that is the one this task
         counts its changes from (``checkpoint_base``), else a full part (the report's ``kind``).
         ``{"error": ...}`` when the parameters are not finite or a part is still being written."""
+        if self._clearing is not None:  # (the marks the previous snapshot left: cleared long since)
+            await self._clearing
+            self._clearing = None
         with self.lock:
             if not bool(torch.isfinite(self.param).all()):
                 return {"error": f"the parameters of shard {self.index} became non-finite (NaN or inf) at step "
@@ -477,9 +481,10 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             meta = {"kind": "delta", "base": since} if delta else {"kind": "full"}
             out = self.writer.start(directory, name, self._part_state(delta), self.step, meta)
             if "error" not in out:  # (the writer holds its snapshot: count the changes from here)
-                for part in self.tables.values():
-                    part.mark_clean()
+                self._snapshot_taken()
                 self.checkpoint_base = tag
+                if self.incremental:
+                    self._clearing = asyncio.get_running_loop().run_in_executor(None, self._clear_spare_marks)
             return out
 
     async def part_written(self, wait: bool = False) -> dict[str, Any] | None:

@@ -104,6 +104,21 @@ class SparseRows:
             out.update(zip(names, group.gather(members, ids), strict=True))
         return out
 
+    def _snapshot_taken(self) -> None:
+        """A checkpoint's writer holds the tables as they are: their changes count afresh from
+        here (at no cost under the hold: :class:`~dtrain.ps.rows.ChangeMarks`)."""
+        for group in self.table_groups:
+            if group.marks is not None:
+                group.marks.flip()
+        for part in self._alone:
+            part.snapshot_taken()
+
+    def _clear_spare_marks(self) -> None:
+        """Clear the change marks the last snapshot left (off the hold; before the next flip)."""
+        for marks in [g.marks for g in self.table_groups] + [getattr(p, "marks", None) for p in self._alone]:
+            if marks is not None:
+                marks.clear_spare()
+
     def _clear_rows(self) -> None:
         for group in self.table_groups:
             group.clear()

@@ -135,3 +135,26 @@ def test_the_writer_holds_none_of_the_task_s_files(tmp_path):
     finally:
         os.close(again)
     _written(writer)
+
+
+def test_a_part_built_in_the_writer_after_the_task_used_its_thread_pool(tmp_path):
+    """A delta's rows are picked out in the forked writer with torch ops. The task has used its
+    OpenMP pool (every apply does), which does not survive a fork: a parallel op in the writer
+    waited on it forever (a checkpoint that never commits) until the writer ran single-threaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        marks = torch.zeros(1 << 24, dtype=torch.bool)
+        marks[::7] = True
+        assert int(torch.nonzero(marks).shape[0]) > 0  # (the pool is up: a parallel region ran here)
+        writer = PartWriter()
+        writer.start(tmp_path, "p.pt", lambda: {"rows": torch.nonzero(marks).flatten()}, step=1)
+        deadline = time.monotonic() + 30
+        while (done := writer.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        writer.close()  # (a hung writer is killed: the assertion says what happened)
+        assert done is not None and "error" not in done, done
+        assert torch.equal(read_part_file(tmp_path / "p.pt", done["bytes"], done["sha256"])["rows"],
+                           torch.arange(0, 1 << 24, 7))
+    finally:
+        torch.set_num_threads(threads)
