@@ -59,6 +59,7 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
 	$(PY) docs/gen_reference.py --check
+	$(PY) docs/gen_results.py --check
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
 bench: $(STAMP)

@@ -163,3 +163,15 @@ def test_the_architecture_page_names_every_module():
         missing += [f"dtrain/{package.name}/{m.name}" for m in sorted(package.glob("*.py"))
                     if m.name != "__init__.py" and f"`{m.name}`" not in row]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_results_tables_are_generated_from_the_benchmarks_outputs():
+    """docs/performance.md's latest-results tables are what docs/gen_results.py renders from
+    benchmarks/results/*.json (a hand-edited figure, or a result file without its table, fails)."""
+    spec = importlib.util.spec_from_file_location("gen_results", DOCS / "gen_results.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = (DOCS / "performance.md").read_text()
+    assert text == gen.render(text), "docs/performance.md is stale: run python docs/gen_results.py"
+    for name in gen.TABLES:
+        assert f"<!-- results:{name} -->" in text and (ROOT / "benchmarks" / "results" / f"{name}.json").exists()
