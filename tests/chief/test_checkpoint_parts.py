@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 
+import pytest
 import torch
 
 import dtrain
@@ -61,10 +62,11 @@ def test_each_ps_task_writes_its_part_and_the_manifest_commits_them(inproc_clien
     assert sorted(flat.tolist()) == sorted(torch.cat([v.flatten() for v in final.values()]).tolist())
 
 
+@pytest.mark.parametrize("ps", [2, 3])  # (3: resharded, each file checked once by one of the new ps tasks)
 def test_a_corrupt_part_moves_its_checkpoint_aside_and_the_previous_one_is_restored(inproc_client, run_dir,
-                                                                                    caplog):
-    """One byte of the newest checkpoint's second part flipped (same size: only its ps task, which
-    checks the sha256 as it reads its part, can tell): the resume moves that checkpoint into
+                                                                                    caplog, ps):
+    """One byte of the newest checkpoint's second part flipped (same size: only a ps task, which
+    checks the sha256 before it reads a part, can tell): the resume moves that checkpoint into
     invalid/ and continues from the previous one, to the same end as from a clean directory."""
     dtrain.run(_spec(40), client=inproc_client, run_dir=run_dir)
     part = ckpt.checkpoint_dir(run_dir) / "ckpt-00000040" / "shard-00001.pt"
@@ -73,8 +75,11 @@ def test_a_corrupt_part_moves_its_checkpoint_aside_and_the_previous_one_is_resto
     part.write_bytes(bytes(data))
     assert ckpt.latest(run_dir).step == 40  # the chief checks sizes only: the ps task finds it
     with caplog.at_level(logging.WARNING, logger="dtrain.chief.saver"):
-        s = dtrain.run(_spec(60), client=inproc_client, run_dir=run_dir, resume=True).summary
+        spec = _spec(60) if ps == 2 else dtrain.loads(SPEC.replace("steps: 40", "steps: 60").replace("ps: 2", "ps: 3"),
+                                                       base_dir=".")
+        s = dtrain.run(spec, client=inproc_client, run_dir=run_dir, resume=True).summary
     assert s["status"] == "completed" and s["start_step"] == 20 and s["global_step"] == 60
+    assert s["ps_tasks"] == [f"/job:ps/task:{i}" for i in range(ps)]
     assert "ckpt-00000040 is invalid" in caplog.text and "sha256 mismatch" in caplog.text
     assert (ckpt.checkpoint_dir(run_dir) / "invalid" / "ckpt-00000040").is_dir()
     assert (ckpt.checkpoint_dir(run_dir) / "invalid" / "ckpt-00000040.json").is_file()
