@@ -59,7 +59,7 @@ def table_scale(r: dict[str, Any]) -> list[str]:
         ("resume outside training (restore, evaluation, model.pt)", f"{r['resume_to_end_s']:.1f} s, "
          f"{r['resume_status']}" if r.get("resume_to_end_s") is not None else "-", ""),
     ]
-    head = [f"`python benchmarks/table_scale.py --rows {r['rows']:,} --every {r['every_steps']}` "
+    head = [f"`python benchmarks/table_scale.py --rows {r['rows']} --every {r['every_steps']}` "
             "(`pipelines/dlrm_criteo_1tb.yaml`: 26 tables, 187.8M rows in bfloat16 on 2 ps tasks):", "",
             "| measure | result | goal |", "| --- | --- | --- |"]
     return head + [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -68,8 +68,8 @@ def table_scale(r: dict[str, Any]) -> list[str]:
 def rec_bench(r: dict[str, Any]) -> list[str]:
     """``benchmarks/rec_bench.py``: DLRM on Criteo-layout data, dtrain against TorchRec and torch."""
     s = r["settings"]
-    head = [f"`python benchmarks/rec_bench.py --rows {s['rows']:,} --files {s['files']} --scale {s['scale']} "
-            f"--cap {s['cap']:,} --reps {s['reps']}` (the same model, data, batch and learning rate):", "",
+    head = [f"`python benchmarks/rec_bench.py --rows {s['rows']} --files {s['files']} --scale {s['scale']} "
+            f"--cap {s['cap']} --reps {s['reps']}` (the same model, data, batch and learning rate):", "",
             "| row | samples/s | ratio to TorchRec (range) | eval log loss | eval AUC |", "| --- | --- | --- | --- | --- |"]
     out = []
     for name, row in r["results"].items():
