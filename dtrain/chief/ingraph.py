@@ -55,6 +55,8 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.replica import ReplicaStats
 from dtrain.worker.tasks import read_shard, reduce_apply, release, replica_gradients, shard_state
 
+from .calls import describe_failure
+
 logger = logging.getLogger(__name__)
 
 WINDOW = 2  # steps in flight
@@ -197,12 +199,8 @@ class InGraphDriver:
                 pass
             if any(f.status in ("error", "cancelled") for f in futures):
                 for f in [*related, *futures]:
-                    label = labels.get(f.key, f"task {f.key}")
-                    if f.status == "error":
-                        exc = f.exception()
-                        raise _StepError(f"{what}: {label} failed: {type(exc).__name__}: {exc}")
-                    if f.status == "cancelled":
-                        raise _StepError(f"{what}: {label} was cancelled (its worker was lost?)")
+                    if failed := describe_failure(f, labels.get(f.key, f"task {f.key}")):
+                        raise _StepError(f"{what}: {failed}")
             if all(f.status == "finished" for f in futures):
                 return
             if self._aborted:
