@@ -74,6 +74,7 @@ class RunState:
     local_steps: dict[int, int] = field(default_factory=dict)  # each replica's place in its data
     retired: set[int] = field(default_factory=set)  # at the end of their data (the replica set updates it)
     stop_reason: str | None = None  # why training ended before training.steps (a hook, nan_guard)
+    stop_requested: str | None = None  # a hook's RunView.request_stop(), acted on at the next step observed
     eval_history: list[dict[str, Any]] = field(default_factory=list)  # appended by the evaluator
     replica_stats: list[dict[str, Any]] = field(default_factory=list)  # each replica's result, at the end
     init_buffers: list[torch.Tensor] = field(default_factory=list)  # the initial parameters, per shard

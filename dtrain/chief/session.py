@@ -42,7 +42,16 @@ from . import checkpoint as ckpt_io
 from . import data_report, elastic, evaluation, signals, telemetry
 from .context import RunContext, RunState
 from .elastic import FENCED, Reform
-from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks, call_step_hooks, nan_stop
+from .hooks import (
+    Hook,
+    NanGuardHook,
+    RunView,
+    StepContext,
+    StopAtStepHook,
+    build_hooks,
+    call_step_hooks,
+    nan_stop,
+)
 from .inputs import DataInput
 from .metrics import JsonlSink, TensorBoardSink
 from .recovery import Decision, Loss, Recovery, Restart
@@ -189,6 +198,14 @@ class Session:
             self.elastic.joined_slot(slot)
         return True
 
+    def _view(self) -> RunView:
+        """What the hooks' begin() and end() see of the run (read-only; the hook API)."""
+        return RunView(self.ctx, self.state, write=self._log, stop=self._request_stop)
+
+    def _request_stop(self, reason: str) -> None:
+        """A hook's ``run.request_stop()`` outside a step: acted on at the next step observed."""
+        self.state.stop_requested = self.state.stop_requested or reason
+
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a coordinator action that calls the ps; a lost task or a transient error turns into a
         recovery."""
@@ -261,9 +278,10 @@ class Session:
                     self.saver.commit_pending()
                     self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional
                     self.replicas.cancel()
+                view = self._view()
                 for h in self.hooks:
                     try:
-                        h.end(self)
+                        h.end(view)
                     except Exception as exc:  # a hook's failure must not hide the run's own outcome
                         logger.warning("hook %s failed at end: %s", type(h).__name__, exc)
                 summary = self._write_summary(status, error, final_eval, time.time() - t_start)
@@ -303,8 +321,9 @@ class Session:
             logger.info("restored %s (global step %d)", checkpoint.path.name, checkpoint.step)
         if not state.begun:  # the hooks' begin(): once, with the ps initialised, before replicas start
             state.begun, state.start_step = True, state.global_step
+            view = self._view()
             for h in self.hooks:
-                h.begin(self)
+                h.begin(view)
         if checkpoint is None and self.spec.checkpoint is not None:  # TF's saver: a checkpoint at creation
             self.saver.save()
         # Sync: the shards (new, or restored) wait for no free elastic slot's replica.
@@ -382,9 +401,10 @@ class Session:
                     if self._recover(recovery.transient(exc)):
                         continue
                     raise
-                if ctx.stop_requested and not stopping:
-                    logger.info("stopping: %s", ctx.stop_requested)
-                    stopping, state.stop_reason = True, ctx.stop_requested
+                reason = ctx.stop_requested or state.stop_requested
+                if reason and not stopping:
+                    logger.info("stopping: %s", reason)
+                    stopping, state.stop_reason = True, reason
                     self._guarded(shards.stop_consistently)
                 last_step = state.global_step
             self._report_progress(latest)
