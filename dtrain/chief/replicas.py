@@ -33,7 +33,8 @@ from dtrain.worker.tasks import replica_task
 from . import data_report
 from .calls import describe_failure
 from .context import RunContext, RunState
-from .ingraph import InGraphDriver, new_driver
+from .drivers import new_driver
+from .ingraph import InGraphDriver
 from .shards import ShardGroup, task_host
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ class ReplicaSet:
 
     def __init__(self, ctx: RunContext, state: RunState, shards: ShardGroup):
         self.ctx, self.state, self.shards = ctx, state, shards
-        self.futures: list[Future | None] = []  # per replica index; None: not submitted, or a free elastic slot
-        self.stage_futures: dict[int, list[Future]] = {}  # a pipeline's later stages, per replica
+        self.futures: list[Future[Any] | None] = []  # per replica index; None: not submitted, or a free elastic slot
+        self.stage_futures: dict[int, list[Future[Any]]] = {}  # a pipeline's later stages, per replica
         self.driver: InGraphDriver | None = None  # in-graph replication's step driver
         self.submits = 0  # submissions so far: the attempt the shards' fencing knows each by
 
@@ -78,7 +79,7 @@ class ReplicaSet:
                 allow_other_workers=False, pure=False,
                 key=f"dtrain-replica-{r.index}-g{self.shards.generation}-{self.submits}-{ctx.token}")
 
-    def _submit_stages(self, replica: ReplicaPlan, refs: list[tuple[str, str]], start: int) -> Future:
+    def _submit_stages(self, replica: ReplicaPlan, refs: list[tuple[str, str]], start: int) -> Future[Any]:
         """Submit every stage of ``replica``; returns the first stage's future."""
         ctx, plan, attempt = self.ctx, self.state.plan, self.submits
         secret = self.state.stage_secret
@@ -154,7 +155,7 @@ class ReplicaSet:
                 return err
         return None
 
-    def stages_of(self, replicas: list[int] | None = None) -> list[Future]:
+    def stages_of(self, replicas: list[int] | None = None) -> list[Future[Any]]:
         """The later stages' futures (of ``replicas``, default all)."""
         return [f for i, fs in self.stage_futures.items() if replicas is None or i in replicas for f in fs]
 
@@ -187,12 +188,12 @@ class ReplicaSet:
         return stats
 
     # ------------------------------------------------------------------ ending
-    def stale(self, everything: bool, lost: list[int]) -> list[Future]:
+    def stale(self, everything: bool, lost: list[int]) -> list[Future[Any]]:
         """The futures a recovery cancels: every replica's (``everything``), or the ``lost`` ones'."""
         return [f for i, f in enumerate(self.futures) if f is not None and (everything or i in lost)] + \
             self.stages_of(None if everything else lost)
 
-    def all_futures(self) -> list[Future]:
+    def all_futures(self) -> list[Future[Any]]:
         return [f for f in self.futures if f is not None] + self.stages_of()
 
     def abort_driver(self) -> None:
