@@ -11,7 +11,7 @@ worker task, a hook only in the chief (the process that calls ``dtrain.run``).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 import dtrain
 
 if TYPE_CHECKING:
-    from dtrain.chief.hooks import StepContext  # what after_step gets: .step, .metrics, .request_stop()
+    from dtrain.chief.hooks import RunView, StepContext  # begin/end get a RunView; after_step a StepContext
 
 
 class Net(nn.Module):
@@ -46,10 +46,10 @@ class StopBelowLoss(dtrain.Hook):
         self.seen: list[tuple[int, float]] = []  # (global step, loss) at each call that had a loss
         self.stopped_at: int | None = None
 
-    def begin(self, session: Any) -> None:
-        # Runs once in the chief, before the replicas start; the session knows the run directory.
-        self.out = session.run_dir / "stop_below_loss.json"
-        self.start_step = session.start_step
+    def begin(self, run: RunView) -> None:
+        # Runs once in the chief, before the replicas start; the run view knows the run directory.
+        self.out = run.run_dir / "stop_below_loss.json"
+        self.start_step = run.start_step
 
     def after_step(self, ctx: StepContext) -> None:
         loss = ctx.metrics.get("loss")  # empty until the first summary record arrives
@@ -60,11 +60,11 @@ class StopBelowLoss(dtrain.Hook):
             self.stopped_at = ctx.step
             ctx.request_stop(f"loss {loss:.3f} < {self.threshold} at step {ctx.step}")
 
-    def end(self, session: Any) -> None:
+    def end(self, run: RunView) -> None:
         # Also called after a failure: the record is written whatever happened.
         self.out.write_text(json.dumps({
             "threshold": self.threshold, "start_step": self.start_step, "stopped_at": self.stopped_at,
-            "final_step": session.global_step, "seen": self.seen,
+            "final_step": run.step, "seen": self.seen,
         }, indent=1))
 
 

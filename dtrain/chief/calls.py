@@ -31,3 +31,14 @@ def transfer_timeout(numel: int, state_factor: int = 4) -> float:
     """A timeout for moving a shard's state (params and up to three optimizer tensors of float32)
     through Dask: 60 s, plus 1 s per 20 MB (a slow 160 Mbit/s network)."""
     return 60.0 + numel * 4 * state_factor / 20e6
+
+
+def describe_failure(future: Any, label: str) -> str | None:
+    """Why the task of ``future`` (named ``label`` in the message) did not finish, or None: its
+    error, or its cancellation (the scheduler cancels a task whose worker was lost)."""
+    if future.status == "error":
+        exc = future.exception(timeout=5)
+        return f"{label} failed: {type(exc).__name__}: {exc}"
+    if future.status == "cancelled":
+        return f"{label} was cancelled (its worker was lost?)"
+    return None

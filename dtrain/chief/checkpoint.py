@@ -53,7 +53,7 @@ from dtrain.ps.deltas import merge
 from dtrain.ps.part_writer import digest, read_part_file
 from dtrain.spec.errors import RunError
 
-from .rundir import atomic_write, fsync_dir
+from .files import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,19 @@ slots, each with its own part of the data. The session polls the scheduler's wor
   dropped as stale as ever) and count it again when a worker joins.
 
 A lost ps task is still a recovery from the latest checkpoint (``dtrain.chief.recovery``).
+
+:class:`Elastic` decides (STYLE.md item 3): :meth:`Elastic.poll` returns a :class:`Reform` (the
+slots to free, the workers that take free slots), and the session carries it out (cancels and
+fences the leaving replicas, recompiles the plan, submits the joining ones), telling the elastic
+state of each leave and join (:meth:`Elastic.left`, :meth:`Elastic.joined`) for its counts and log.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.plan.compiler import Plan
@@ -30,8 +36,8 @@ from dtrain.spec.elastic import ElasticJob, elastic_of
 from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 
-if TYPE_CHECKING:
-    from dtrain.chief.session import Session
+from .context import RunContext, RunState
+from .replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -39,104 +45,99 @@ RUNNING = ("running", "paused")  # the scheduler's worker states a replica can r
 FENCED = 0  # an attempt no submission has (the session counts them from 1)
 
 
-class Elastic:
-    """Joins and leaves of one session's replica slots (the module docstring)."""
+@dataclass(frozen=True)
+class Slot:
+    """A replica slot and the worker task and address it leaves or joins with."""
 
-    def __init__(self, session: Session, bounds: ElasticJob):
-        self.session = session
+    index: int
+    task: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Reform:
+    """Re-form the replica set: free the ``leaves``' slots, then fill the ``joins``' (in that order)."""
+
+    leaves: list[Slot]
+    joins: list[Slot]
+
+
+class Elastic:
+    """Joins and leaves of one run's replica slots (the module docstring). Reads the run's context
+    and state and the replica set; changes nothing of them."""
+
+    def __init__(self, ctx: RunContext, state: RunState, replicas: ReplicaSet, bounds: ElasticJob):
+        self.ctx, self.state, self.replicas = ctx, state, replicas
         self.min, self.max = bounds.min, bounds.max
         self.joined = 0
         self.left = 0
         self.most = 0  # the most replicas live at once
         self.events: list[dict[str, Any]] = []
         self._below_since: float | None = None
-        if session.conn.adaptive is not None:  # cluster.adaptive or dtrain.adapt: Dask sizes the cluster by it
-            session.conn.adaptive.demand = self.demand
+        if ctx.conn.adaptive is not None:  # cluster.adaptive or dtrain.adapt: Dask sizes the cluster by it
+            ctx.conn.adaptive.demand = self.demand
 
     def demand(self) -> int:
         """Replica slots that still have work: all but those whose replica finished (read by
         ``dtrain.deploy.adaptive`` on the cluster's event loop)."""
-        futures = list(self.session.replica_futures)
+        futures = list(self.replicas.futures)
         return self.max - sum(1 for f in futures if f is not None and f.status == "finished")
 
     def live(self) -> list[int]:
         """The replica slots a worker serves now."""
-        s = self.session
-        return [r.index for r in s.plan.replicas if r.task in s.conn.tasks]
+        return self.replicas.live()
 
-    def poll(self) -> bool:
-        """Free the slots of workers that left, fill free slots with workers that joined; say
-        whether anything changed. A lost ps task is left to the recovery."""
-        s = self.session
-        workers = s.conn.workers()
-        if any(s.conn.tasks.get(sh.task) not in workers for sh in s.plan.shards):
-            return False
+    def poll(self) -> Reform | None:
+        """The slots of workers that left to free and the free slots workers that joined take, or
+        None when nothing changed (a lost ps task is left to the recovery). Fewer than ``min`` live
+        replicas for longer than ``cluster.wait_s`` fails the run (RunError)."""
+        conn, plan = self.ctx.conn, self.state.plan
+        workers = conn.workers()
+        if any(conn.tasks.get(sh.task) not in workers for sh in plan.shards):
+            return None
         # A worker being retired (a cluster scaled down: Dask's retire_workers, then close) waits for
         # its running task: its replica is told to end now, as one whose worker is gone already.
         running = {a: w for a, w in workers.items() if w.get("status", "running") in RUNNING}
-        changed = False
-        for r in s.plan.replicas:
-            addr = s.conn.tasks.get(r.task)
-            if addr is not None and addr not in running:
-                self._leave(r.index, r.task, addr)
-                changed = True
-        assignment = assign_workers(s.spec, running, keep=s.conn.tasks)
-        joining = [r for r in s.plan.replicas
-                   if r.task not in s.conn.tasks and assignment.addresses.get(r.task) is not None
-                   and assignment.addresses[r.task] not in s.conn.tasks.values()]
-        for r in joining:
-            s.conn.tasks[r.task] = assignment.addresses[r.task]  # type: ignore[assignment]
-        if joining or changed:
-            s.plan = s.shards.plan = s.compile_plan()
-            s.write_cluster_info(refresh=False)
-        if joining and s.spec.training.mode == "sync":
-            s.shards.retire([r.index for r in joining], how="rejoin")
-        for r in joining:
-            s.submit_replicas(only=r.index)
-            self.joined += 1
-            self._event("join", r.index, r.task, s.conn.tasks[r.task])
-        live = len(self.live())
+        leaves = [Slot(r.index, r.task, addr) for r in plan.replicas
+                  if (addr := conn.tasks.get(r.task)) is not None and addr not in running]
+        keep = {t: a for t, a in conn.tasks.items() if t not in {s.task for s in leaves}}
+        assignment = assign_workers(self.ctx.spec, running, keep=keep)
+        joins = [Slot(r.index, r.task, addr) for r in plan.replicas
+                 if r.task not in keep and (addr := assignment.addresses.get(r.task)) is not None
+                 and addr not in keep.values()]
+        live = len([r for r in plan.replicas if r.task in keep]) + len(joins)
         self.most = max(self.most, live)
-        if joining:
-            logger.warning("replica(s) %s joined (elastic); %d live", ", ".join(str(r.index) for r in joining), live)
+        if joins:
+            logger.warning("replica(s) %s joined (elastic); %d live", ", ".join(str(s.index) for s in joins), live)
         self._check_quorum(live)
-        return changed or bool(joining)
+        return Reform(leaves, joins) if leaves or joins else None
 
-    def retire_free(self) -> None:
-        """Sync: the shards (new, or restored) wait for no free slot's replica."""
-        s = self.session
-        free = [r.index for r in s.plan.replicas if r.task not in s.conn.tasks]
-        if free and s.spec.training.mode == "sync":
-            s.shards.retire(free)
+    def free(self) -> list[int]:
+        """The slots no worker serves (sync: the shards, new or restored, wait for none of them)."""
+        return [r.index for r in self.state.plan.replicas if r.task not in self.ctx.conn.tasks]
 
-    def _leave(self, index: int, task: str, address: str) -> None:
-        s = self.session
-        fut = s.replica_futures[index]
-        if fut is not None and fut.status == "finished":  # its work done (an idle worker retired): keep its stats
-            del s.conn.tasks[task]
-            self._event("release", index, task, address)
+    def left_slot(self, slot: Slot, released: bool) -> None:
+        """The session freed ``slot``; ``released``: its replica had finished (an idle worker
+        retired), its stats kept."""
+        if released:
+            self._event("release", slot)
             return
-        s.replica_futures[index] = None
-        if fut is not None:
-            try:
-                s.client.cancel([fut], force=True)
-            except Exception as exc:  # its worker is gone anyway
-                logger.debug("cancel of replica %d failed: %s", index, exc)
-        del s.conn.tasks[task]
-        if s.shards.data_plane:  # fence it off: its next push is refused and its task ends, freeing the worker
-            s.shards.set_owners({index: FENCED})
-        if s.spec.training.mode == "sync":  # no step waits for it: the quorum follows the live replicas
-            s.shards.retire([index])
         self.left += 1
-        self._event("leave", index, task, address)
-        logger.warning("replica %d left with its worker %s (elastic: no recovery); %d live", index, address,
-                       len(self.live()))
+        self._event("leave", slot)
+        logger.warning("replica %d left with its worker %s (elastic: no recovery); %d live", slot.index,
+                       slot.address, len(self.live()))
 
-    def _event(self, kind: str, index: int, task: str, address: str) -> None:
-        self.events.append({"event": kind, "replica": index, "task": task, "address": address,
-                            "step": self.session.global_step, "time": time.time()})
+    def joined_slot(self, slot: Slot) -> None:
+        """The session started a replica in ``slot``."""
+        self.joined += 1
+        self._event("join", slot)
+
+    def _event(self, kind: str, slot: Slot) -> None:
+        self.events.append({"event": kind, "replica": slot.index, "task": slot.task, "address": slot.address,
+                            "step": self.state.global_step, "time": time.time()})
 
     def _check_quorum(self, live: int) -> None:
+        spec = self.ctx.spec
         if live >= self.min:
             self._below_since = None
             return
@@ -144,26 +145,25 @@ class Elastic:
         if self._below_since is None:
             self._below_since = now
             logger.warning("%d live replica(s), fewer than cluster.jobs.%s.min (%d): waiting up to %g s "
-                           "(cluster.wait_s) for workers to join", live, self.session.spec.placement.worker_job,
-                           self.min, self.session.spec.cluster.wait_s)
-        elif now - self._below_since > self.session.spec.cluster.wait_s:
-            raise RunError(f"{live} live replica(s) for {self.session.spec.cluster.wait_s:g} s (cluster.wait_s), "
-                           f"fewer than cluster.jobs.{self.session.spec.placement.worker_job}.min ({self.min}); "
+                           "(cluster.wait_s) for workers to join", live, spec.placement.worker_job,
+                           self.min, spec.cluster.wait_s)
+        elif now - self._below_since > spec.cluster.wait_s:
+            raise RunError(f"{live} live replica(s) for {spec.cluster.wait_s:g} s (cluster.wait_s), "
+                           f"fewer than cluster.jobs.{spec.placement.worker_job}.min ({self.min}); "
                            "add workers to the cluster")
 
 
-def elastic(session: Session) -> Elastic | None:
-    """The session's elastic replicas, or None for a fixed count."""
-    bounds = elastic_of(session.spec)
-    return None if bounds is None else Elastic(session, bounds)
+def elastic(ctx: RunContext, state: RunState, replicas: ReplicaSet) -> Elastic | None:
+    """The run's elastic replicas, or None for a fixed count."""
+    bounds = elastic_of(ctx.spec)
+    return None if bounds is None else Elastic(ctx, state, replicas, bounds)
 
 
-def summary(session: Session) -> dict[str, Any]:
+def summary(e: Elastic | None, plan: Plan) -> dict[str, Any]:
     """``replicas_joined``, ``replicas_left``, ``replicas_max`` (the most live at once) and, for an
     elastic run, ``elastic_log`` (every join and leave, with the global step)."""
-    e = session.elastic
     if e is None:
-        return {"replicas_joined": 0, "replicas_left": 0, "replicas_max": session.plan.num_replicas}
+        return {"replicas_joined": 0, "replicas_left": 0, "replicas_max": plan.num_replicas}
     return {"replicas_joined": e.joined, "replicas_left": e.left, "replicas_max": e.most,
             "replicas_min": e.min, "elastic_log": e.events}
 
@@ -176,5 +176,5 @@ def required_missing(spec: PipelineSpec, plan: Plan) -> list[str]:
     return [t for t in plan.missing_tasks if not is_replica_task(spec, t)]
 
 
-def live_count(session: Session) -> int:
-    return session.plan.num_replicas if session.elastic is None else len(session.elastic.live())
+def live_count(e: Elastic | None, plan: Plan) -> int:
+    return plan.num_replicas if e is None else len(e.live())

@@ -36,7 +36,7 @@ from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import checkpoint as ckpt_io
-from .rundir import atomic_write
+from .files import atomic_write
 
 EXPORT_FORMAT = 1
 ROW_BLOCK = 1 << 20  # rows converted and written at a time

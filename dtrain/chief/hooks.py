@@ -12,6 +12,11 @@ Custom hooks subclass :class:`Hook` and are named in YAML by import path::
 
     hooks:
       - {type: "mypkg.hooks:MyHook", args: {threshold: 0.1}}
+
+``begin`` and ``end`` receive a :class:`RunView`: the run as a hook may see it, read-only (the
+step, the start step, the newest metrics and records, the run directory and id, the spec and
+plan, the dashboard's address), with ``summary()`` to write a scalar and ``request_stop()``. It
+is not the session: a hook cannot rebind what the chief runs on (docs/session.md, "Hook API").
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from dtrain.plan.compiler import Plan
 from dtrain.spec.errors import OutOfRange
+from dtrain.spec.pipeline import PipelineSpec
 
+from .context import RunContext, RunState
 from .metrics import check_summary, format_line
 
 logger = logging.getLogger("dtrain")
@@ -56,10 +65,91 @@ class StepContext:
             self.write({"time": time.time(), tag: value}, step)
 
 
-class Hook:
-    """Base class: every method is a no-op. Override what you need."""
+class RunView:
+    """What a hook sees of the run in :meth:`Hook.begin` and :meth:`Hook.end`: read-only views of
+    the run's context and state (``chief/context.py``), a way to write its own summaries and a
+    way to stop the run. Every property is read when asked, so a view kept from ``begin`` sees
+    the run as it goes on."""
 
-    def begin(self, session: Any) -> None:
+    def __init__(self, ctx: RunContext, state: RunState, write: Callable[[dict[str, Any], int], None] | None = None,
+                 stop: Callable[[str], None] | None = None):
+        self._ctx, self._state, self._write, self._stop = ctx, state, write, stop
+
+    @property
+    def step(self) -> int:
+        """The global step as the chief saw it last."""
+        return self._state.global_step
+
+    @property
+    def global_step(self) -> int:
+        """The same as :attr:`step` (the name the session's attribute had)."""
+        return self._state.global_step
+
+    @property
+    def start_step(self) -> int:
+        """The step this run (a start or a resume) began at."""
+        return self._state.start_step
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The newest summary record's metrics (``loss``, ``samples_per_sec``, ...; empty before the first)."""
+        last = self._state.records[-1] if self._state.records else {}
+        return {k: last[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale") if k in last}
+
+    @property
+    def records(self) -> tuple[dict[str, Any], ...]:
+        """Every summary record so far, oldest first (a copy)."""
+        return tuple(self._state.records)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why training ended before ``training.steps`` (a hook's request, nan_guard), if it did."""
+        return self._state.stop_reason
+
+    @property
+    def run_dir(self) -> Path:
+        return self._ctx.run_dir
+
+    @property
+    def run_id(self) -> str:
+        """The run's id, ``<name>-<token>`` (one per start or resume)."""
+        return self._ctx.run_id
+
+    @property
+    def spec(self) -> PipelineSpec:
+        """The pipeline (a copy: changing it changes nothing of the run)."""
+        return self._ctx.spec.model_copy(deep=True)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the run follows now (frozen; compiled again after a recovery or a join)."""
+        return self._state.plan
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The Dask dashboard's address, if the cluster has one."""
+        link: str | None = self._ctx.conn.dashboard_link
+        return link
+
+    def summary(self, tag: str, value: float, step: int | None = None) -> None:
+        """Write a scalar summary at ``step`` (default: the current global step), as
+        :meth:`StepContext.summary` does."""
+        tag, value, step = check_summary(tag, value, self.step if step is None else step)
+        if self._write is not None:
+            self._write({"time": time.time(), tag: value}, step)
+
+    def request_stop(self, reason: str = "requested by a hook") -> None:
+        """Ask the run to stop cleanly at the next step the chief observes (from ``begin``; in
+        ``end`` the run has ended already and this does nothing)."""
+        if self._stop is not None:
+            self._stop(reason)
+
+
+class Hook:
+    """Base class: every method is a no-op. Override what you need. ``begin`` and ``end`` receive
+    the :class:`RunView`, the step callbacks a :class:`StepContext`."""
+
+    def begin(self, run: RunView) -> None:
         """Once, after the ps is initialised and before replicas start."""
 
     def before_step(self, ctx: StepContext) -> None:
@@ -74,7 +164,7 @@ class Hook:
     def on_task_lost(self, task: str) -> None:
         """When a ps or worker task was lost (before recovery)."""
 
-    def end(self, session: Any) -> None:
+    def end(self, run: RunView) -> None:
         """Once, at the end of the run (also after a failure)."""
 
 
@@ -84,9 +174,9 @@ class StopAtStepHook(Hook):
     def __init__(self, num_steps: int | None = None, last_step: int | None = None):
         self.num_steps, self.last_step = num_steps, last_step
 
-    def begin(self, session: Any) -> None:
+    def begin(self, run: RunView) -> None:
         if self.last_step is None and self.num_steps is not None:
-            self.last_step = session.start_step + self.num_steps
+            self.last_step = run.start_step + self.num_steps
 
     def after_step(self, ctx: StepContext) -> None:
         if self.last_step is not None and ctx.step >= self.last_step:
@@ -107,9 +197,9 @@ class LoggingHook(Hook):
         self._latest: tuple[int, dict[str, Any]] | None = None
         self._start = 0
 
-    def begin(self, session: Any) -> None:
+    def begin(self, run: RunView) -> None:
         # The first line at the first step trained (TF: the first run), a resumed run's too.
-        self._last, self._start = None, session.start_step
+        self._last, self._start = None, run.start_step
 
     def _line(self, step: int, metrics: dict[str, Any]) -> str:
         if self.tensors is None:
@@ -128,14 +218,14 @@ class LoggingHook(Hook):
             logger.info("%s", self._line(ctx.step, ctx.metrics))
             self._last = (ctx.step, time.monotonic())
 
-    def end(self, session: Any) -> None:
+    def end(self, run: RunView) -> None:
         if not self.at_end:
             return
-        step, metrics = self._latest or (session.global_step, {})
-        last = next((r for r in reversed(getattr(session, "records", [])) if r.get("loss") is not None), None)
+        step, metrics = self._latest or (run.step, {})
+        last = next((r for r in reversed(run.records) if r.get("loss") is not None), None)
         if last is not None and last["step"] >= step:  # the final summary record, after the last poll
             metrics = {**metrics, **{k: last[k] for k in ("loss", "samples_per_sec", "dropped_stale") if k in last}}
-        logger.info("%s", self._line(max(step, session.global_step), metrics))
+        logger.info("%s", self._line(max(step, run.step), metrics))
 
 
 def _value(v: Any) -> str:
@@ -152,9 +242,9 @@ class StepCounterHook(Hook):
         self._last = (0, time.monotonic())
         self.rates: list[float] = []
 
-    def begin(self, session: Any) -> None:
+    def begin(self, run: RunView) -> None:
         # A resumed run starts past step 0: its steps before the resume are not this run's rate.
-        self._last = (session.start_step, time.monotonic())
+        self._last = (run.start_step, time.monotonic())
 
     def after_step(self, ctx: StepContext) -> None:
         step0, t0 = self._last

@@ -3,7 +3,7 @@
 In-graph sync on the socket data plane (the default) runs on towers instead
 (``dtrain.chief.ingraph_towers``: no task per step, gradients over the data plane); this graph
 path runs in-graph sync with ``training.transport: dask`` or with ``replicas_to_aggregate`` below
-the replica count, and is the base of both other drivers (:func:`new_driver` chooses).
+the replica count, and is the base of both other drivers (:func:`dtrain.chief.drivers.new_driver` chooses).
 
 Each global step ``v`` is one graph (TensorFlow's in-graph replication, with Dask tasks for ops):
 
@@ -29,7 +29,7 @@ In every step every replica contributes, so a replica's local step equals the gl
 batch is its slice of the single-process batch of that step (``ShardIterator``): N replicas of
 batch b give the same updates as one process with batch N*b, and a restore resumes the data order.
 
-That is ``training.mode: sync``. With ``mode: async`` (:func:`new_driver`) the driver is
+That is ``training.mode: sync``. With ``mode: async`` (:func:`dtrain.chief.drivers.new_driver`) the driver is
 :class:`~dtrain.chief.ingraph_async.AsyncInGraphDriver`: one graph per tower step, each tower's
 gradient applied on arrival, towers independent.
 """
@@ -55,6 +55,8 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.replica import ReplicaStats
 from dtrain.worker.tasks import read_shard, reduce_apply, release, replica_gradients, shard_state
 
+from .calls import describe_failure
+
 logger = logging.getLogger(__name__)
 
 WINDOW = 2  # steps in flight
@@ -77,7 +79,7 @@ class InGraphDriver:
     session's ``request_stop``, nan_guard) or :meth:`stop` is called.
 
     ``shard_refs`` are ``(worker address, actor key)`` per shard, in plan order (what
-    ``Session.shard_refs()`` returns); ``tasks`` maps task keys (``/job:worker/task:0``) to worker
+    ``ShardGroup.refs()`` returns); ``tasks`` maps task keys (``/job:worker/task:0``) to worker
     addresses; ``token`` names the run (cached models are keyed by it).
     """
 
@@ -197,12 +199,8 @@ class InGraphDriver:
                 pass
             if any(f.status in ("error", "cancelled") for f in futures):
                 for f in [*related, *futures]:
-                    label = labels.get(f.key, f"task {f.key}")
-                    if f.status == "error":
-                        exc = f.exception()
-                        raise _StepError(f"{what}: {label} failed: {type(exc).__name__}: {exc}")
-                    if f.status == "cancelled":
-                        raise _StepError(f"{what}: {label} was cancelled (its worker was lost?)")
+                    if failed := describe_failure(f, labels.get(f.key, f"task {f.key}")):
+                        raise _StepError(f"{what}: {failed}")
             if all(f.status == "finished" for f in futures):
                 return
             if self._aborted:
@@ -338,22 +336,3 @@ class InGraphDriver:
                     stats.wait_s = info["wait_s"]
                     stats.extra["idle_s"] = info["idle_s"]
                 stats.extra["where"] = {"worker": info["worker"], "pid": info["pid"]}
-
-
-def new_driver(client: Client, spec: PipelineSpec, plan: Plan, shard_refs: list[tuple[str, str]], tasks: dict[str, str],
-               token: str, local_steps: dict[int, int] | None = None) -> InGraphDriver:
-    """The step driver for ``training.mode``. Sync: towers driven step by step over the socket
-    data plane (``dtrain.chief.ingraph_towers``) where it can (``transport: socket``, every replica
-    in every step), else one graph per global step (this module). Async: one graph per tower step
-    with towers running independently (``dtrain.chief.ingraph_async``), where ``local_steps``
-    (replica index -> steps it pushed, from a checkpoint) is where each tower resumes in its data
-    order."""
-    if spec.training.mode == "async":
-        from .ingraph_async import AsyncInGraphDriver
-
-        return AsyncInGraphDriver(client, spec, plan, shard_refs, tasks, token, local_steps)
-    from .ingraph_towers import TowerDriver, uses_towers
-
-    if uses_towers(spec, plan):
-        return TowerDriver(client, spec, plan, shard_refs, tasks, token)
-    return InGraphDriver(client, spec, plan, shard_refs, tasks, token)

@@ -38,6 +38,7 @@ from dtrain.plan.compiler import Plan
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import read_shard, tower_gradients, tower_push
 
+from .calls import describe_failure
 from .ingraph import POLL_S, InGraphDriver, _Aborted, _StepError
 
 
@@ -55,12 +56,8 @@ class _TowerStep:
     def failure(self) -> str | None:
         """Why this step failed (the first failed task: reads, then the gradient, then pushes)."""
         for f in [*self.reads, self.grad, *self.pushes]:
-            label = self.labels.get(f.key, f"task {f.key}")
-            if f.status == "error":
-                exc = f.exception()
-                return f"{label} failed: {type(exc).__name__}: {exc}"
-            if f.status == "cancelled":
-                return f"{label} was cancelled (its worker was lost?)"
+            if failed := describe_failure(f, self.labels.get(f.key, f"task {f.key}")):
+                return failed
         return None
 
 

@@ -28,7 +28,7 @@ end the towers are closed and the shards' data planes too (a later driver opens 
 
 The graph path (``InGraphDriver``: one Dask graph per step, gradients through Dask) remains for
 ``transport: dask``, async in-graph (``ingraph_async``) and a sync run that aggregates fewer
-replicas than it has (``replicas_to_aggregate`` below the count): :func:`~dtrain.chief.ingraph.new_driver`
+replicas than it has (``replicas_to_aggregate`` below the count): :func:`~dtrain.chief.drivers.new_driver`
 chooses.
 """
 

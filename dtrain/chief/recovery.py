@@ -1,7 +1,13 @@
 """Recovery from lost tasks, like MonitoredTrainingSession after a preempted ps.
 
 :class:`Recovery` decides what was lost (a ps shard's actor erred or its worker left the
-scheduler; a replica's worker left), and restarts it:
+scheduler; a replica's worker left) and what should happen, and the session carries it out
+(STYLE.md item 3: decisions out, the I/O layer acts). :meth:`Recovery.check`,
+:meth:`~Recovery.lost_after` and :meth:`~Recovery.transient` find a :class:`Loss`;
+:meth:`Recovery.decide` counts and logs it, tears down what it ends (the lost tasks' futures, or a
+whole generation of shards) and returns a :class:`Restart` (new shards from a checkpoint, every
+replica) or a :class:`Resubmit` (these replicas only), which the session carries out; a failure
+while it does so is :meth:`Recovery.again`'s to judge. What happens:
 
 - a lost **ps** task: every shard is stopped and recreated on the restarted worker, all restored
   from the newest checkpoint so that they agree on one step, and every replica restarts;
@@ -25,16 +31,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Future
 
 from dtrain.chief import checkpoint as ckpt_io
-from dtrain.chief import stages
 from dtrain.deploy.cluster import wait_for_tasks
 from dtrain.spec.errors import RunError, TransientError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dtrain.chief.session import Session
+from .context import RunContext, RunState
+from .hooks import Hook
+from .replicas import ReplicaSet
+from .saver import Saver
+from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 
@@ -55,119 +65,124 @@ def is_transient(exc: BaseException | None) -> bool:
                             DataPlaneUnavailable))
 
 
-class Recovery:
-    """Lost-task detection and restarts for one session (see the module docstring)."""
+@dataclass(frozen=True)
+class Loss:
+    """What was lost: shard indices and replica indices, or, with none, the transient ``error``."""
 
-    def __init__(self, session: Session):
-        self.session = session
+    shards: list[int] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A new generation: the shards recreated and restored from ``checkpoint`` (None: the initial
+    parameters at step 0), then every replica (or the step driver) submitted again. ``record`` is
+    this recovery's entry in the log."""
+
+    checkpoint: ckpt_io.Checkpoint | None
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resubmit:
+    """The lost ``replicas`` submitted again, once their workers are back; the ps kept its step."""
+
+    replicas: list[int]
+    record: dict[str, Any]
+
+
+Decision = Restart | Resubmit
+
+
+class Recovery:
+    """Lost-task detection and the decision what to restart, for one run (the module docstring).
+    It reads the run's context and state, and acts on the shard group and the replica set only to
+    end what was lost; the session carries out the :class:`Restart` or :class:`Resubmit`."""
+
+    def __init__(self, ctx: RunContext, state: RunState, shards: ShardGroup, replicas: ReplicaSet, saver: Saver,
+                 hooks: list[Hook], elastic: bool = False):
+        self.ctx, self.state, self.shards, self.replicas, self.saver = ctx, state, shards, replicas, saver
+        self.hooks = hooks
+        self.elastic = elastic  # a replica's worker that left is a leave, not a loss (chief/elastic.py)
         self.count = 0
         self.log: list[dict[str, Any]] = []
         self.lost_stage_tasks: dict[int, list[str]] = {}
 
-    def lost_tasks(self) -> tuple[list[int], list[int]]:
-        """(lost shard indices, lost replica indices): their worker left the scheduler, or the
-        actor's future erred (the scheduler reports a dead actor worker within ~0.1 s)."""
-        s = self.session
+    def lost(self) -> Loss | None:
+        """The lost shards and replicas, if any: their worker left the scheduler, or the actor's
+        future erred (the scheduler reports a dead actor worker within ~0.1 s)."""
+        conn, plan = self.ctx.conn, self.state.plan
         try:
-            live = set(s.conn.workers())
+            live = set(conn.workers())
         except Exception:  # scheduler unreachable: nothing to recover to
             raise RunError("lost the connection to the scheduler") from None
-        tasks = s.conn.tasks
-        shards = [sh.index for sh, f in zip(s.plan.shards, s.shards.futures, strict=True)
+        tasks = conn.tasks
+        shards = [sh.index for sh, f in zip(plan.shards, self.shards.futures, strict=True)
                   if f.status == "error" or tasks.get(sh.task) not in live]
         # A pipeline replica is lost with any of its stage tasks (named in the log by the lost ones).
         self.lost_stage_tasks = {r.index: [t for t in r.stage_tasks if tasks.get(t) not in live]
-                                 for r in s.plan.replicas if r.stage_tasks}
-        if s.elastic is not None:  # a replica's worker that left is a leave, not a loss (chief/elastic.py)
-            return shards, []
-        return shards, [r.index for r in s.plan.replicas
-                        if any(tasks.get(t) not in live for t in (r.stage_tasks or (r.task,)))]
+                                 for r in plan.replicas if r.stage_tasks}
+        replicas = [] if self.elastic else [
+            r.index for r in plan.replicas if any(tasks.get(t) not in live for t in (r.stage_tasks or (r.task,)))]
+        return Loss(shards, replicas) if shards or replicas else None
 
-    def check(self) -> bool:
-        """Recover now if a task was lost; say whether one was."""
-        lost_shards, lost_replicas = self.lost_tasks()
-        if lost_shards or lost_replicas:
-            self.recover(lost_shards, lost_replicas)
-            return True
-        return False
+    def check(self) -> Loss | None:
+        """A task lost now, if any (the session's liveness check)."""
+        return self.lost()
 
-    def recover_if_lost(self, exc: BaseException, wait_s: float = 3.0) -> bool:
-        """After a failed actor call: recover if a task was lost (the scheduler may need a moment
-        to notice a dead worker), and say whether it was."""
+    def lost_after(self, exc: BaseException, wait_s: float = 3.0) -> Loss | None:
+        """After a failed actor call: a task that was lost (the scheduler may need a moment to
+        notice a dead worker), if any."""
         deadline = time.monotonic() + wait_s
         while True:
-            lost_shards, lost_replicas = self.lost_tasks()
-            if lost_shards or lost_replicas:
+            loss = self.lost()
+            if loss is not None:
                 logger.info("%s: %s", type(exc).__name__, exc)
-                self.recover(lost_shards, lost_replicas)
-                return True
+                return loss
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(0.1)
 
-    def guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a coordinator action that calls the ps; a lost task or a transient error turns into a
-        recovery."""
-        try:
-            return fn(*args)
-        except RunError:
-            raise
-        except Exception as exc:
-            if not (self.recover_if_lost(exc) or self.recover_if_transient(exc)):
-                raise
-            return None
-
-    def recover_if_transient(self, exc: BaseException | None) -> bool:
-        """After an error while every task lives: a transient one (:func:`is_transient`) restarts the
-        session from the newest checkpoint; say whether it did."""
+    def transient(self, exc: BaseException | None) -> Loss | None:
+        """After an error while every task lives: a transient one (:func:`is_transient`) is a loss
+        of everything (a restart from the newest checkpoint); None for any other error."""
         if exc is None or not is_transient(exc):
-            return False
+            return None
         # A timeout or a broken connection is often the first sign of a lost task: give the
         # scheduler a moment to notice, and then recover that loss (only what was lost restarts).
-        if self.recover_if_lost(exc, wait_s=2.0):
-            return True
-        self.recover([], [], error=exc)
-        return True
+        return self.lost_after(exc, wait_s=2.0) or Loss(error=exc)
 
-    def replica_error(self) -> BaseException | None:
-        """The error of the first replica (or pipeline stage) task that failed, if any."""
-        s = self.session
-        for f in [*s.replica_futures, *stages.futures_of(s)]:
-            if f is not None and f.status == "error":
-                err: BaseException | None = f.exception(timeout=5)
-                return err
-        return None
+    def after_error(self, exc: BaseException) -> Loss | None:
+        """After a coordinator action that calls the ps failed: a lost task or a transient error, if
+        either (the session then recovers; otherwise the error stands)."""
+        return self.lost_after(exc) or self.transient(exc)
 
-    def recover(self, lost_shards: list[int], lost_replicas: list[int], error: BaseException | None = None) -> None:
-        """Restart what was lost (or, after a transient ``error``, everything); a task lost again
-        while restarting (another worker died, the restarted one died), or a transient error then,
-        is a further recovery within ``training.max_recoveries``."""
-        while True:
-            try:
-                self._recover_once(lost_shards, lost_replicas, error)
-                return
-            except RunError:
-                raise
-            except Exception as exc:
-                lost_shards, lost_replicas = self.lost_tasks()
-                if not (lost_shards or lost_replicas or is_transient(exc)):
-                    raise
-                error = None if lost_shards or lost_replicas else exc
-                logger.warning("%s again while recovering (%s: %s)", "an error" if error else "lost a task",
-                               type(exc).__name__, exc)
+    def again(self, exc: BaseException) -> Loss | None:
+        """``exc`` was raised while recovering: a task lost again (another worker died, the
+        restarted one died), or a transient error, is a further recovery within
+        ``training.max_recoveries``; None: the error stands."""
+        loss = self.lost()
+        if loss is None and not is_transient(exc):
+            return None
+        logger.warning("%s again while recovering (%s: %s)", "lost a task" if loss else "an error",
+                       type(exc).__name__, exc)
+        return loss or Loss(error=exc)
 
-    def _recover_once(self, lost_shards: list[int], lost_replicas: list[int], error: BaseException | None = None
-                      ) -> None:
-        s = self.session
+    def decide(self, loss: Loss) -> Decision:
+        """Count and log ``loss``, end what it ends, and say what to start again (RunError once
+        ``training.max_recoveries`` is used up)."""
+        plan, spec = self.state.plan, self.ctx.spec
+        lost_shards, lost_replicas, error = loss.shards, loss.replicas, loss.error
         t_lost = time.time()
-        step_lost = s.global_step  # the global step when the loss was seen (the chief's last poll)
-        lost = [s.plan.shards[i].task for i in lost_shards] + [
-            t for i in lost_replicas for t in (self.lost_stage_tasks.get(i) or [s.plan.replicas[i].task])]
-        for h in s.hooks:  # before anything else: the hooks hear of every loss, the last one too
+        step_lost = self.state.global_step  # the global step when the loss was seen (the chief's last poll)
+        lost = [plan.shards[i].task for i in lost_shards] + [
+            t for i in lost_replicas for t in (self.lost_stage_tasks.get(i) or [plan.replicas[i].task])]
+        for h in self.hooks:  # before anything else: the hooks hear of every loss, the last one too
             for task in lost:
                 h.on_task_lost(task)
         self.count += 1
-        limit = s.spec.training.max_recoveries
+        limit = spec.training.max_recoveries
         what = f"lost {', '.join(lost)}" if lost else f"{type(error).__name__}: {error}"
         if self.count > limit:
             raise RunError(f"{what}; recovery attempts used up (training.max_recoveries: {limit})") from error
@@ -176,23 +191,21 @@ class Recovery:
         if error is not None:
             record["error"] = f"{type(error).__name__}: {error}"
         self.log.append(record)
-        s.saver.commit_pending()  # (a checkpoint the shards were writing: committed when they are all still there)
+        self.saver.commit_pending()  # (a checkpoint the shards were writing: committed when they are all still there)
         # A lost ps, any loss in in-graph replication (its step in flight is lost with it), or a
         # transient error (TF's recoverable session: a new session from the newest checkpoint):
         # every shard restarts from the newest checkpoint, with the step driver or every replica.
-        restart = bool(lost_shards) or s.driver is not None or error is not None
-        stale = [f for i, f in enumerate(s.replica_futures) if restart or i in lost_replicas]
-        stale += stages.futures_of(s, None if restart else lost_replicas)
+        restart = bool(lost_shards) or self.replicas.driver is not None or error is not None
+        stale = self.replicas.stale(restart, lost_replicas)
         if not restart:
             self._grant_barrier_grace()
-            if s.spec.training.mode == "sync":
-                s.shards.excuse(lost_replicas)
+            if spec.training.mode == "sync":
+                self.shards.excuse(lost_replicas)
         else:
             stale += self._end_generation()
-        s.client.cancel([f for f in stale if f is not None], force=True)
-        wait_for_tasks(s.conn, s.spec, s.spec.cluster.wait_s)
-        s.plan = s.shards.plan = s.compile_plan()
-        if not restart and s.spec.training.mode == "sync" and len(set(steps := s.shards.level(lost_replicas))) > 1:
+        self.ctx.client.cancel(stale, force=True)
+        wait_for_tasks(self.ctx.conn, spec, spec.cluster.wait_s)
+        if not restart and spec.training.mode == "sync" and len(set(steps := self.shards.level(lost_replicas))) > 1:
             # The lost replicas left a step half-pushed that no other replica's gradients complete (a
             # lone replica's; a pipeline stage's, whose shards only it pushes to): replacements would
             # start from parameters of two steps, so the shards restart from the newest checkpoint.
@@ -200,43 +213,36 @@ class Recovery:
                            "from the newest checkpoint", steps)
             record["unlevel_steps"] = steps
             restart = True
-            s.client.cancel(self._end_generation() + list(s.replica_futures) + stages.futures_of(s), force=True)
-        if restart:
-            s.shards.generation += 1
-            latest = ckpt_io.latest(s.run_dir) if s.spec.checkpoint is not None else None
-            if latest is None:
-                logger.warning("no checkpoint to restore: the ps restarts from the initial parameters (step 0); "
-                               "add a checkpoint section to lose at most its interval")
-                s.global_step = 0
-                s.local_steps = {}
-            s.start_generation(latest)
-            record["restored_step"] = latest.step if latest is not None else 0
-        else:
-            s.write_cluster_info()
-            for i in lost_replicas:
-                s.submit_replicas(only=i)
+            self.ctx.client.cancel(self._end_generation() + self.replicas.stale(True, []), force=True)
+        if not restart:
             record["restored_step"] = None  # nothing restored: the ps kept its step
-        record["recovered_s"] = time.time() - t_lost
+            return Resubmit(list(lost_replicas), record)
+        latest = ckpt_io.latest(self.ctx.run_dir) if spec.checkpoint is not None else None
+        if latest is None:
+            logger.warning("no checkpoint to restore: the ps restarts from the initial parameters (step 0); "
+                           "add a checkpoint section to lose at most its interval")
+        record["restored_step"] = latest.step if latest is not None else 0
+        return Restart(latest, record)
 
-    def _end_generation(self) -> list[Any]:
+    def recovered(self, decision: Decision) -> None:
+        """The session carried ``decision`` out: the log says how long the recovery took."""
+        decision.record["recovered_s"] = time.time() - decision.record["time"]
+
+    def _end_generation(self) -> list[Future[Any]]:
         """Like MonitoredTrainingSession after a ps preemption, before a new session from the newest
         checkpoint (so that all shards agree on one step): stop every shard and the step driver, close
         the data plane; returns the shards' futures, to cancel."""
-        s = self.session
-        s.shards.request_stop()
-        if s.driver is not None:
-            s.driver.abort()  # cancel steps in flight: no late apply on a restored shard
-            s.driver.join(10)
-            s.driver = None
-        s.shards.close_data_plane()
-        return list(s.shards.futures)
+        self.shards.request_stop()
+        self.replicas.abort_driver()  # cancel steps in flight: no late apply on a restored shard
+        self.shards.close_data_plane()
+        return list(self.shards.futures)
 
     def _grant_barrier_grace(self) -> None:
         """A lost replica's replacement needs a worker restart, imports and data loading before its
         first push, and sync barriers (and the staleness gate) wait for it: let the surviving
         replicas' waits outlast barrier_timeout_s by up to call_timeout_s - 5 s (their own calls
         give up at call_timeout_s + barrier_timeout_s)."""
-        t = self.session.spec.training
+        t = self.ctx.spec.training
         if t.mode != "sync" and t.max_staleness is None:
             return
-        self.session.shards.grant_barrier_grace(max(0.0, t.call_timeout_s - 5.0))
+        self.shards.grant_barrier_grace(max(0.0, t.call_timeout_s - 5.0))

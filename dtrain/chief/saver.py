@@ -22,16 +22,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtrain.ps.part_writer import BadPartError
 
 from . import checkpoint as ckpt_io
 from . import data_report
-from .shards import checkpoint_layout
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .session import Session
+from .context import RunContext, RunState
+from .hooks import Hook
+from .shards import ShardGroup, checkpoint_layout
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +46,12 @@ class _Pending:
 
 
 class Saver:
-    """Checkpoint cadence, writing and committing for one session (see the module docstring)."""
+    """Checkpoint cadence, writing and committing for one run (see the module docstring): it reads
+    the run's context and state, has the shard group write and restore the parts, and tells the
+    hooks of each checkpoint committed."""
 
-    def __init__(self, session: Session):
-        self.session = session
+    def __init__(self, ctx: RunContext, state: RunState, shards: ShardGroup, hooks: list[Hook]):
+        self.ctx, self.state, self.shards, self.hooks = ctx, state, shards, hooks
         self.last_step = 0  # the step of the newest checkpoint committed (or restored)
         self.last_time = time.monotonic()
         self._due_step = 0  # the step the cadence counts from (the newest checkpoint started)
@@ -87,8 +88,7 @@ class Saver:
         The shards refuse to write parameters that became non-finite, and a sync snapshot whose
         shards disagree on the step is never written (RunError): a checkpoint is always safe to
         resume from."""
-        s = self.session
-        if s.spec.checkpoint is None:
+        if self.ctx.spec.checkpoint is None:
             return None
         if self.pending is not None:  # never two writers on one shard: the next one waits
             self.waited += 1
@@ -96,21 +96,21 @@ class Saver:
             self.finish(wait=True)
             self.wait_s += time.monotonic() - t_wait
         t0 = time.monotonic()
-        step, directory = s.shards.write_parts(lambda st: ckpt_io.begin(s.run_dir, st), stop=stop,
+        step, directory = self.shards.write_parts(lambda st: ckpt_io.begin(self.ctx.run_dir, st), stop=stop,
                                                since=self._since())
         if directory is None:  # a checkpoint of this step is on disk already (a resume that did not move)
             self.last_step = self._due_step = max(self.last_step, step)
-            return ckpt_io.checkpoint_dir(s.run_dir) / f"ckpt-{step:08d}"
+            return ckpt_io.checkpoint_dir(self.ctx.run_dir) / f"ckpt-{step:08d}"
         self.stalls.append(time.monotonic() - t0)
-        local = {str(k): v for k, v in s.local_steps.items()}
-        self.pending = _Pending(step, directory, t0, {"local_steps": local, **data_report.positions(s, step)})
+        local = {str(k): v for k, v in self.state.local_steps.items()}
+        self.pending = _Pending(step, directory, t0, {"local_steps": local, **data_report.positions(self.ctx.spec, self.state, step)})
         self._due_step, self.last_time = step, time.monotonic()
         return self.finish(wait=True) if wait else None
 
     def _since(self) -> int | None:
         """The checkpoint the next one may be a delta of: the newest committed (or restored), while
         its chain is shorter than ``checkpoint.incremental.full_every`` allows; None: a full one."""
-        incremental = self.session.spec.checkpoint.incremental
+        incremental = self.ctx.spec.checkpoint.incremental
         if incremental is None or self.depth is None or self.depth + 1 >= incremental.full_every:
             return None
         return self.last_step
@@ -121,17 +121,17 @@ class Saver:
 
     def finish(self, wait: bool = True) -> Path | None:
         """Commit the checkpoint being written when its parts are (``wait``: block until they are)."""
-        s, pending = self.session, self.pending
+        pending = self.pending
         if pending is None:
             return None
-        parts = s.shards.parts_written(pending.directory, wait=wait)
+        parts = self.shards.parts_written(pending.directory, wait=wait)
         if parts is None:
             return None
         self.pending = None
-        spec = s.spec.checkpoint
+        spec = self.ctx.spec.checkpoint
         path = ckpt_io.commit(pending.directory, pending.step, parts,
-                              spec_data=s.spec.model_dump(mode="json"), pipeline_hash=s.plan.pipeline_hash,
-                              replicas=pending.replicas, layout=checkpoint_layout(s.spec, s.plan), keep=spec.keep,
+                              spec_data=self.ctx.spec.model_dump(mode="json"), pipeline_hash=self.state.plan.pipeline_hash,
+                              replicas=pending.replicas, layout=checkpoint_layout(self.ctx.spec, self.state.plan), keep=spec.keep,
                               keep_every_n_hours=spec.keep_every_n_hours)
         self.last_step = max(self.last_step, pending.step)
         delta = any(p.get("kind") == "delta" for p in parts)
@@ -141,15 +141,14 @@ class Saver:
         self.saved.append((pending.step, time.time()))
         self.write_s.append(time.monotonic() - pending.started)
         logger.info("checkpoint %s (%.2f s; training held %.3f s)", path.name, self.write_s[-1], self.stalls[-1])
-        for h in s.hooks:
+        for h in self.hooks:
             h.on_checkpoint(pending.step, str(path))
         return path
 
     def commit_pending(self) -> None:
         """A failing or interrupted run still commits the checkpoint its shards were writing (a
         snapshot taken before the failure); a shard that is gone loses it, said in the log."""
-        s = self.session
-        if self.pending is None or not s.shards.handles:
+        if self.pending is None or not self.shards.handles:
             return
         step = self.pending.step
         try:
@@ -164,7 +163,7 @@ class Saver:
         invalid checkpoint, and the next newest valid one is restored instead. Returns the one used."""
         while True:
             try:
-                in_place = self.session.shards.restore(checkpoint)
+                in_place = self.shards.restore(checkpoint)
                 # (the next checkpoint may be a delta of this one where each ps task restored its
                 # own part: it counts its tables' changes from it; resharded, it is full)
                 self.depth = int(checkpoint.payload.get("depth", 0)) if in_place else None
@@ -173,16 +172,16 @@ class Saver:
                 moved = ckpt_io.quarantine(checkpoint.path)
                 logger.warning("checkpoint %s is invalid (%s); moved it to %s and trying the previous one",
                                checkpoint.path.name, exc, moved.parent)
-                previous = ckpt_io.latest(self.session.run_dir)
+                previous = ckpt_io.latest(self.ctx.run_dir)
                 if previous is None:
                     raise ckpt_io.CheckpointError(
-                        f"no valid checkpoint in {ckpt_io.checkpoint_dir(self.session.run_dir)} ({exc}): moved to "
+                        f"no valid checkpoint in {ckpt_io.checkpoint_dir(self.ctx.run_dir)} ({exc}): moved to "
                         "checkpoints/invalid/; to start over, use another --run-dir") from None
                 checkpoint = previous
 
     def due(self) -> bool:
-        spec = self.session.spec.checkpoint
-        step = self.session.global_step
+        spec = self.ctx.spec.checkpoint
+        step = self.state.global_step
         if spec is None or step == self._due_step:
             return False
         if spec.every_steps and step // spec.every_steps > self._due_step // spec.every_steps:
@@ -191,8 +190,7 @@ class Saver:
 
     def before_failing(self, failure: str) -> None:
         """A replica failed (a shard that cannot be read, its own error): keep the last good step."""
-        s = self.session
-        if s.spec.checkpoint is None or s.driver is not None:
+        if self.ctx.spec.checkpoint is None or self.ctx.spec.training.replication == "in_graph":
             return
         try:
             path = self.save(stop=True)

@@ -7,11 +7,19 @@ newest checkpoint on ``--resume``, submits one long-running replica future per w
 second (replicas are never slowed by it): summaries, hooks, evaluation, checkpoints due, lost
 tasks (handed to :class:`~dtrain.chief.recovery.Recovery`) and the end of the run, and writes the
 run directory (docs/cli.md, "Run directory"). The tensor math lives in the ps and worker planes.
+
+The session is built from named roles (docs/architecture.md, "The chief"): the run's fixed
+:class:`~dtrain.chief.context.RunContext` and its declared :class:`~dtrain.chief.context.RunState`,
+the :class:`~dtrain.chief.shards.ShardGroup`, the :class:`~dtrain.chief.replicas.ReplicaSet`, the
+:class:`~dtrain.chief.saver.Saver`, the :class:`~dtrain.chief.evaluation.Evaluator`, and two deciders,
+:class:`~dtrain.chief.recovery.Recovery` and :class:`~dtrain.chief.elastic.Elastic`, whose decisions
+(restart from a checkpoint, resubmit replicas, re-form the replica set) only the session carries
+out. Each role receives what it needs by name, never the session; only the session rebinds the
+run state's fields.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import time
@@ -21,27 +29,36 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distributed import Future
-from distributed import wait as wait_futures
 
 from dtrain.deploy import phases
 from dtrain.deploy.cluster import Connection
 from dtrain.model.build import build_model
-from dtrain.plan.compiler import compile
+from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.worker.tasks import replica_task
 
 from . import checkpoint as ckpt_io
-from . import data_report, elastic, evaluation, signals, stages, telemetry
-from .hooks import Hook, NanGuardHook, StepContext, StopAtStepHook, build_hooks, call_step_hooks, nan_stop
-from .inputs import DataInput, with_stats
+from . import data_report, elastic, evaluation, signals, telemetry
+from .context import RunContext, RunState
+from .elastic import FENCED, Reform
+from .hooks import (
+    Hook,
+    NanGuardHook,
+    RunView,
+    StepContext,
+    StopAtStepHook,
+    build_hooks,
+    call_step_hooks,
+    nan_stop,
+)
+from .inputs import DataInput
 from .metrics import JsonlSink, TensorBoardSink
-from .recovery import Recovery
+from .recovery import Decision, Loss, Recovery, Restart
+from .replicas import ReplicaSet
 from .rundir import Result, save_torch, write_cluster_info, write_json
 from .saver import Saver
-from .shards import ShardGroup, task_host
+from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 
@@ -54,162 +71,183 @@ class Session:
     def __init__(self, spec: PipelineSpec, conn: Connection, run_dir: Path, resume: bool = False,
                  progress: Callable[[dict[str, Any]], None] | None = None, hooks: list[Hook] | None = None,
                  data: DataInput | None = None):
-        self.spec = spec
-        self.conn = conn
-        self.client = conn.client
-        self.run_dir = run_dir
-        self.resume = resume
-        self.progress = progress
-        self.data_input = data  # a sharded dataset (files or a Dask collection): chief/inputs.py
-        self.plan = self.compile_plan()
-        if elastic.required_missing(self.spec, self.plan):
-            raise RunError("no worker for task(s) " + ", ".join(elastic.required_missing(self.spec, self.plan)))
-        self.layout = ShardLayout.from_plan(self.plan)
-        self._table_names = {t.name for t in self.plan.tables}  # sparse tables: rows on the ps, not in the layout
-        self.token = uuid.uuid4().hex[:8]
+        self.ctx = RunContext(spec, conn, run_dir, token=uuid.uuid4().hex[:8], resume=resume, data_input=data,
+                              progress=progress)
+        plan = self.ctx.compile_plan()
+        if elastic.required_missing(spec, plan):
+            raise RunError("no worker for task(s) " + ", ".join(elastic.required_missing(spec, plan)))
+        self.state = RunState(plan)
         self.hooks: list[Hook] = build_hooks(spec.hooks) if hooks is None else hooks
-        self.shards = ShardGroup(conn, spec, self.plan, self.token,
+        self.shards = ShardGroup(conn, spec, plan, self.ctx.token,
                                  nan_guard=any(isinstance(h, NanGuardHook) for h in self.hooks))
-        self.recovery = Recovery(self)
-        self.start_step = 0
-        self.global_step = 0
-        self.dropped_stale = 0
-        self.samples = 0
-        self.records: list[dict[str, Any]] = []
-        self.replica_futures: list[Future | None] = []
-        self.stage_futures: dict[int, list[Future]] = {}  # a pipeline's later stages, per replica (chief/stages.py)
-        self.replica_stats: list[dict[str, Any]] = []
-        self.sinks: list[Any] = []
-        self.eval_history: list[dict[str, Any]] = []
-        self.driver: Any = None  # in-graph replication's step driver
-        self.local_steps: dict[Any, int] = {}
-        self._submits = 0
-        self.saver = Saver(self)  # checkpoint cadence and saving (chief/saver.py)
-        self.summary_written = False
-        self.stop_reason: str | None = None  # why training ended before training.steps (a hook, nan_guard)
-        self._begun = False
-        self.retired: set[int] = set()  # replicas at the end of their data (no sync step waits for them)
-        self.elastic = elastic.elastic(self)  # workers that join and leave (chief/elastic.py), or None
+        self.replicas = ReplicaSet(self.ctx, self.state, self.shards)
+        self.saver = Saver(self.ctx, self.state, self.shards, self.hooks)  # checkpoint cadence and saving
+        self.evaluator = evaluation.Evaluator(self.ctx, self.state, self.shards, self._log)
+        self.elastic = elastic.elastic(self.ctx, self.state, self.replicas)  # workers that join and leave, or None
+        self.recovery = Recovery(self.ctx, self.state, self.shards, self.replicas, self.saver, self.hooks,
+                                 elastic=self.elastic is not None)
+        self.sinks: list[Any] = []  # metrics.jsonl and TensorBoard, opened by run()
+        self.telemetry: telemetry.Telemetry | None = None  # started by run()
 
-    def compile_plan(self) -> Any:
-        """The plan on the cluster's workers (with a sharded dataset's assignment and statistics)."""
-        if self.data_input is None:
-            return compile(self.spec, self.conn.workers(), keep=self.conn.tasks)
-        return with_stats(compile(self.spec, self.conn.workers(), data=self.data_input.manifests, keep=self.conn.tasks),
-                          self.data_input)
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def spec(self) -> PipelineSpec:
+        return self.ctx.spec
+
+    @property
+    def run_dir(self) -> Path:
+        return self.ctx.run_dir
+
+    @property
+    def run_id(self) -> str:
+        """This run's id (``<name>-<token>``): :attr:`RunContext.run_id`."""
+        return self.ctx.run_id
+
+    @property
+    def plan(self) -> Plan:
+        return self.state.plan
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def start_step(self) -> int:
+        return self.state.start_step
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.state.records
+
+    @property
+    def replica_stats(self) -> list[dict[str, Any]]:
+        return self.state.replica_stats
+
+    @property
+    def summary_written(self) -> bool:
+        return self.state.summary_written
 
     @property
     def generation(self) -> int:
         return self.shards.generation
 
     @property
-    def run_id(self) -> str:
-        """This run's id (``<name>-<token>``, one per start or resume): the scheduler's page, its
-        Prometheus series and the replicas' reports tell runs apart by it, never by name alone."""
-        return f"{self.spec.name}-{self.token}"
-
-    @property
     def recoveries(self) -> int:
         return self.recovery.count
 
-    # ------------------------------------------------------------------ replicas
-    def submit_replicas(self, only: int | None = None) -> None:
-        """Submit every replica (or just ``only``), each pinned to its worker task's address."""
-        if self.spec.training.replication == "in_graph":
-            from .ingraph import new_driver
+    # ------------------------------------------------------------------ carrying out decisions
+    def _replan(self, refresh: bool = True) -> None:
+        """The plan on the cluster's workers now (after a recovery or a join), and the run
+        directory's cluster.json with it."""
+        self.state.plan = self.shards.plan = self.ctx.compile_plan()
+        self._write_cluster_info(refresh)
 
-            self.driver = new_driver(self.client, self.spec, self.plan, self.shards.refs(), self.conn.tasks,
-                                     f"{self.token}-g{self.generation}", self.local_steps)
-            self.driver.start()
-            return
-        refs = self.shards.refs()
-        if only is None:
-            self.replica_futures = [None] * self.plan.num_replicas
-        self.retired -= {r.index for r in self.plan.replicas if only is None or r.index == only}
-        self._submits += 1
-        replicas = [r for r in self.plan.replicas if (only is None or r.index == only) and r.task in self.conn.tasks]
-        if self.shards.data_plane:  # fencing: this submission owns these replica indices now
-            self.shards.set_owners({r.index: self._submits for r in replicas})
-        for r in replicas:
-            addr = self.conn.tasks[r.task]
-            if r.stage_tasks:
-                self.replica_futures[r.index] = stages.submit(self, r, refs, self._start_local_step(r.index), self._submits)
-                continue
-            self.replica_futures[r.index] = self.client.submit(
-                replica_task, self.spec, self.plan, r.index, refs, self._start_local_step(r.index),
-                self.shards.data_plane, self._local_rank(r.index), attempt=self._submits, run_id=self.run_id,
-                workers=[addr],
-                allow_other_workers=False, pure=False,
-                key=f"dtrain-replica-{r.index}-g{self.generation}-{self._submits}-{self.token}")
+    def _recover(self, loss: Loss | None) -> bool:
+        """Carry out the recovery from ``loss`` (None: nothing to recover; says whether there was);
+        a task lost again while doing so, or a transient error then, is a further recovery
+        (:meth:`Recovery.again`)."""
+        if loss is None:
+            return False
+        while True:
+            try:
+                self._carry_out(self.recovery.decide(loss))
+                return True
+            except RunError:
+                raise
+            except Exception as exc:
+                again = self.recovery.again(exc)
+                if again is None:
+                    raise
+                loss = again
 
-    def _local_rank(self, index: int) -> int:
-        """Replica ``index``'s rank among the replicas whose workers share its machine (by address
-        host), for ``training.pin_cpus``."""
-        def host(task: str) -> str:
-            return task_host(self.conn.tasks[task])
-
-        mine = host(self.plan.replicas[index].task)
-        return [r.index for r in self.plan.replicas if r.task in self.conn.tasks and host(r.task) == mine].index(index)
-
-    def _start_local_step(self, index: int) -> int:
-        """Where replica ``index`` resumes in its data order: in sync mode without backups every
-        replica contributes once per step, so its local step is the global step; otherwise the last
-        local step it reported to ps task 0."""
-        if self.plan.lockstep:
-            step = self._ps_step()
+    def _carry_out(self, decision: Decision) -> None:
+        if isinstance(decision, Restart):
+            self.shards.generation += 1
+            if decision.checkpoint is None:  # the initial parameters, at step 0
+                self.state.global_step = 0
+                self.state.local_steps = {}
+            self.state.plan = self.shards.plan = self.ctx.compile_plan()
+            self.start_generation(decision.checkpoint)
         else:
-            step = int(self.local_steps.get(index, self.local_steps.get(str(index), 0)))
-        total = data_report.total_batches(self.spec, self.plan, index)
-        return step if total is None else min(step, total)  # a replica retired at the end of its data
+            self._replan()
+            for i in decision.replicas:
+                self.replicas.submit(only=i)
+        self.recovery.recovered(decision)
 
-    def _ps_step(self) -> int:
-        """The ps's own step (the polled ``global_step`` may lag it by ~0.1 s of steps)."""
+    def _reform(self, reform: Reform | None) -> bool:
+        """Carry out the elastic replica set's ``reform`` (None: no change; says whether there was)."""
+        if reform is None or self.elastic is None:
+            return False
+        sync = self.spec.training.mode == "sync"
+        for slot in reform.leaves:
+            released = self.replicas.leave(slot.index)  # (its work done: an idle worker retired)
+            del self.ctx.conn.tasks[slot.task]
+            if not released:
+                if self.shards.data_plane:  # fence it off: its next push is refused and its task ends
+                    self.shards.set_owners({slot.index: FENCED})
+                if sync:  # no step waits for it: the quorum follows the live replicas
+                    self.shards.retire([slot.index])
+            self.elastic.left_slot(slot, released)
+        for slot in reform.joins:
+            self.ctx.conn.tasks[slot.task] = slot.address
+        self._replan(refresh=False)
+        if reform.joins and sync:
+            self.shards.retire([s.index for s in reform.joins], how="rejoin")
+        for slot in reform.joins:
+            self.replicas.submit(only=slot.index)
+            self.elastic.joined_slot(slot)
+        return True
+
+    def _view(self) -> RunView:
+        """What the hooks' begin() and end() see of the run (read-only; the hook API)."""
+        return RunView(self.ctx, self.state, write=self._log, stop=self._request_stop)
+
+    def _request_stop(self, reason: str) -> None:
+        """A hook's ``run.request_stop()`` outside a step: acted on at the next step observed."""
+        self.state.stop_requested = self.state.stop_requested or reason
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a coordinator action that calls the ps; a lost task or a transient error turns into a
+        recovery."""
         try:
-            return max(self.shards.steps(timeout=10))
-        except Exception:  # a lost shard: what was seen last
-            return self.global_step
-
-    def _replica_failure(self) -> str | None:
-        if self.driver is not None:
-            return self.driver.error()
-        for r, fut in zip(self.plan.replicas, self.replica_futures, strict=True):
-            if fut is None:  # a free elastic slot
-                continue
-            if fut.status == "error":
-                exc = fut.exception(timeout=5)
-                return f"replica {r.index} on {r.task} failed: {type(exc).__name__}: {exc}"
-            if fut.status == "cancelled":
-                return f"replica {r.index} on {r.task} was cancelled (its worker was lost?)"
-        return stages.failure(self)
+            return fn(*args)
+        except RunError:
+            raise
+        except Exception as exc:
+            if not self._recover(self.recovery.after_error(exc)):
+                raise
+            return None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ctx, state = self.ctx, self.state
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
         t_start = time.time()
         status, error = "failed", None
         model = None
         final_eval: dict[str, Any] = {}
         try:
             self._open_sinks()
-            telemetry.start(self)  # (and prints the dashboard's address)
-            torch.manual_seed(self.spec.training.seed)
-            init_model = build_model(self.spec, gathered_tables=True)  # tables: initialised on the ps
-            self.init_buffers = self.layout.pack(dict(init_model.named_parameters()))
+            # (and prints the dashboard's address)
+            self.telemetry = telemetry.start(ctx, state, self.shards, self.saver, self.recovery)
+            torch.manual_seed(ctx.spec.training.seed)
+            init_model = build_model(ctx.spec, gathered_tables=True)  # tables: initialised on the ps
+            state.init_buffers = ShardLayout.from_plan(state.plan).pack(dict(init_model.named_parameters()))
             # --resume: the newest valid checkpoint; an unreadable one, or checkpoints none of which
             # is valid, is an error (CheckpointError), never a silent restart from step 0.
-            latest = ckpt_io.latest(self.run_dir) if self.resume else None
-            if self.resume and latest is None:
-                logger.warning("--resume: no checkpoint in %s; starting from step 0", self.run_dir)
+            latest = ckpt_io.latest(ctx.run_dir) if ctx.resume else None
+            if ctx.resume and latest is None:
+                logger.warning("--resume: no checkpoint in %s; starting from step 0", ctx.run_dir)
             self.start_generation(latest)
             phases.mark("ps actors created, replicas submitted")
             stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook) and h.last_step is not None]
             if stops:  # a stop_at_step hook ends training exactly there, as training.steps does
                 self.shards.stop_at(min(stops))
-            self.t_train = time.time()
+            state.t_train = time.time()
             self._monitor()
             phases.mark("training, to the last step")
-            self.train_s = time.time() - self.t_train
-            if self.spec.checkpoint is not None and self.saver.last_step != self.global_step:
+            state.train_s = time.time() - state.t_train
+            if ctx.spec.checkpoint is not None and self.saver.last_step != state.global_step:
                 self.saver.save()
             model, final_eval = self._finish(init_model)
             phases.mark("final evaluation, model.pt")
@@ -221,7 +259,7 @@ class Session:
                 # First what a kill during the cleanup would otherwise lose: a provisional summary,
                 # then a checkpoint with every shard held and stopped at one step.
                 self._write_summary(status, error, {}, time.time() - t_start)
-                if self.spec.checkpoint is not None and self.shards.handles:
+                if ctx.spec.checkpoint is not None and self.shards.handles:
                     try:
                         self.saver.save(stop=True)
                     except Exception as ckpt_exc:  # the interrupt wins; say what was lost
@@ -239,18 +277,19 @@ class Session:
                 if status != "completed":
                     self.saver.commit_pending()
                     self._write_summary(status, error, final_eval, time.time() - t_start)  # provisional
-                    self._cancel()
+                    self.replicas.cancel()
+                view = self._view()
                 for h in self.hooks:
                     try:
-                        h.end(self)
+                        h.end(view)
                     except Exception as exc:  # a hook's failure must not hide the run's own outcome
                         logger.warning("hook %s failed at end: %s", type(h).__name__, exc)
                 summary = self._write_summary(status, error, final_eval, time.time() - t_start)
-                telemetry.close(self)
+                telemetry.close(self.telemetry)
                 for sink in self.sinks:
                     sink.close()
-        return Result(summary=summary, model=model, run_dir=self.run_dir, plan=self.plan,
-                      replica_stats=list(self.replica_stats))
+        return Result(summary=summary, model=model, run_dir=ctx.run_dir, plan=state.plan,
+                      replica_stats=list(state.replica_stats))
 
     def _write_summary(self, status: str, error: str | None, final_eval: dict[str, Any], wall_s: float
                        ) -> dict[str, Any]:
@@ -258,53 +297,58 @@ class Session:
         run's own outcome and exit code."""
         summary = self._summary(status, error, final_eval, wall_s)
         try:
-            write_json(self.run_dir / "summary.json", summary)
-            self.summary_written = True
+            write_json(self.ctx.run_dir / "summary.json", summary)
+            self.state.summary_written = True
         except OSError as exc:
             logger.error("could not write %s: %s", self.run_dir / "summary.json", exc)
         return summary
 
-    def write_cluster_info(self, refresh: bool = True) -> None:
-        write_cluster_info(self.run_dir, self.conn, self.generation, self.plan.assignment, refresh)
+    def _write_cluster_info(self, refresh: bool = True) -> None:
+        write_cluster_info(self.ctx.run_dir, self.ctx.conn, self.generation, self.state.plan.assignment, refresh)
 
     def start_generation(self, checkpoint: ckpt_io.Checkpoint | None) -> None:
         """Create the ps actors (restored from ``checkpoint`` when given) and start the replicas."""
-        self.write_cluster_info()
+        state = self.state
+        self._write_cluster_info()
         self.saver.abandon()  # (a checkpoint the previous generation's shards were writing)
-        self.shards.create(self.init_buffers)
+        self.shards.create(state.init_buffers)
         if checkpoint is not None:
             checkpoint = self.saver.restore(checkpoint)
-            self.global_step = checkpoint.step
+            state.global_step = checkpoint.step
             self.saver.restored(checkpoint.step)
-            self.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
-                                .get("local_steps", {}).items()}
+            state.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})
+                                 .get("local_steps", {}).items()}
             logger.info("restored %s (global step %d)", checkpoint.path.name, checkpoint.step)
-        if not self._begun:  # the hooks' begin(): once, with the ps initialised, before replicas start
-            self._begun, self.start_step = True, self.global_step
+        if not state.begun:  # the hooks' begin(): once, with the ps initialised, before replicas start
+            state.begun, state.start_step = True, state.global_step
+            view = self._view()
             for h in self.hooks:
-                h.begin(self)
+                h.begin(view)
         if checkpoint is None and self.spec.checkpoint is not None:  # TF's saver: a checkpoint at creation
             self.saver.save()
-        if self.elastic is not None:
-            self.elastic.retire_free()
-        self.submit_replicas()
+        # Sync: the shards (new, or restored) wait for no free elastic slot's replica.
+        if self.elastic is not None and self.spec.training.mode == "sync" and (free := self.elastic.free()):
+            self.shards.retire(free)
+        self.replicas.submit()
 
     def _open_sinks(self) -> None:
-        if not self.resume:
+        run_dir = self.ctx.run_dir
+        if not self.ctx.resume:
             # A fresh run in a directory an earlier run (without checkpoints) used: its metrics.jsonl
             # is replaced, so are its TensorBoard events (mixed, they would draw both runs as one
             # curve) and its model.pt (it is not this run's).
-            shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
-            (self.run_dir / "model.pt").unlink(missing_ok=True)
-        self.sinks = [JsonlSink(self.run_dir / "metrics.jsonl", append=self.resume)]
+            shutil.rmtree(run_dir / "tb", ignore_errors=True)
+            (run_dir / "model.pt").unlink(missing_ok=True)
+        self.sinks = [JsonlSink(run_dir / "metrics.jsonl", append=self.ctx.resume)]
         if self.spec.summary.tensorboard:
-            self.sinks.append(TensorBoardSink(self.run_dir / "tb"))
+            self.sinks.append(TensorBoardSink(run_dir / "tb"))
 
     def _log(self, metrics: dict[str, Any], step: int) -> None:
         for sink in self.sinks:
             sink.log(metrics, step)
 
     def _monitor(self) -> None:
+        state, shards, recovery = self.state, self.shards, self.recovery
         stopping = False
         last_step = -1
         lr = getattr(self.spec.optimizer, "lr", None)
@@ -314,21 +358,21 @@ class Session:
             now = time.monotonic()
             if now - last_liveness >= 0.25:
                 last_liveness = now
-                if self.recovery.check() or (self.elastic is not None and self.elastic.poll()):
+                if self._recover(recovery.check()) or (self.elastic is not None and self._reform(self.elastic.poll())):
                     continue
             try:
-                stats = self.shards.stats(timeout=10)
+                stats = shards.stats(timeout=10)
             except Exception as exc:
-                if not (self.recovery.recover_if_lost(exc) or self.recovery.recover_if_transient(exc)):
+                if not self._recover(recovery.after_error(exc)):
                     raise RunError(f"ps task 0 does not answer: {type(exc).__name__}: {exc}") from None
                 continue
             if stats["generation"] != self.generation:
                 continue
-            self.global_step = stats["step"]
-            self.dropped_stale = stats["dropped_stale"]
-            self.samples = stats["samples"]
-            self.local_steps.update({int(k): v for k, v in stats["local_steps"].items()})
-            log = self.recovery.log
+            state.global_step = stats["step"]
+            state.dropped_stale = stats["dropped_stale"]
+            state.samples = stats["samples"]
+            state.local_steps.update({int(k): v for k, v in stats["local_steps"].items()})
+            log = recovery.log
             if log and "first_apply_s" not in log[-1] and stats["last_apply_time"] > log[-1]["time"]:
                 rec = log[-1]
                 rec["first_apply_s"] = stats["last_apply_time"] - rec["time"]
@@ -336,162 +380,141 @@ class Session:
             # A checkpoint due is started before an evaluation of the same step: the shards are held
             # for its snapshot only, never for the evaluation (its parts are written in the background).
             if self.saver.due():
-                self.recovery.guarded(self.saver.save, False, False)
+                self._guarded(self.saver.save, False, False)
             elif self.saver.pending is not None:
-                self.recovery.guarded(self.saver.poll)
+                self._guarded(self.saver.poll)
             for rec in stats["records"]:
                 metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
-                metrics["learning_rate"], metrics["replicas"] = lr, elastic.live_count(self)
-                telemetry.attach(self, metrics, rec["step"])
+                metrics["learning_rate"], metrics["replicas"] = lr, elastic.live_count(self.elastic, state.plan)
+                telemetry.attach(self.telemetry, metrics, rec["step"])
                 self._log(metrics, rec["step"])
-                self.records.append(rec)
+                state.records.append(rec)
                 latest = metrics
                 every = self.spec.eval.every_steps
-                if every and rec["step"] % every == 0 and rec["step"] < self.shards.last_step:
-                    self.recovery.guarded(evaluation.evaluate_now, self, rec["step"])
-            if self.global_step != last_step:
-                ctx = StepContext(self.global_step, dict(latest), write=self._log)
+                if every and rec["step"] % every == 0 and rec["step"] < shards.last_step:
+                    self._guarded(self.evaluator.now, rec["step"])
+            if state.global_step != last_step:
+                ctx = StepContext(state.global_step, dict(latest), write=self._log)
                 try:
                     call_step_hooks(self.hooks, ctx)
                 except Exception as exc:  # TF's Aborted/Unavailable from a hook: recover; others fail
-                    if self.recovery.recover_if_transient(exc):
+                    if self._recover(recovery.transient(exc)):
                         continue
                     raise
-                if ctx.stop_requested and not stopping:
-                    logger.info("stopping: %s", ctx.stop_requested)
-                    stopping, self.stop_reason = True, ctx.stop_requested
-                    self.recovery.guarded(self.shards.stop_consistently)
-                last_step = self.global_step
+                reason = ctx.stop_requested or state.stop_requested
+                if reason and not stopping:
+                    logger.info("stopping: %s", reason)
+                    stopping, state.stop_reason = True, reason
+                    self._guarded(shards.stop_consistently)
+                last_step = state.global_step
             self._report_progress(latest)
             if stats["error"] and not self._nan_stop(stats["error"]):
-                self.shards.request_stop()
+                shards.request_stop()
                 raise RunError(stats["error"])
-            failure = self._replica_failure()
+            failure = self.replicas.failure()
             if failure:  # a lost stage's neighbours fail before the scheduler sees its worker gone: wait
-                if self.recovery.recover_if_lost(RuntimeError(failure), wait_s=5.0 if self.plan.stages else 0.0) \
-                        or self.recovery.recover_if_transient(self.recovery.replica_error()):
+                if self._recover(recovery.lost_after(RuntimeError(failure), wait_s=5.0 if state.plan.stages else 0.0)
+                                 or recovery.transient(self.replicas.first_error())):
                     continue
                 self.saver.before_failing(failure)
-                self.shards.request_stop()
+                shards.request_stop()
                 raise RunError(failure)
-            data_report.retire_finished(self)
-            if self.driver is not None:
-                if self.driver.done():
-                    break
-            elif any(self.replica_futures) and all(f.status == "finished" for f in self.replica_futures if f):
+            if done := self.replicas.finished():  # at the end of their data: no sync step waits for them
+                state.retired.update(done)
+                shards.retire(done)
+            if self.replicas.done():
                 break
             time.sleep(POLL_S)
-        if self.driver is not None:
-            self.replica_stats = self.driver.replica_stats()
-        else:
-            self.replica_stats = [f.result() if f is not None else {} for f in self.replica_futures]
-            stages.collect(self, self.replica_stats)
-        for r, st in zip(self.plan.replicas, self.replica_stats, strict=True):
+        state.replica_stats = self.replicas.results()
+        for r, st in zip(state.plan.replicas, state.replica_stats, strict=True):
             if "GPU" in r.device and not str(st.get("device", "")).startswith("cuda"):
                 logger.warning("replica %d was placed on %s but computed on %s (placement.soft: no CUDA device "
                                "on %s)", r.index, r.device, st.get("device"), r.task)
-        final = self.shards.stats(timeout=30)
-        self.global_step, self.dropped_stale, self.samples = final["step"], final["dropped_stale"], final["samples"]
+        final = shards.stats(timeout=30)
+        state.global_step, state.dropped_stale, state.samples = final["step"], final["dropped_stale"], final["samples"]
         for rec in final["records"]:
             metrics = {k: rec[k] for k in ("time", "loss", "samples_per_sec", "dropped_stale")}
             latest = {**latest, **metrics}
             self._log(metrics, rec["step"])
-            self.records.append(rec)
+            state.records.append(rec)
         self._report_progress(latest)  # the last step, which the replicas may reach after the last poll
         if final["error"] and not self._nan_stop(final["error"]):  # nan_guard fired after the last poll
             raise RunError(final["error"])
 
     def _report_progress(self, latest: dict[str, Any]) -> None:
         """The ``progress`` callback's record (the CLI's progress line; docs/observability.md)."""
-        if self.progress is not None:
-            self.progress({"step": self.global_step, "steps": self.shards.last_step,
-                           "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
-                           "dropped_stale": self.dropped_stale, "replicas": elastic.live_count(self),
-                           "replicas_max": self.plan.num_replicas, "elastic": self.elastic is not None,
-                           **data_report.progress(self)})
+        state = self.state
+        if self.ctx.progress is not None:
+            self.ctx.progress({"step": state.global_step, "steps": self.shards.last_step,
+                               "loss": latest.get("loss"), "samples_per_sec": latest.get("samples_per_sec"),
+                               "dropped_stale": state.dropped_stale,
+                               "replicas": elastic.live_count(self.elastic, state.plan),
+                               "replicas_max": state.plan.num_replicas, "elastic": self.elastic is not None,
+                               **data_report.progress(self.spec, state)})
 
     def _nan_stop(self, error: str) -> bool:
         """A nan_guard hook with ``mode: warn`` turns the ps's refusal into a clean stop (TF's
         NanTensorHook(fail_on_nan_loss=False)): the parameters are the last good ones."""
         if not nan_stop(self.hooks, error):
             return False
-        if self.stop_reason != error:
+        if self.state.stop_reason != error:
             logger.warning("%s; stopping (nan_guard mode: warn)", error)
-            self.stop_reason = error
+            self.state.stop_reason = error
             self.shards.request_stop()
         return True
 
     def _finish(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
         self.shards.close_data_plane()
-        whole = evaluation.tables_fit_model_pt(self.plan)
+        plan = self.state.plan
+        whole = evaluation.tables_fit_model_pt(plan)
         if not whole:
             logger.warning("model.pt holds the dense parameters only: the tables' rows (more than %d MiB) stay in the "
                            "checkpoints", evaluation.MODEL_PT_TABLE_BYTES >> 20)
-        model = evaluation.assemble(self, model, self.shards.pull_params(for_eval=True), with_tables=whole)
+        model = self.evaluator.assemble(model, self.shards.pull_params(for_eval=True), with_tables=whole)
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
-            raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.global_step}: "
+            raise RunError(f"the parameters became non-finite (NaN or inf) by step {self.state.global_step}: "
                            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; model.pt not written (lower "
                            "optimizer.lr, check the data, or add a nan_guard hook to stop at the first one)")
-        final_eval = evaluation.evaluate(self, model)
+        final_eval = self.evaluator.evaluate(model)
         if final_eval:
-            self._log({"eval": final_eval}, self.global_step)
-        save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.run_dir / "model.pt")
+            self._log({"eval": final_eval}, self.state.global_step)
+        save_torch({k: v.detach().cpu() for k, v in model.state_dict().items()}, self.ctx.run_dir / "model.pt")
         return model, final_eval
 
-    def _cancel(self, grace_s: float = 3.0) -> None:
-        """End a run that did not complete. The order matters: replicas are first asked to stop
-        (each sees it in its next reply and returns), given ``grace_s`` to do so, and only then is
-        the data plane closed and what is left cancelled. Closing the data plane under a running
-        replica fails its task, and its worker prints Dask's "Compute Failed" with a traceback."""
-        if self.driver is not None:
-            self.driver.stop()
-        futures = [f for f in self.replica_futures + stages.futures_of(self) + self.shards.futures if f is not None]
-        replicas = [f for f in self.replica_futures + stages.futures_of(self) if f is not None and not f.done()]
-        if futures:
-            self.shards.request_stop()
-        if replicas:
-            with contextlib.suppress(Exception):  # a replica blocked on a lost ps: cancelled below
-                wait_futures(replicas, timeout=grace_s)
-        self.shards.close_data_plane()
-        if futures:
-            try:
-                self.client.cancel(futures, force=True)
-            except Exception as exc:
-                logger.debug("cancel failed: %s", exc)
-
     def _summary(self, status: str, error: str | None, final_eval: dict[str, Any], wall_s: float) -> dict[str, Any]:
-        last_loss = next((r["loss"] for r in reversed(self.records) if r.get("loss") is not None), None)
-        train_s = getattr(self, "train_s", None) or (time.time() - getattr(self, "t_train", time.time()))
+        spec, state, plan, saver = self.spec, self.state, self.state.plan, self.saver
+        last_loss = next((r["loss"] for r in reversed(state.records) if r.get("loss") is not None), None)
+        train_s = state.train_s or (time.time() - (state.t_train if state.t_train is not None else time.time()))
         # The chief's step comes from its last poll; a checkpoint written since (before failing, on
         # an interrupt) holds the ps's own, newer step: a summary never names a step older than it.
-        step = max(self.global_step, self.saver.last_step or 0)
+        step = max(state.global_step, saver.last_step or 0)
         summary = {
-            "name": self.spec.name, "run_id": self.run_id, "status": status, "global_step": step,
+            "name": spec.name, "run_id": self.ctx.run_id, "status": status, "global_step": step,
             "final_loss": last_loss, "eval": final_eval or None, "wall_s": round(wall_s, 3),
-            "samples_per_sec": (self.samples / train_s) if train_s > 0 else None,
-            "mode": self.spec.training.mode, "replication": self.spec.training.replication,
-            "replicas": self.plan.num_replicas, "recoveries": self.recoveries, "dropped_stale": self.dropped_stale,
-            "samples": self.samples, "train_s": round(train_s, 3), "pipeline_hash": self.plan.pipeline_hash,
-            "ps_tasks": [s.task for s in self.plan.shards], "start_step": self.start_step,
-            "recovery_log": self.recovery.log, "checkpoints": self.saver.written,
-            "checkpoint_waits": self.saver.waited, "checkpoint_deltas": self.saver.kinds.count("delta"),
-            "checkpoint_stall_s": round(sum(self.saver.stalls) + self.saver.wait_s, 3),
+            "samples_per_sec": (state.samples / train_s) if train_s > 0 else None,
+            "mode": spec.training.mode, "replication": spec.training.replication,
+            "replicas": plan.num_replicas, "recoveries": self.recoveries, "dropped_stale": state.dropped_stale,
+            "samples": state.samples, "train_s": round(train_s, 3), "pipeline_hash": plan.pipeline_hash,
+            "ps_tasks": [s.task for s in plan.shards], "start_step": state.start_step,
+            "recovery_log": self.recovery.log, "checkpoints": saver.written,
+            "checkpoint_waits": saver.waited, "checkpoint_deltas": saver.kinds.count("delta"),
+            "checkpoint_stall_s": round(sum(saver.stalls) + saver.wait_s, 3),
         }
-        if self.spec.training.replication == "between_graph":
-            t = self.spec.training
+        if spec.training.replication == "between_graph":
+            t = spec.training
             summary["data_plane"] = {"transport": t.transport, "wire_dtype": t.wire_dtype,
                                      **self.shards.data_plane_counts}
-        if self.plan.tables:
+        if plan.tables:
             try:  # (a run whose ps tasks are gone has no figures to give)
                 summary["tables"] = self.shards.table_stats()
             except Exception as exc:
                 logger.debug("no table figures: %s", exc)
-        summary.update(data_report.summary(self))
-        summary.update(elastic.summary(self))
-        summary.update(telemetry.summary(self))
+        summary.update(data_report.summary(spec, state))
+        summary.update(elastic.summary(self.elastic, plan))
+        summary.update(telemetry.summary(self.telemetry))
         if error:
             summary["error"] = error
-        if self.stop_reason:
-            summary["stop_reason"] = self.stop_reason
+        if state.stop_reason:
+            summary["stop_reason"] = state.stop_reason
         return summary

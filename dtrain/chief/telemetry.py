@@ -22,6 +22,11 @@ from dtrain.observe.scheduler import TOPIC, page_link
 from dtrain.worker import replica as replica_counters
 from dtrain.worker.tasks import REPLICA_TOPIC
 
+from .context import RunContext, RunState
+from .recovery import Recovery
+from .saver import Saver
+from .shards import ShardGroup
+
 logger = logging.getLogger(__name__)
 
 COUNTERS = tuple(replica_counters.COUNTERS)
@@ -66,14 +71,16 @@ def shard_figures(cur: dict[str, Any], prev: dict[str, Any] | None) -> dict[str,
 
 
 class Telemetry:
-    """Collects, reports and diagnoses one run's figures (see the module docstring)."""
+    """Collects, reports and diagnoses one run's figures (see the module docstring), from the run's
+    context and state, the shards' loads, and the saver's and the recovery's marks."""
 
-    def __init__(self, session: Any):
-        self.session = session
-        self.spec = session.spec
+    def __init__(self, ctx: RunContext, state: RunState, shards: ShardGroup, saver: Saver, recovery: Recovery):
+        self.ctx, self.state, self.shard_group, self.saver, self.recovery = ctx, state, shards, saver, recovery
+        self.spec = ctx.spec
         self.observe = self.spec.observe
-        self.client = session.conn.client
-        self.run_id = session.run_id  # the page, /metrics and the replicas' reports key the run by it, not by name
+        self.client = ctx.client
+        self.run_id = ctx.run_id  # the page, /metrics and the replicas' reports key the run by it, not by name
+        self.final: dict[str, Any] | None = None  # summary.json's telemetry keys, once computed
         self.started = time.time()
         self.lock = threading.Lock()
         self.latest: dict[int, dict[str, Any]] = {}  # replica -> counters (earlier attempts added in)
@@ -107,11 +114,11 @@ class Telemetry:
             self.latest[i] = {k: msg.get(k, 0) + carried.get(k, 0) for k in COUNTERS}
 
     def _task(self, kind: str, index: int) -> str | None:
-        items = self.session.plan.replicas if kind == "replica" else self.session.plan.shards
+        items = self.state.plan.replicas if kind == "replica" else self.state.plan.shards
         return items[index].task if index < len(items) else None
 
     def _variables(self, shard: int) -> list[str]:
-        plan = self.session.plan
+        plan = self.state.plan
         names = [v.name for v in plan.variables if v.shard == shard]
         names += [f"{t.name}/part_{p.part}" for t in plan.tables for p in t.parts if p.shard == shard]
         return names
@@ -124,7 +131,7 @@ class Telemetry:
         """This interval's figures (``replicas``, ``shards``) for a training record; also checks
         for new findings and hands the figures to the scheduler."""
         self._last = time.monotonic()
-        loads = self.session.shards.loads(timeout=5)
+        loads = self.shard_group.loads(timeout=5)
         with self.lock:
             latest = {i: dict(c) for i, c in self.latest.items()}
         replicas = {str(i): {"task": self._task("replica", i), **replica_figures(c, self._prev_r.get(i))}
@@ -148,25 +155,24 @@ class Telemetry:
     def _run(self) -> dict[str, Any]:
         """What every payload says of the run: its id and name, when it started and now, its steps,
         and the worker address of each of its tasks (the scheduler adds their memory)."""
-        tasks = {s.task for s in self.session.plan.shards} | {r.task for r in self.session.plan.replicas}
-        hosts = {t: a for t, a in self.session.conn.tasks.items() if t in tasks}
+        tasks = {s.task for s in self.state.plan.shards} | {r.task for r in self.state.plan.replicas}
+        hosts = {t: a for t, a in self.ctx.conn.tasks.items() if t in tasks}
         return {"run": self.run_id, "name": self.spec.name, "started": self.started, "time": time.time(),
                 "steps": self.spec.training.steps, "hosts": hosts}
 
     def _marks(self) -> dict[str, Any]:
         """The newest checkpoints, recoveries (``[step, time]`` each) and evaluation, for the page's
         time axis (the scheduler keeps each once)."""
-        s = self.session
-        out: dict[str, Any] = {"checkpoints": [list(c) for c in s.saver.saved[-MARKS:]],
-                               "recoveries": [[r["step"], r["time"]] for r in s.recovery.log[-MARKS:]]}
-        if s.eval_history:
-            ev = s.eval_history[-1]
+        out: dict[str, Any] = {"checkpoints": [list(c) for c in self.saver.saved[-MARKS:]],
+                               "recoveries": [[r["step"], r["time"]] for r in self.recovery.log[-MARKS:]]}
+        if self.state.eval_history:
+            ev = self.state.eval_history[-1]
             out["eval"] = {k: ev[k] for k in ("step", "loss", "accuracy", "time") if k in ev}
         return out
 
     def _diagnose(self, replicas: dict[str, Any], shards: dict[str, Any]) -> list[str]:
         return diagnose(replicas, shards, self.observe, self.spec.training.mode == "async",
-                        self.session.plan.num_replicas)
+                        self.state.plan.num_replicas)
 
     def _publish(self, payload: dict[str, Any]) -> None:
         try:
@@ -178,12 +184,12 @@ class Telemetry:
     def totals(self) -> dict[str, Any]:
         """summary.json's ``replicas_stats``, ``shards_stats`` and ``diagnosis``: over the run."""
         try:
-            self.shards.update(self.session.shards.loads(timeout=5))
+            self.shards.update(self.shard_group.loads(timeout=5))
         except Exception:  # the ps is gone (a failed run): the last interval's figures stand
             pass
         with self.lock:
             latest = {i: dict(c) for i, c in self.latest.items()}
-        for i, st in enumerate(self.session.replica_stats or []):
+        for i, st in enumerate(self.state.replica_stats or []):
             if isinstance(st, dict) and "local_steps" in st and i not in self._carried:
                 # The replica's own final counters (its result), unless an earlier attempt ran too.
                 latest[i] = replica_counters.counters(st)
@@ -192,7 +198,7 @@ class Telemetry:
         shards = {str(j): {"task": self._task("shard", j), **shard_figures(c, None),
                            "variables": self._variables(j)} for j, c in sorted(self.shards.items())}
         diagnosis = self._diagnose(replicas, shards)
-        self._publish({**self._run(), "final": True, "step": self.session.global_step, "loss": None,
+        self._publish({**self._run(), "final": True, "step": self.state.global_step, "loss": None,
                        "replicas": replicas, "shards": shards, "diagnosis": diagnosis, **self._marks()})
         return {"replicas_stats": replicas, "shards_stats": shards, "diagnosis": diagnosis}
 
@@ -206,37 +212,36 @@ class Telemetry:
 
 
 # ---------------------------------------------------------------------- the session's calls
-def start(session: Any) -> None:
+def start(ctx: RunContext, state: RunState, shards: ShardGroup, saver: Saver, recovery: Recovery
+          ) -> Telemetry | None:
     """At the run's start: print the dashboard's address and the dtrain page's, and start
     collecting (between-graph training with ``observe.telemetry``; the scheduler's plugin was
-    registered on connecting: ``dtrain.deploy.plugin.register``)."""
-    link = session.conn.dashboard_link
+    registered on connecting: ``dtrain.deploy.plugin.register``). Returns the collector, if any."""
+    link = ctx.conn.dashboard_link
     if link:
         logger.info("Dask dashboard: %s   dtrain page: %s", link, page_link(link))
-    spec = session.spec
+    spec = ctx.spec
     if spec.observe.telemetry and not spec.is_graph and spec.training.replication == "between_graph":
-        session.telemetry = Telemetry(session)
+        return Telemetry(ctx, state, shards, saver, recovery)
+    return None
 
 
-def attach(session: Any, metrics: dict[str, Any], step: int) -> None:
+def attach(t: Telemetry | None, metrics: dict[str, Any], step: int) -> None:
     """Add this interval's figures to a training record when one is due."""
-    t = getattr(session, "telemetry", None)
     if t is not None and t.due():
         figures = t.record(step, metrics.get("loss"), metrics.get("samples_per_sec"))
         metrics["replica_stats"], metrics["shard_stats"] = figures["replicas"], figures["shards"]
 
 
-def summary(session: Any) -> dict[str, Any]:
+def summary(t: Telemetry | None) -> dict[str, Any]:
     """summary.json's telemetry keys (computed once, when the run's replicas are done or it failed)."""
-    t = getattr(session, "telemetry", None)
     if t is None:
         return {}
-    if getattr(t, "final", None) is None:
+    if t.final is None:
         t.final = t.totals()
     return t.final
 
 
-def close(session: Any) -> None:
-    t = getattr(session, "telemetry", None)
+def close(t: Telemetry | None) -> None:
     if t is not None:
         t.close()

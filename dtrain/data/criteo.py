@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import BadRecordError
 from .features import MISSING_ID, CategoricalColumn, RecordLayout, dense_transform
-from .shards import BadRecordError
 from .sources import CRITEO_SUFFIXES  # noqa: F401 - re-exported: the format's file names
 
 CRITEO_DENSE: tuple[str, ...] = tuple(f"I{i}" for i in range(1, 14))

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import BadRecordError, ShardError
 from .features import MAX_ID, MISSING_ID, LayoutError, RecordLayout, hash64
-from .shards import BadRecordError, ShardError
 
 _LIST = re.compile(r"^(?:large_)?list<[^:]*: (.+)>$")
 _FLOATS = ("float", "double", "halffloat")

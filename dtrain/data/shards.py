@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import BadRecordError, BadShardError, ShardError  # noqa: F401 (re-exported: their home before)
 from .sources import CRITEO_SUFFIXES, FILE_SUFFIXES, data_source_kind
 
 if TYPE_CHECKING:
@@ -32,18 +33,6 @@ GLOB_CHARS = "*?["
 # Directory entries ``check_source`` (``dtrain validate``) looks at, at most: a source such as ``/``
 # would otherwise be listed whole. A larger listing is left to the run (its preflight lists it).
 LISTING_LIMIT = 20_000
-
-
-class ShardError(ValueError):
-    """A sharded source that cannot be used (nothing matches, files that disagree, a bad header)."""
-
-
-class BadShardError(OSError):
-    """A shard that turned out unreadable or corrupt while training read it (names the file)."""
-
-
-class BadRecordError(BadShardError, ValueError):
-    """A record that does not fit the layout (names the file, the line or row, and the column)."""
 
 
 SHARD_SUFFIXES: tuple[str, ...] = FILE_SUFFIXES + CRITEO_SUFFIXES

@@ -79,7 +79,7 @@ def warm_for_file(path: str, overrides: list[str]) -> None:
     command stops the server as it exits, whatever the run did."""
     import yaml
 
-    from dtrain.deploy.cluster import DASK_ENV
+    from dtrain.deploy.env import DASK_ENV
 
     try:
         doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

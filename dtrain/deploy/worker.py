@@ -136,7 +136,7 @@ def _tls_files(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _environment(args: argparse.Namespace) -> dict[str, str]:
-    from dtrain.deploy.cluster import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
+    from dtrain.deploy.env import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
     # Keep torch's per-step buffers on the heap (see dtrain.deploy.cluster.dask_config): for this

@@ -23,8 +23,8 @@ from dtrain.spec.sections import MAX_STEPS, worker_device_spec
 
 from .assign import assign_workers, resolve_workers  # noqa: F401 (resolve_workers: re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data
-from .partitioners import check_partitioner, partition_of
-from .placement import VariableRequest, names_variable, partition, place_variables
+from .partitioners import check_partitioner, partition, partition_of
+from .placement import VariableRequest, names_variable, place_variables
 from .stages import StagePlan, format_stages, plan_stages
 from .tables import TablePlan, format_tables, plan_tables
 

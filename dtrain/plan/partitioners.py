@@ -87,6 +87,15 @@ def partitions_for(config: Any, shape: Sequence[int], itemsize: int) -> list[int
     raise ValueError(f"unknown partitioner type {c['type']!r}; use fixed_size, min_max or variable_axis_size")
 
 
+def partition(name: str, shape: tuple[int, ...], itemsize: int, num_parts: int) -> list[VariableRequest]:
+    """Split along dim 0 into ``min(num_parts, shape[0])`` parts; the first ``dim0 % n`` parts get a row more."""
+    if not shape:
+        raise ValueError(f"cannot partition {name!r}: a scalar has no dimension 0")
+    if num_parts < 1:
+        raise ValueError(f"cannot partition {name!r} into {num_parts} parts; need at least 1")
+    return slice_variable(name, shape, itemsize, [max(1, min(num_parts, shape[0])), *[1] * (len(shape) - 1)])
+
+
 def slice_variable(name: str, shape: Sequence[int], itemsize: int, partitions: Sequence[int]) -> list[VariableRequest]:
     """The parts of a variable for a partition vector (one axis > 1), in order, each with its slice
     of the flattened variable (``start``, ``blocks``, ``stride``) and TensorFlow's save-slice spec

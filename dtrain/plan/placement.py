@@ -52,17 +52,6 @@ def names_variable(key: str, name: str) -> bool:
     return name == key or (key.endswith(".") and name.startswith(key))
 
 
-def partition(name: str, shape: tuple[int, ...], itemsize: int, num_parts: int) -> list[VariableRequest]:
-    """Split along dim 0 into ``min(num_parts, shape[0])`` parts; the first ``dim0 % n`` parts get a row more."""
-    if not shape:
-        raise ValueError(f"cannot partition {name!r}: a scalar has no dimension 0")
-    if num_parts < 1:
-        raise ValueError(f"cannot partition {name!r} into {num_parts} parts; need at least 1")
-    from .partitioners import slice_variable  # (it builds on VariableRequest)
-
-    return slice_variable(name, shape, itemsize, [max(1, min(num_parts, shape[0])), *[1] * (len(shape) - 1)])
-
-
 def place_variables(requests: list[VariableRequest], ps_job: str, num_ps: int,
                     strategy: str) -> list[DeviceSpec]:
     """The device of each request, in order (see the module docstring for the rules)."""

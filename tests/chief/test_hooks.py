@@ -290,3 +290,40 @@ hooks: [{type: nan_guard, mode: warn}]
     model = torch.load(run_dir / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values())
     assert any("nan_guard" in r.getMessage() and "mode: warn" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------ the run view
+
+
+def test_begin_and_end_see_a_read_only_view_of_the_run(inproc_client, run_dir, tmp_path):
+    """``begin``/``end`` get a RunView, not the session: what the run reached, read when asked; a
+    stop asked for in ``begin`` ends the run cleanly at the first step observed."""
+    seen = tmp_path / "seen.json"
+    s = spec(f"""
+training: {{mode: async, steps: 20000}}
+summary: {{every_steps: 10, tensorboard: false}}
+hooks: [{{type: "tests.helpers.hooks:StopAtBegin", args: {{path: "{seen}"}}}}]
+""")
+    summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
+    got = json.loads(seen.read_text())
+    assert summary["status"] == "completed" and summary["stop_reason"] == "asked in begin"
+    assert summary["global_step"] < 20000
+    assert got["begin_step"] == got["start_step"] == 0 and got["shards"] == 2
+    assert got["run_id"] == summary["run_id"] and got["run_dir"] == str(run_dir)
+    assert got["end_step"] == summary["global_step"] and got["stop_reason"] == "asked in begin"
+
+
+def test_a_run_view_cannot_be_written_through():
+    from dtrain.chief.context import RunContext, RunState
+    from dtrain.chief.hooks import RunView
+
+    s = spec("training: {mode: async, steps: 10}")
+    state = RunState(dtrain.compile(s))
+    view = RunView(RunContext(s, SimpleNamespace(dashboard_link=None), run_dir=None, token="t"), state)
+    state.global_step, state.records = 7, [{"step": 7, "loss": 0.5, "time": 1.0}]
+    assert (view.step, view.metrics["loss"], view.dashboard_link) == (7, 0.5, None)
+    with pytest.raises(AttributeError):
+        view.step = 8  # type: ignore[misc]
+    view.spec.training.steps = 99  # a copy
+    assert s.training.steps == 10
+    assert isinstance(view.records, tuple) and view.records[0]["step"] == 7  # a copy of the list

@@ -15,7 +15,8 @@ from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
-from dtrain.chief.ingraph import InGraphDriver, new_driver
+from dtrain.chief.drivers import new_driver
+from dtrain.chief.ingraph import InGraphDriver
 from dtrain.chief.shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
 from dtrain.plan.layout import ShardLayout

@@ -10,7 +10,7 @@ from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief import checkpoint
-from dtrain.chief.ingraph import new_driver
+from dtrain.chief.drivers import new_driver
 from dtrain.chief.ingraph_async import AsyncInGraphDriver
 from tests.chief.test_ingraph import shard_steps, shards_for
 from tests.helpers.paths import PIPELINES

@@ -123,8 +123,8 @@ def test_another_runs_replicas_of_the_same_name_are_not_counted(inproc_client):
     """Two runs of one pipeline on one scheduler: each chief counts its own replicas' reports
     only (they carry the run's id, not just its name)."""
     spec = digits(name="same")
-    session = SimpleNamespace(spec=spec, conn=SimpleNamespace(client=inproc_client), run_id="same-00000001")
-    t = Telemetry(session)
+    ctx = SimpleNamespace(spec=spec, client=inproc_client, run_id="same-00000001")  # what collecting needs
+    t = Telemetry(ctx, state=None, shards=None, saver=None, recovery=None)
     try:
         other = {"run": "same-00000002", "replica": 0, "attempt": 1, "worker": "worker-1", "steps": 99, "wall_s": 9.0}
         mine = {"run": "same-00000001", "replica": 0, "attempt": 1, "worker": "worker-0", "steps": 7, "wall_s": 1.0}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.chief.hooks import Hook, StepContext
+from dtrain.chief.hooks import Hook, RunView, StepContext
 
 CALLS: list[tuple[str, Any]] = []
 
@@ -30,8 +30,8 @@ class RecordingHook(Hook):
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps([self.tag, event, value]) + "\n")
 
-    def begin(self, session: Any) -> None:
-        self._record("begin", session.start_step)
+    def begin(self, run: RunView) -> None:
+        self._record("begin", run.start_step)
 
     def before_step(self, ctx: StepContext) -> None:
         self._record("before_step", ctx.step)
@@ -45,8 +45,8 @@ class RecordingHook(Hook):
     def on_task_lost(self, task: str) -> None:
         self._record("on_task_lost", task)
 
-    def end(self, session: Any) -> None:
-        self._record("end", session.global_step)
+    def end(self, run: RunView) -> None:
+        self._record("end", run.step)
 
 
 class HalfPushOnLoss(Hook):
@@ -54,30 +54,37 @@ class HalfPushOnLoss(Hook):
     lone sync replica killed between its pushes to two shards leaves behind, that shard a step
     ahead of the others, made certain. First, as a kill would, it ends the lost replica's pushes (a
     worker closed in-process leaves its task's thread running: fenced off the data plane), and it
-    lets a checkpoint hold the replica may have reached go (the chief is busy with this hook)."""
+    lets a checkpoint hold the replica may have reached go (the chief is busy with this hook).
+    A hook sees no ps actor (its :class:`RunView` is read-only): this one finds them on the
+    cluster by their keys, ``dtrain-ps-<shard>-g<generation>-<token>`` (chief/shards.py)."""
 
-    def begin(self, session: Any) -> None:
-        self.session, self.done = session, False
+    def begin(self, run: RunView) -> None:
+        self.run, self.done = run, False
 
     def on_task_lost(self, task: str) -> None:
         if self.done:
             return
         self.done = True
+        from distributed import Future, get_client
+
         from dtrain.chief.elastic import FENCED
 
-        shards = self.session.shards
-        shards.set_owners({0: FENCED})
-        shards.release()
-        last = len(shards.handles) - 1
-        handle = shards.handles[last]
-        step = handle.current_step().result(timeout=10)
-        handle.push_sync(torch.zeros(shards.plan.shards[last].numel), 0, step).result(timeout=10)
+        client = get_client()  # the run's: hooks are called under its client (dtrain.chief.runner)
+        token = self.run.run_id.rsplit("-", 1)[1]
+        shards = self.run.plan.shards
+        handles = [Future(f"dtrain-ps-{s.index}-g0-{token}", client).result(timeout=10) for s in shards]
+        for h in handles:
+            h.set_owner(0, FENCED).result(timeout=30)
+        for h in handles:
+            h.release().result(timeout=10)
+        step = handles[-1].current_step().result(timeout=10)
+        handles[-1].push_sync(torch.zeros(shards[-1].numel), 0, step).result(timeout=10)
 
 
 class NotAHook:
     """Has the callbacks but does not subclass dtrain.Hook: must be refused."""
 
-    def begin(self, session: Any) -> None:  # pragma: no cover - never called
+    def begin(self, run: Any) -> None:  # pragma: no cover - never called
         pass
 
 
@@ -124,3 +131,21 @@ class SummaryHook(Hook):
         ctx.summary("custom/half_step", ctx.step / 2)
         if ctx.metrics.get("loss") is not None:
             ctx.summary("custom/loss_x2", torch.tensor(2 * ctx.metrics["loss"]))
+
+
+class StopAtBegin(Hook):
+    """Asks for a stop in ``begin`` (the run view's ``request_stop``) and records what the view
+    showed at ``begin`` and ``end``."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def begin(self, run: RunView) -> None:
+        self.seen = {"begin_step": run.step, "start_step": run.start_step, "run_id": run.run_id,
+                     "run_dir": str(run.run_dir), "shards": len(run.plan.shards)}
+        run.request_stop("asked in begin")
+
+    def end(self, run: RunView) -> None:
+        self.seen.update(end_step=run.step, stop_reason=run.stop_reason, records=len(run.records),
+                         loss=run.metrics.get("loss"))
+        self.path.write_text(json.dumps(self.seen))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dtrain.chief.hooks import Hook, StepContext
+from dtrain.chief.hooks import Hook, RunView, StepContext
 
 
 def fetch(url: str, timeout: float = 10) -> tuple[int, str]:
@@ -34,8 +34,8 @@ class ScrapeHook(Hook):
         self.last = 0.0
         self.scrapes: list[dict[str, Any]] = []
 
-    def begin(self, session: Any) -> None:
-        link = session.conn.dashboard_link
+    def begin(self, run: RunView) -> None:
+        link = run.dashboard_link
         self.base = link.rsplit("/", 1)[0] if link else None
 
     def after_step(self, ctx: StepContext) -> None:
@@ -52,7 +52,7 @@ class ScrapeHook(Hook):
                                  "page": page, "js_status": js_status})
             self.path.write_text(json.dumps(self.scrapes[-3:]))
 
-    def end(self, session: Any) -> None:
+    def end(self, run: RunView) -> None:
         """The scheduler's figures of the run as the run ends (``path`` with ``.data.json``)."""
         if self.base is not None:
             self.path.with_suffix(".data.json").write_text(fetch(self.base + "/dtrain/data.json")[1])
@@ -105,10 +105,10 @@ class PageCheckHook(Hook):
         self.points, self.timeout_s = points, timeout_s
         self.thread: threading.Thread | None = None
 
-    def begin(self, session: Any) -> None:
-        link = session.conn.dashboard_link
+    def begin(self, run: RunView) -> None:
+        link = run.dashboard_link
         base = link.rsplit("/", 1)[0] if link else None
-        self.thread = threading.Thread(target=self._check, args=(base, session.run_id), daemon=True,
+        self.thread = threading.Thread(target=self._check, args=(base, run.run_id), daemon=True,
                                        name="page-check")
         self.thread.start()
 
@@ -116,7 +116,7 @@ class PageCheckHook(Hook):
         if self.thread is not None and not self.thread.is_alive():
             ctx.request_stop("the page was checked")
 
-    def end(self, session: Any) -> None:
+    def end(self, run: RunView) -> None:
         if self.thread is not None:
             self.thread.join(timeout=self.timeout_s)
 

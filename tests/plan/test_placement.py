@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.plan.placement import VariableRequest, partition, place_variables
+from dtrain.plan.partitioners import partition
+from dtrain.plan.placement import VariableRequest, place_variables
 from dtrain.spec.device import DeviceSpec
 
 PS0, PS1, PS2 = (f"/job:ps/task:{i}/device:CPU:0" for i in range(3))
