@@ -469,7 +469,8 @@ class Session:
         whole = evaluation.tables_fit_model_pt(plan)
         if not whole:
             logger.warning("model.pt holds the dense parameters only: the tables' rows (more than %d MiB) stay in the "
-                           "checkpoints", evaluation.MODEL_PT_TABLE_BYTES >> 20)
+                           "checkpoints; the model with its tables is their export: dtrain export %s OUT",
+                           evaluation.MODEL_PT_TABLE_BYTES >> 20, self.ctx.run_dir)
         model = self.evaluator.assemble(model, self.shards.pull_params(for_eval=True), with_tables=whole)
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # a run that diverged never ends "completed", with or without a nan_guard hook
