@@ -24,12 +24,6 @@ KNOWN_CIRCLES: dict[frozenset[str], str] = {
     }): "the spec's sections import their base models from sections.py, which imports them back (E402) to "
         "assemble the sections, and pipeline.py's cross-section rules are imported lazily by the sections; "
         "cut by a spec/base.py holding Strict and the helpers (architecture review 2, item 6)",
-    frozenset({"dtrain.worker.replica", "dtrain.worker.stages"}):
-        "the replica loop drives a pipeline stage, which reuses the loop's step; the worker plane is under "
-        "performance work elsewhere (cut by moving the shared step out of replica.py)",
-    frozenset({"dtrain.ps.dynamic", "dtrain.ps.rows"}):
-        "a table part makes a dynamic part lazily, which builds on the rows' helpers; the ps plane is under "
-        "performance work elsewhere (cut by a factory module for table parts)",
 }
 
 

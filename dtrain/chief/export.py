@@ -31,7 +31,7 @@ import torch
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
 from dtrain.plan.tables import table_config
-from dtrain.ps.rows import table_part
+from dtrain.ps.groups import table_part
 from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
 

@@ -34,6 +34,7 @@ import torch
 
 from dtrain.model.tables import global_rows
 
+from .dynamic import DynamicTablePart
 from .rows import (
     STORAGE,
     ChangeMarks,
@@ -42,10 +43,9 @@ from .rows import (
     make_row_optimizer,
     round_stochastic,
     sum_rows,
-    table_part,
 )
 
-__all__ = ["TableGroup", "table_parts"]
+__all__ = ["TableGroup", "table_part", "table_parts"]
 
 
 def _key(config: dict[str, Any], optimizer: dict[str, Any]) -> tuple[Any, ...]:
@@ -203,7 +203,7 @@ def table_parts(configs: Any, run_optimizer: dict[str, Any], track: bool = False
                 ) -> tuple[dict[str, Any], list[TableGroup]]:
     """A ps task's parts of its tables by name (plan configs, ``dtrain.plan.tables.table_config``)
     and the groups that hold those that batch (module docstring); the others are built alone
-    (``dtrain.ps.rows.table_part``). A table with its own optimizer config uses it, the others
+    (:func:`table_part`). A table with its own optimizer config uses it, the others
     ``run_optimizer``. ``track``: every part marks the rows that change (incremental checkpoints)."""
     configs = list(configs)
     by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -219,3 +219,15 @@ def table_parts(configs: Any, run_optimizer: dict[str, Any], track: bool = False
     tables = {c["name"]: built[c["name"]] if c["name"] in built else table_part(c, run_optimizer, track)
               for c in configs}
     return tables, groups
+
+
+def table_part(config: dict[str, Any], run_optimizer: dict[str, Any], track: bool = False) -> Any:
+    """A ps task's part of one table, from its plan config (``dtrain.plan.tables.table_config``): a
+    :class:`TablePart`, or a ``DynamicTablePart`` for a table without a vocabulary. A table with its
+    own optimizer config uses it, the others ``run_optimizer``; ``track``: the part marks the rows
+    that change, for incremental checkpoints."""
+    settings = {k: v for k, v in config.items() if k not in ("optimizer", "dynamic")}
+    optimizer = config.get("optimizer") or run_optimizer
+    if config.get("dynamic") is not None:
+        return DynamicTablePart(**settings, **config["dynamic"], optimizer_config=optimizer, track=track)
+    return TablePart(**settings, optimizer_config=optimizer, track=track)

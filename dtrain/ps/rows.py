@@ -42,7 +42,7 @@ from dtrain.model.tables import CHUNK_ROWS, global_rows, init_rows
 from .row_optimizers import ROW_OPTIMIZERS, ROW_STATE, RowOptimizer, make_row_optimizer, row_state_bytes
 
 __all__ = ["ROW_OPTIMIZERS", "ROW_STATE", "STORAGE", "ChangeMarks", "TablePart", "make_row_optimizer", "pack_state",
-           "round_stochastic", "row_state_bytes", "table_part", "unique_rows", "unpack_state"]
+           "round_stochastic", "row_state_bytes", "unique_rows", "unpack_state"]
 
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """A table's storage dtypes, by the name a ``Table`` and the plan give them."""
@@ -390,17 +390,3 @@ class TablePart:
     def nbytes(self) -> int:
         """Bytes of the rows and their optimizer state (each tensor's own element size)."""
         return sum(t.numel() * t.element_size() for t in (self.weight, *self.optimizer.tensors().values()))
-
-
-def table_part(config: dict[str, Any], run_optimizer: dict[str, Any], track: bool = False) -> Any:
-    """A ps task's part of one table, from its plan config (``dtrain.plan.tables.table_config``): a
-    :class:`TablePart`, or a ``DynamicTablePart`` for a table without a vocabulary. A table with its
-    own optimizer config uses it, the others ``run_optimizer``; ``track``: the part marks the rows
-    that change, for incremental checkpoints."""
-    settings = {k: v for k, v in config.items() if k not in ("optimizer", "dynamic")}
-    optimizer = config.get("optimizer") or run_optimizer
-    if config.get("dynamic") is not None:
-        from .dynamic import DynamicTablePart
-
-        return DynamicTablePart(**settings, **config["dynamic"], optimizer_config=optimizer, track=track)
-    return TablePart(**settings, optimizer_config=optimizer, track=track)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -38,9 +38,6 @@ from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.buckets import GradBuckets
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
 from dtrain.worker.tables import SparseRouter
-
-if TYPE_CHECKING:  # the stages import this module
-    from dtrain.worker.stages import StageModel
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +152,25 @@ COUNTERS = {"steps": "local_steps", "samples": "samples", "compute_s": "compute_
 def counters(stats: dict[str, Any]) -> dict[str, Any]:
     """The telemetry counters of a replica's stats (``vars(ReplicaStats)`` or the task's result)."""
     return {k: stats.get(f, 0) for k, f in COUNTERS.items()}
+
+
+class StepModel(Protocol):  # pragma: no cover - a typing aid
+    """What the training loop (:func:`_train`) drives: a :class:`ReplicaModel`, or a pipeline
+    stage's ``dtrain.worker.stages.StageModel`` (which imports this module, so it is named here by
+    its interface)."""
+
+    device: torch.device
+    model: torch.nn.Module
+    bound: BoundModel
+    zero_copy: bool
+    grad_bufs: list[list[torch.Tensor]]
+    batches: MemoryBatches | StreamBatches
+
+    def step(self, grads: list[torch.Tensor]) -> tuple[float, int]: ...
+
+    def peek_inputs(self) -> torch.Tensor | None: ...
+
+    def load(self, buffers: list[torch.Tensor]) -> None: ...
 
 
 class ReplicaModel:
@@ -293,7 +309,7 @@ def _run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] |
         rep.batches.close()
 
 
-def _train(rep: ReplicaModel | StageModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], index: int, shards: list[Any] | Callable[[], list[Any]],
+def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], index: int, shards: list[Any] | Callable[[], list[Any]],
            start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
     stats = ReplicaStats(index, device=str(rep.device))
     if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
