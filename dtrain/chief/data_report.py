@@ -56,7 +56,48 @@ def positions(spec: PipelineSpec, state: RunState, step: int) -> dict[str, Any]:
         place: dict[str, Any] = dict(stream_layout(spec, plan, r.index).locate(batch))
         place["shard"] = plan.data.replicas[r.index].shards[place["shard"]]  # its name
         out[str(r.index)] = {"position": batch, **place}
-    return {"data": out}
+    return {"data": out, "data_layout": data_layout(spec, plan)}
+
+
+def data_layout(spec: PipelineSpec, plan: Plan) -> dict[str, Any] | None:
+    """What a sharded dataset's positions index, per replica: its shards (names) and their rows,
+    and the batch size, shuffle window, shuffle and seed its stream is cut with (None: data in
+    memory). A checkpoint keeps it beside the positions; a resume compares (:func:`layout_change`)."""
+    if plan.data is None:
+        return None
+    out = {}
+    for r in plan.replicas:
+        lay = stream_layout(spec, plan, r.index)
+        out[str(r.index)] = {"shards": list(plan.data.replicas[r.index].shards), "rows": list(lay.rows),
+                             "batch_size": lay.batch_size, "window": lay.window, "shuffle": lay.shuffle,
+                             "seed": lay.seed}
+    return out
+
+
+def layout_change(written: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """Why positions recorded under the data layout ``written`` would index other samples under
+    ``now`` (the first difference, in words), or None (the same, or a checkpoint without one)."""
+    if written is None:
+        return None
+    if now is None:
+        return "it was written reading a sharded dataset, the pipeline now reads its data in memory"
+    if sorted(written, key=int) != sorted(now, key=int):
+        return f"it holds the positions of {len(written)} replica(s), the plan has {len(now)}"
+    for index in sorted(now, key=int):
+        a, b = written[index], now[index]
+        for key in ("shards", "rows", "batch_size", "window", "shuffle", "seed"):
+            if a.get(key) != b.get(key):
+                what = {"shards": "read the files", "rows": "read files of", "batch_size": "took batches of",
+                        "window": "shuffled in windows of", "shuffle": "had shuffle", "seed": "had the seed"}[key]
+                return (f"replica {index} {what} {_brief(a.get(key))} when it was written and would now "
+                        f"{'read' if key in ('shards', 'rows') else 'use'} {_brief(b.get(key))}")
+    return None
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{', '.join(map(str, value[:3]))}, ... ({len(value)} in all)]"
+    return str(value)
 
 
 def epochs_done(spec: PipelineSpec, state: RunState) -> float | None:

@@ -314,6 +314,14 @@ class Session:
         self.shards.create(state.init_buffers)
         if checkpoint is not None:
             checkpoint = self.saver.restore(checkpoint)
+            # A sharded dataset's positions index the files, batch and window they were written
+            # under: another layout would silently repeat or skip samples.
+            why = data_report.layout_change(checkpoint.payload.get("replicas", {}).get("data_layout"),
+                                            data_report.data_layout(self.spec, state.plan))
+            if why:
+                raise RunError(f"cannot resume from {checkpoint.path.name}: {why}, so its replicas' positions would "
+                               "repeat or skip samples; restore the data and data settings it was written with, or "
+                               "start over in another --run-dir")
             state.global_step = checkpoint.step
             self.saver.restored(checkpoint.step)
             state.local_steps = {int(k): v for k, v in checkpoint.payload.get("replicas", {})

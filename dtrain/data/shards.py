@@ -309,10 +309,36 @@ def _count_lines(path: str) -> int:
         raise ShardError(f"{path}: cannot count its lines: {' '.join(str(exc).split())}") from exc
 
 
-@lru_cache(maxsize=8)
 def manifest_for(source: str, base_dir: str, target: str, *, layout: RecordLayout | None = None) -> Manifest:
-    """:func:`read_manifest`, cached per process (validation, the plan and the chief share it)."""
+    """:func:`read_manifest`, cached per process (validation, the plan and the chief share it) for
+    as long as the files it matches are the same (names, and a local file's size and modification
+    time): a file added, removed or rewritten since is seen by the next run of the same process."""
+    return _manifest_cached(source, base_dir, target, _stamps(source, base_dir), layout=layout)
+
+
+@lru_cache(maxsize=8)
+def _manifest_cached(source: str, base_dir: str, target: str, stamps: tuple[tuple[str, int, int], ...], *,
+                     layout: RecordLayout | None = None) -> Manifest:
     return read_manifest(source, base_dir, target, layout=layout)
+
+
+def _stamps(source: str, base_dir: str) -> tuple[tuple[str, int, int], ...]:
+    """The files ``source`` matches now, each with its size and modification time where local (a
+    listing that fails is left to :func:`read_manifest` to report)."""
+    import os
+
+    try:
+        files = discover(source, base_dir)
+    except ShardError:
+        return ()
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+            out.append((f, st.st_size, st.st_mtime_ns))
+        except OSError:  # (a URL: its name)
+            out.append((f, -1, -1))
+    return tuple(out)
 
 
 def split_eval(manifest: Manifest, test_fraction: float, seed: int, min_train: int) -> tuple[Manifest, Manifest]:

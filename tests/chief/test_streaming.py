@@ -187,3 +187,29 @@ summary: {{every_steps: 5, tensorboard: false}}
     assert s["status"] == "completed" and s["epochs"] == 1.0
     assert s["global_step"] == max(r.rows // 64 for r in result.plan.data.replicas) == 3000 // 64
     assert s["eval"]["accuracy"] > 0.6 and result.plan.tables and result.plan.data.format == "npz"
+
+
+def test_a_resume_whose_data_changed_is_refused_naming_the_difference(inproc_client, data_dir, tmp_path):
+    """A checkpoint's positions index the files, batch size and shuffle window it was written under:
+    a file added since, or another batch size, would make the resumed replicas repeat or skip
+    samples silently. The resume is refused, naming the first difference; with the data as it was
+    it resumes."""
+    def spec(steps: int, batch: int = 16) -> dtrain.PipelineSpec:
+        data = spec_for(data_dir, "checkpoint: {every_steps: 5}\n").model_dump(mode="json")
+        data["training"]["steps"], data["data"]["batch_size"] = steps, batch
+        return dtrain.PipelineSpec.model_validate(data)
+
+    run_dir = tmp_path / "run"
+    first = dtrain.run(spec(12), client=inproc_client, run_dir=run_dir)
+    assert first.summary["checkpoints"][-1] == "ckpt-00000012"
+    with pytest.raises(RunError, match=r"cannot resume from ckpt-00000012: replica 0 took batches of 16 when it was "
+                                       r"written and would now use 32"):
+        dtrain.run(spec(20, batch=32), client=inproc_client, run_dir=run_dir, resume=True)
+    extra = shards.write(tmp_path / "extra", [120], start=50_000)[0]
+    added = data_dir / "train" / "part-009.parquet"
+    added.write_bytes(extra.read_bytes())
+    with pytest.raises(RunError, match=r"replica \d read the files .* when it was written and would now read"):
+        dtrain.run(spec(20), client=inproc_client, run_dir=run_dir, resume=True)
+    added.unlink()
+    again = dtrain.run(spec(20), client=inproc_client, run_dir=run_dir, resume=True)
+    assert again.summary["status"] == "completed" and again.summary["start_step"] == 12
