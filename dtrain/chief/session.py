@@ -192,7 +192,16 @@ class Session:
             self.ctx.conn.tasks[slot.task] = slot.address
         self._replan(refresh=False)
         if reform.joins and sync:
-            self.shards.retire([s.index for s in reform.joins], how="rejoin")
+            # Every shard takes the newcomers into its quorum at one step (held there: with several
+            # ps tasks a step completed on one between two calls would wait forever for a newcomer
+            # that starts behind it), and the live replicas may wait for their first push as long
+            # as a replica's start may take.
+            self.shards.hold_consistent()
+            try:
+                self.shards.retire([s.index for s in reform.joins], how="rejoin")
+            finally:
+                self.shards.release()
+            self.shards.grant_barrier_grace(self.spec.training.call_timeout_s)
         for slot in reform.joins:
             self.replicas.submit(only=slot.index)
             self.elastic.joined_slot(slot)

@@ -120,6 +120,15 @@ def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
     assert bounds[2] - bounds[1] >= 800
 
 
+def test_a_sync_join_with_two_ps_tasks(tmp_path):
+    """Two ps tasks: a newcomer joins every shard's quorum at one step (the shards held there), so
+    no shard waits for a gradient the newcomer, starting at the other's step, never sends."""
+    summary, _ = _scaled_run(tmp_path, "digits_sync.yaml", "{ps: 2, worker: {min: 1, max: 3}}", 2000,
+                             up=5, down=4, live=(1, 3, 2), extra=("training.replicas_to_aggregate=null",), hold=300)
+    assert (summary["replicas_joined"], summary["replicas_left"]) == (2, 1)
+    assert summary["eval"]["accuracy"] >= 0.9, summary["eval"]
+
+
 def test_an_adaptive_cluster_keeps_the_ps_and_replicas_and_closes_idle_workers(tmp_path):
     # The user's own cluster.adapt(): the idle worker beyond the 2 replica slots goes; the ps worker,
     # idle too as Dask sees it (an actor runs no task), is never even tried (dtrain.deploy.plugin:
