@@ -40,7 +40,7 @@ test: $(STAMP) chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The suite in two tiers (README, Development): `make test` runs both, as CI does.
-FAST := not processes and not slow
+FAST := not processes and not slow and not lab and not browser
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS)
