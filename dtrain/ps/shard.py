@@ -527,13 +527,15 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         (ps/reshard.py). Returns the step; the next checkpoint's part is full."""
         step = await self.set_state(dense)
         loop = asyncio.get_running_loop()
+        opened: dict[str, dict[str, Any]] = {}  # each file opened once (memory-mapped), whatever its tables
         for table in tables:
             part = self.tables[table["name"]]
             chains = []
             for files in table["chains"]:
-                states = [await loop.run_in_executor(None, read_part_file, path, nbytes, sha, False)
-                          for path, nbytes, sha in files]
-                chains.append([unpack_state(st["tables"][table["name"]]) for st in states])
+                for path, nbytes, sha in files:
+                    if path not in opened:
+                        opened[path] = await loop.run_in_executor(None, read_part_file, path, nbytes, sha, False)
+                chains.append([unpack_state(opened[path]["tables"][table["name"]]) for path, _, _ in files])
             with self.lock:
                 restore_part(part, chains, table["num_embeddings"], tuple(table["old"]), tuple(table["new"]),
                              int(table["part"]))
