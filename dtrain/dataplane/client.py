@@ -130,7 +130,7 @@ class SocketShard:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"dtrain-dp-r{replica}")
         # Requests on the caller's thread (see _submit): no hand-off to the pool's thread and back,
         # which cost more CPU than the round trip itself (docs/performance.md, "What made the difference").
-        self._inline = self.shm is not None and f32 and not self.tables
+        self._inline = self.shm is not None and f32
         self._unread: InlineReply | None = None
 
     def grad_slots(self) -> list[torch.Tensor] | None:
@@ -151,10 +151,12 @@ class SocketShard:
     def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
                    local_step: int, head: int | None = None, sparse: dict | None = None) -> tuple:
         reply = self._dense_roundtrip(op, grad, version, loss, samples, local_step, head, sparse)
-        if sparse is None:
-            return reply
+        return reply if sparse is None else (*reply, self._rows(sparse))
+
+    def _rows(self, sparse: dict) -> dict:
+        """The rows of a reply to a request with a sparse block (after its dense part)."""
         try:
-            return (*reply, read_rows(self._sock, sparse, self.tables, self.wire))
+            return read_rows(self._sock, sparse, self.tables, self.wire)
         except (TimeoutError, BlockingIOError):
             raise DataPlaneUnavailable(f"no answer from the ps in {self.timeout:.0f} s") from None
         except OSError as exc:
@@ -226,13 +228,14 @@ class SocketShard:
 
     def _submit(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
                 local_step: int, head: int | None, sparse: dict | None) -> Future | InlineReply:
-        """A request: sent on this thread with its reply read when asked for (shared memory, float32,
-        no tables: only 48- and 24-byte headers cross the socket), else run by the background thread."""
+        """A request: sent on this thread with its reply read when asked for (shared memory, float32:
+        only 48- and 24-byte headers, and a sparse block's ids, gradients and rows, cross the
+        socket), else run by the background thread."""
         if not self._inline:
             return self._pool.submit(self._roundtrip, op, grad, version, loss, samples, local_step, head, sparse)
         if self._unread is not None:  # (one reply in flight per connection: read the last one first)
             self._unread.done(wait=True, timeout=None)
-        reply = self._unread = InlineReply(self)
+        reply = self._unread = InlineReply(self, sparse)
         try:
             reply.slot = self._request(op, grad, version, loss, samples, local_step, head, sparse)
         except DataPlaneError as exc:
@@ -303,10 +306,11 @@ class InlineReply:
     Quacks like the ``Future`` of the background thread's requests: ``result(timeout)``, ``done()``,
     ``exception(timeout)``."""
 
-    __slots__ = ("shard", "slot", "value", "error")
+    __slots__ = ("shard", "sparse", "slot", "value", "error")
 
-    def __init__(self, shard: SocketShard):
+    def __init__(self, shard: SocketShard, sparse: dict | None = None):
         self.shard = shard
+        self.sparse = sparse  # (the request's sparse block: the reply's rows follow its header)
         self.slot = 0
         self.value: tuple | None = None
         self.error: BaseException | None = None
@@ -327,7 +331,10 @@ class InlineReply:
             if not ready:
                 return False
         try:
-            self.value = self.shard._answer(self.slot)
+            value = self.shard._answer(self.slot)
+            if self.sparse is not None:
+                value = (*value, self.shard._rows(self.sparse))
+            self.value = value
         except DataPlaneError as exc:
             self.error = exc
         if self.shard._unread is self:

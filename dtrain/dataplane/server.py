@@ -336,8 +336,8 @@ class ShardServer:
         loss_value = None if math.isnan(loss) and samples == 0 else loss
         try:
             reply = None
-            if direct and sparse is None and op in direct:
-                reply = direct[op](self.loop, grad, replica, version, loss_value, samples, local_step, out)
+            if direct and op in direct:
+                reply = direct[op](self.loop, grad, replica, version, loss_value, samples, local_step, out, sparse)
             if reply is None:
                 reply = self._on_loop(op, grad, replica, version, loss_value, samples, local_step, out, sparse)
             params, step, stop, generation, *rest = reply

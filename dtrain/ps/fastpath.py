@@ -6,15 +6,16 @@ worker's loop, a future, a thread switch each way — cost more of the ps's CPU 
 the snapshot together. ``push_direct`` instead applies such a push on the connection thread
 itself, under the shard's ``lock``:
 
-- Only where nothing can make the push wait: ``training.mode: async``, no staleness gate
-  (``max_staleness`` on the shard that counts the global step), no sparse tables on the shard and
-  none in the request. Under the lock the push also needs no checkpoint hold, no stop and no
-  error; else it returns None and the connection thread takes the event-loop path, which waits
-  or replies exactly as before.
+- Only where nothing can make the push wait: ``training.mode: async`` and no staleness gate
+  (``max_staleness`` on the shard that counts the global step). Under the lock the push also
+  needs no checkpoint hold, no stop and no error; else it returns None and the connection thread
+  takes the event-loop path, which waits or replies exactly as before. A request's sparse block
+  (table rows' gradients, the next batch's ids) is applied and answered under the same lock.
 - The lock covers the check, the apply (optimizer, moving averages, records, the meter, the step's
-  own checkpoint hold or stop) and the reply's snapshot. The event-loop methods that read or write
-  the same state in async mode (the slow push, ``pull``, ``get_params``, ``get_state``,
-  ``set_state``, ``stats``, ``load``, ``hold``, ``release``, ``stop_at``) take it around their
+  own checkpoint hold or stop, the table rows) and the reply's snapshot. The event-loop methods that
+  read or write the same state (the slow push, ``pull``, ``get_params``, ``get_state``,
+  ``set_state``, ``stats``, ``load``, ``hold``, ``release``, ``stop_at``, ``gather_rows``,
+  ``read_part``) take it around their
   (short, never awaiting) critical sections, so a direct apply never lands between a hold and
   its snapshot, and never inside a checkpoint's read.
 - Waiters on the event loop (a ``pull(min_step)``, a chief's ``wait_held``) are woken after a
@@ -46,24 +47,27 @@ class DirectPush:
     error: str | None
     _held: Any
     _push_async: Any
-    _reply: Any
+    _bad_ids: Any
+    _sparse_reply: Any
     _wake: Any
 
     @property
     def direct_pushes(self) -> bool:
         """Whether async pushes may be applied on the connection thread (the static conditions)."""
-        return self.mode == "async" and self.gate is None and not self.tables
+        return self.mode == "async" and self.gate is None
 
     def push_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
-                    loss: float | None, samples: int, local_step: int, out: torch.Tensor) -> tuple | None:
+                    loss: float | None, samples: int, local_step: int, out: torch.Tensor,
+                    sparse: Any = None) -> tuple | None:
         """``push_pull`` on the calling (connection) thread, or None where it must run on the
         event loop: a checkpoint hold, a stop or an error (:attr:`direct_pushes` is the caller's
-        check). The same steps as ``push_pull``'s (``_push_async``), without a sparse block."""
+        check). The same steps as ``push_pull``'s (``_push_async``), its sparse block included."""
         with self.lock:
             if self._held(None) or self.stop or self.error is not None:
                 return None
-            self._push_async(grad, replica, version, loss, samples, local_step)
-            reply = self._reply(out)
+            if not self._bad_ids(sparse, replica):
+                self._push_async(grad, replica, version, loss, samples, local_step, sparse)
+            reply = self._sparse_reply(out, sparse)
         if self._waiting:  # (read after the step moved: a waiter counted itself before its check)
             loop.call_soon_threadsafe(self._wake_waiters)
         return reply

@@ -172,7 +172,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         replica reads while the ps writes; a replica that reads anyway (excused as lost, fenced
         off) pushes a stale gradient, which is dropped."""
         sync = self.sync
-        return (self.direct_sync and getattr(sync, "fraction", 0) is None
+        return (self.direct_sync and not self.tables and getattr(sync, "fraction", 0) is None
                 and getattr(sync, "replicas_to_aggregate", 0) == self.num_replicas)
 
     def adopt_params(self, buffer: torch.Tensor) -> None:
@@ -412,8 +412,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                    "dropped_stale": self.dropped_stale, "samples": self.samples_total}
             if self.averages is not None:
                 out["averages"] = self.averages.state()
-        if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
-            out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in self.tables.items()}
+            if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
+                out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in self.tables.items()}
         return out
 
     async def set_state(self, state: dict[str, Any], done: Any = None) -> int:

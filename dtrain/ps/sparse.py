@@ -1,5 +1,7 @@
 """The ps's side of sparse tables, mixed into ``ParameterShard``: checking a request's ids,
 adding row gradients to this task's table parts, and gathering the rows a replica asks for.
+Every method runs under the shard's ``lock`` (pushes on the data plane's connection threads and
+the event loop's methods alike).
 
 A request's ``sparse`` argument maps a table's name to (the ids whose row gradients it pushes,
 those gradients, the ids of the replica's next batch whose rows it wants back); ids are global
@@ -8,6 +10,7 @@ and already on this task (the replica routes them: ``dtrain.worker.tables.Sparse
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -15,6 +18,11 @@ import torch
 from .dynamic import DynamicTablePart
 from .groups import TableGroup, table_parts
 from .rows import TablePart, pack_state
+
+DRAW_AT_START = 1 << 24
+"""Values (rows x dim) of the parts initialised per id that a ps task draws when it starts (about
+0.2 s, 64 MiB of float32): every part of a model whose tables are small, a large model's small
+tables."""
 
 Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
@@ -34,11 +42,29 @@ class SparseRows:
     tables: dict[str, TablePart | DynamicTablePart]
     index: int
     error: str | None
+    lock: threading.Lock
 
     def _init_tables(self, configs: Any, run_optimizer: dict[str, Any], track: bool = False) -> None:
         self.tables, self.table_groups = table_parts(configs, run_optimizer, track)
         self._grouped = {name: (group, m) for group in self.table_groups for m, name in enumerate(group.names)}
         self._alone = [part for name, part in self.tables.items() if name not in self._grouped]
+        self._draw_small_parts()
+
+    def _draw_small_parts(self, budget: int = DRAW_AT_START) -> None:
+        """Draw the rows of this task's smallest parts initialised per id (``TablePart.ensure``),
+        ``budget`` values in all, now: the same values as on first use (a function of the id),
+        without a dozen small calls per table in every step while most of their rows are new.
+        Larger parts start undrawn (their untouched rows take no memory)."""
+        lazy = sorted((len(part.rows) * part.dim, name) for name, part in self.tables.items()
+                      if isinstance(part, TablePart) and part._fresh is not None)
+        for size, name in lazy:
+            if size > budget:
+                break
+            budget -= size
+            part = self.tables[name]
+            part.ensure(torch.arange(len(part.rows)))
+            if part.marks is not None:  # (a new part: the first checkpoint writes it whole anyway)
+                part.marks.current[part._mark_at:part._mark_at + len(part.rows)] = False
 
     def _batches(self, sparse: Sparse, slots: tuple[int, ...]) -> tuple[dict[TableGroup, _Batch], list[str]]:
         """The request's entries ``slots`` (0 ids, 1 gradients, 2 next ids) per group (members, the
@@ -137,11 +163,13 @@ class SparseRows:
         part = self.tables[name]
         if why := part.check_ids(ids):
             raise IndexError(why)
-        return part.lookup(ids)  # (a table without a vocabulary admits no id for an evaluation)
+        with self.lock:  # (a fixed table draws rows on first use; a direct push may be applying)
+            return part.lookup(ids)  # (a table without a vocabulary admits no id for an evaluation)
 
     async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
         """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
         state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
         holds a second copy of its table (the chief holds applies while it reads). Packed for Dask
         (bfloat16 rows as int16 bits: :func:`dtrain.ps.rows.unpack_state`)."""
-        return pack_state(self.tables[name].chunk(start, stop))
+        with self.lock:
+            return pack_state(self.tables[name].chunk(start, stop))

@@ -75,7 +75,7 @@ class SyncPush:
     @property
     def direct_sync(self) -> bool:
         """Whether sync pushes may run on the connection thread (the static conditions)."""
-        return self.mode == "sync" and not self.uses_tokens and not self.tables
+        return self.mode == "sync" and not self.uses_tokens
 
     def _sync_accumulate(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
                          local_step: int, sparse: Sparse | None, borrow: bool = False) -> Decision | None:
@@ -158,20 +158,26 @@ class SyncPush:
                     return self._sparse_reply(out, sparse)
 
     def push_sync_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
-                         loss: float | None, samples: int, local_step: int, out: torch.Tensor) -> tuple | None:
+                         loss: float | None, samples: int, local_step: int, out: torch.Tensor,
+                         sparse: Sparse | None = None) -> tuple | None:
         """``push_sync`` on the calling (connection) thread, or None where it must run on the event
         loop: a checkpoint hold of its step, a stop or an error (:attr:`direct_sync` is the
-        caller's check)."""
+        caller's check). ``sparse``: as for ``push_sync`` (the reply then carries the rows)."""
         with self.lock:
             if self._held(version) or self.stop or self.error is not None:
                 return None
-            decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, None, borrow=True)
+            if self._bad_ids(sparse, replica):  # (the run's error now: every waiter answers)
+                decision = None
+                self._tcond.notify_all()
+            else:
+                decision = self._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse,
+                                                 borrow=True)
             if isinstance(decision, Accumulate):
                 try:
                     self._wait_thread(version, replica)
                 finally:
                     self._own_first(grad)
-            reply = self._reply(out)
+            reply = self._sparse_reply(out, sparse)
         if self._waiting and not isinstance(decision, (Accumulate, Drop)):
             loop.call_soon_threadsafe(self._wake_waiters)  # the step moved (or an error): loop waiters
         return reply

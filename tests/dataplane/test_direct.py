@@ -199,16 +199,18 @@ def test_concurrent_direct_pushes_and_checkpoint_reads_stay_consistent(loop, shm
 
 
 def test_which_shards_push_directly(loop):  # noqa: F811
-    """Async pushes go direct unless a staleness gate or sparse tables; sync pushes (ps/sync_push.py)
-    unless the token queue or sparse tables; each mode only its own op."""
+    """Async pushes go direct unless a staleness gate; sync pushes (ps/sync_push.py) unless the token
+    queue; sparse tables go direct too, but their replicas never read the parameters in place;
+    each mode only its own op."""
     assert make_shard().direct_pushes and not make_shard().direct_sync
     assert not make_shard(mode="sync").direct_pushes and make_shard(mode="sync").direct_sync
     assert not make_shard(max_staleness=2, replicas=2).direct_pushes  # shard 0: the gate
     assert make_shard(max_staleness=2, holds_global_step=False).direct_pushes  # drop rule only
     table = {"name": "emb", "num_embeddings": 10, "dim": 4, "num_parts": 1, "part": 0, "strategy": "mod",
              "init_std": 0.1, "seed": 0}
-    assert not make_shard(tables=[table]).direct_pushes
-    assert not make_shard(mode="sync", tables=[table]).direct_sync
+    assert make_shard(tables=[table]).direct_pushes
+    assert make_shard(mode="sync", tables=[table]).direct_sync
+    assert make_shard(mode="sync").shares_params and not make_shard(mode="sync", tables=[table]).shares_params
     assert not make_shard(mode="sync", sync_tokens=True).direct_sync
     stopped = asyncio.new_event_loop()
     shard = make_shard(mode="sync", n=8, sync_tokens=True)
