@@ -55,18 +55,19 @@ def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: 
     secede()
     t = spec.training
     timeout = t.call_timeout_s + t.barrier_timeout_s
+    start = max(t.stage_start_timeout_s, timeout)  # each link's first message: the neighbour's start
     name = f"replica {index} stage {position - 1}->{position}"
     up = down = None
     try:
         if position > 0:
             with _LOCK:
                 listener = _LISTENERS.pop(links["keys"][position])
-            up = listener.accept(name, timeout)
+            up = listener.accept(name, timeout, start)
         if position + 1 < plan.stage_positions:
             host, port = links["endpoints"][position + 1]
             ctx = client_ssl_context(own_tls()) if links.get("tls") else None
             down = connect(host, port, links["secret"], f"replica {index} stage {position}->{position + 1}",
-                           timeout, ctx, link_shape(spec, plan, position))
+                           timeout, ctx, link_shape(spec, plan, position), start)
     except BaseException:
         for link in (up, down):
             if link is not None:
