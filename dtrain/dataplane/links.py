@@ -269,7 +269,6 @@ class StageListener:
         self.ssl_context = ssl_context
         self._sock = listen(host, "stage link", backlog=4)  # (the wildcard for a contact address)
         self.host, self.port = host, self._sock.getsockname()[1]  # the upstream stage connects to ``host``
-        self.created = time.monotonic()
 
     def accept(self, name: str, timeout: float, first_timeout: float | None = None) -> StageLink:
         """The upstream stage's authenticated connection (others are refused and closed).
