@@ -104,7 +104,7 @@ def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: 
         opened.extend(socket_handles(spec, plan, index, data_plane, attempt, only=mine))  # type: ignore[arg-type]
         return opened
 
-    shards = open_handles if data_plane else shard_handles([refs[i] for i in mine])
+    shards = open_handles if data_plane else shard_handles([refs[i] for i in mine], attempt)
     try:
         stats = run_stage(spec, plan, index, position, shards, up, down, start_local_step,
                           read=partition_reader(plan) if position == 0 else None, owns_replies=bool(data_plane))
