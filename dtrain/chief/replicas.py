@@ -2,8 +2,9 @@
 
 :class:`ReplicaSet` owns one long-running Dask future per replica (pinned to its worker task's
 address, never stolen), or, with in-graph replication, the step driver
-(``dtrain.chief.ingraph``). Each submission is numbered (``attempt``): with the ps data plane
-the shards accept a replica index's pushes from its newest submission only (fencing).
+(``dtrain.chief.ingraph``). Each submission is numbered (``attempt``): the shards accept a
+replica index's pushes from its newest submission only (fencing; over the socket data plane and
+over actor calls alike).
 
 A pipeline replica (model parallelism) is one task per stage position (``plan.stages``), each
 pinned to its worker task (``ReplicaPlan.stage_tasks``). The set first has every later stage's
@@ -65,8 +66,9 @@ class ReplicaSet:
         self.state.retired.difference_update(r.index for r in plan.replicas if only is None or r.index == only)
         self.submits += 1
         replicas = [r for r in plan.replicas if (only is None or r.index == only) and r.task in ctx.conn.tasks]
-        if self.shards.data_plane:  # fencing: this submission owns these replica indices now
-            self.shards.set_owners({r.index: self.submits for r in replicas})
+        # Fencing: this submission owns these replica indices now (its pushes carry the attempt,
+        # on the socket data plane and on actor calls alike).
+        self.shards.set_owners({r.index: self.submits for r in replicas})
         for r in replicas:
             addr = ctx.conn.tasks[r.task]
             if r.stage_tasks:

@@ -183,8 +183,8 @@ class Session:
             released = self.replicas.leave(slot.index)  # (its work done: an idle worker retired)
             del self.ctx.conn.tasks[slot.task]
             if not released:
-                if self.shards.data_plane:  # fence it off: its next push is refused and its task ends
-                    self.shards.set_owners({slot.index: FENCED})
+                # Fence it off (either transport): its next push is refused and its task ends.
+                self.shards.set_owners({slot.index: FENCED})
                 if sync:  # no step waits for it: the quorum follows the live replicas
                     self.shards.retire([slot.index])
             self.elastic.left_slot(slot, released)

@@ -407,7 +407,7 @@ class ShardGroup:
 
     # ------------------------------------------------------------------ recovery support
     def set_owners(self, owners: dict[int, int]) -> None:
-        """Socket data plane fencing: the submission ``attempt`` owns each replica index, so the
+        """Fencing (both transports): the submission ``attempt`` owns each replica index, so the
         ps refuses pushes from that replica's earlier attempts (a hung worker that thaws after
         its replica was resubmitted elsewhere). Set before the (re)submission."""
         futures = [f for replica, attempt in owners.items() for f in calls(self.handles, "set_owner", replica, attempt)]

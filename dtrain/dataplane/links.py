@@ -105,10 +105,15 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 class StageLink:
     """One end of a connection between neighbouring stages (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, name: str, timeout: float, slots: LinkSlots | None = None):
+    def __init__(self, sock: socket.socket, name: str, timeout: float, slots: LinkSlots | None = None,
+                 first_timeout: float | None = None):
         self._sock = sock
         self.name = name
         self.slots = slots  # shared memory with the neighbour (same machine), else None
+        # The first message waits out the neighbour's start (its model, its first batch, its first
+        # pull, the stages beyond it): training.stage_start_timeout_s; the later ones ``timeout``.
+        self.first_timeout = timeout if first_timeout is None else first_timeout
+        self._started = False  # a message has come
         self._parity = {FORWARD: 1, BACKWARD: 1}  # the step parity of the last message sent/received
         self._recv_parity = {FORWARD: 1, BACKWARD: 1}
         self.timeout = timeout
@@ -213,15 +218,23 @@ class StageLink:
                 self._in.put(DataPlaneError(f"stage link {self.name} closed by the peer ({exc}); is a stage's worker lost?"))
 
     def receive(self, timeout: float | None = None) -> Message:
-        """The next message; DataPlaneError when the link failed or nothing came within ``timeout``."""
+        """The next message; DataPlaneError when the link failed or nothing came within ``timeout``
+        (default: ``first_timeout`` for the link's first message, ``timeout`` for the others)."""
+        first = not self._started
+        if timeout is None:
+            timeout = self.first_timeout if first else self.timeout
         try:
-            item = self._in.get(timeout=self.timeout if timeout is None else timeout)
+            item = self._in.get(timeout=timeout)
         except queue.Empty:
-            raise DataPlaneError(f"stage link {self.name}: no message in {self.timeout:.0f} s "
-                                 "(training.call_timeout_s + barrier_timeout_s); is a stage lost?") from None
+            start = first and timeout == self.first_timeout != self.timeout
+            what = "training.stage_start_timeout_s: the neighbour's start" if start else \
+                "training.call_timeout_s + barrier_timeout_s"
+            raise DataPlaneError(f"stage link {self.name}: no message in {timeout:.0f} s ({what}); "
+                                 "is a stage lost?") from None
         if isinstance(item, BaseException):
             self._in.put(item)  # every later receive fails the same way
             raise item
+        self._started = True
         return item
 
     def close(self) -> None:
@@ -256,10 +269,10 @@ class StageListener:
         self.ssl_context = ssl_context
         self._sock = listen(host, "stage link", backlog=4)  # (the wildcard for a contact address)
         self.host, self.port = host, self._sock.getsockname()[1]  # the upstream stage connects to ``host``
-        self.created = time.monotonic()
 
-    def accept(self, name: str, timeout: float) -> StageLink:
-        """The upstream stage's authenticated connection (others are refused and closed)."""
+    def accept(self, name: str, timeout: float, first_timeout: float | None = None) -> StageLink:
+        """The upstream stage's authenticated connection (others are refused and closed).
+        ``first_timeout``: the link's wait for its first message (``StageLink``)."""
         deadline = time.monotonic() + timeout
         handshake_s = min(10.0, timeout)
         lock = threading.Lock()
@@ -340,7 +353,7 @@ class StageListener:
                     extra_slots.close()
         tune(sock, timeout)
         authenticated(sock)  # no receive timeout: receive() has the deadline
-        return StageLink(sock, name, timeout, slots)
+        return StageLink(sock, name, timeout, slots, first_timeout)
 
     def _handshake(self, sock: socket.socket, timeout: float) -> tuple[socket.socket, LinkSlots | None]:
         sock.settimeout(timeout)
@@ -373,9 +386,11 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def connect(host: str, port: int, secret: bytes, name: str, timeout: float,
-            ssl_context: ssl.SSLContext | None = None, shm: tuple[int, int] | None = None) -> StageLink:
+            ssl_context: ssl.SSLContext | None = None, shm: tuple[int, int] | None = None,
+            first_timeout: float | None = None) -> StageLink:
     """The upstream end: connect to the downstream stage's listener and authenticate. ``shm``:
-    (micro-batches, capacity) of a shared-memory file to offer (used when the listener maps it)."""
+    (micro-batches, capacity) of a shared-memory file to offer (used when the listener maps it).
+    ``first_timeout``: the link's wait for its first message (``StageLink``)."""
     sock = socket.create_connection((host, port), timeout=min(timeout, 30.0))
     offer = SharedSlots.create(LinkSlots.numel(*shm), torch.uint8) if shm is not None else None
     try:
@@ -406,4 +421,4 @@ def connect(host: str, port: int, secret: bytes, name: str, timeout: float,
         offer[0].close()
     tune(sock, timeout)
     authenticated(sock)
-    return StageLink(sock, name, timeout, slots)
+    return StageLink(sock, name, timeout, slots, first_timeout)

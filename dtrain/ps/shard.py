@@ -50,7 +50,7 @@ from .replication import Apply, AsyncPolicy, StalenessGate
 from .reshard import restore_part
 from .rows import pack_state, unpack_state
 from .sparse import Reply, Sparse, SparseRows, rows_bytes
-from .sync_push import BarrierTimeout, SyncPush
+from .sync_push import BarrierTimeout, SyncPush, fence
 from .token_push import TokenPush, sync_for
 
 __all__ = ["BarrierTimeout", "ParameterShard"]
@@ -71,7 +71,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self.summary_every: int = config.get("summary_every", 100)
         self.nan_guard: bool = config.get("nan_guard", False)
         num_replicas = self.num_replicas = config.get("num_replicas", 1)
-        # Fencing (the socket data plane): replica index -> the attempt the session submitted last.
+        # Fencing: replica index -> the attempt the session submitted last.
         self.owners: dict[int, int] = {}
         if config.get("torch_threads"):
             # The apply's intra-op threads (else torch takes every core of the ps's machine, which
@@ -281,10 +281,12 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
 
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
-                        sparse: Sparse | None = None) -> Reply:
+                        sparse: Sparse | None = None, attempt: int | None = None) -> Reply:
         """Async mode: apply this gradient now (unless too stale), reply with fresh parameters.
         ``sparse``: table name -> (ids, their row gradients, the next batch's ids); the reply then
-        has a fifth element, table name -> the rows of the next batch's ids."""
+        has a fifth element, table name -> the rows of the next batch's ids. ``attempt``: the
+        replica's submission (actor calls; FencedOff when the session replaced it: set_owner)."""
+        fence(self.owners, replica, attempt)
         while True:
             await self._wait_unheld()
             with self.lock:
@@ -362,7 +364,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
 
     async def set_owner(self, replica: int, attempt: int) -> None:
         """The session's (re)submission ``attempt`` owns ``replica``: pushes from its other
-        attempts (a hung replica that came back after its replacement) are refused."""
+        attempts (a hung replica that came back after its replacement) are refused, on the socket
+        data plane and on actor calls that say their attempt alike."""
         self.owners[replica] = attempt
 
     async def current_step(self) -> int:

@@ -38,9 +38,23 @@ class BarrierTimeout(RuntimeError):
     """A sync replica waited ``barrier_timeout_s`` for the other replicas' gradients."""
 
 
+class FencedOff(RuntimeError):
+    """A push from a submission (attempt) of a replica that the session has since replaced."""
+
+
+def fence(owners: dict[int, int], replica: int, attempt: int | None) -> None:
+    """Refuse a push of ``replica``'s ``attempt`` when another attempt owns that replica
+    (``ParameterShard.set_owner``); ``attempt`` None: a caller that does not say (no fencing)."""
+    owner = owners.get(replica)
+    if attempt is not None and owner is not None and owner != attempt:
+        raise FencedOff(f"replica {replica}'s attempt {attempt} is fenced off: attempt {owner} owns that replica "
+                        "now (a replaced replica came back)")
+
+
 class SyncPush:
     """``push_sync``, ``push_sync_direct``, ``excuse`` and ``apply_mean`` (see the module docstring)."""
 
+    owners: dict[int, int]
     lock: threading.Lock
     _tcond: threading.Condition
     _waiting: int
@@ -133,9 +147,11 @@ class SyncPush:
 
     async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
-                        sparse: Sparse | None = None) -> Reply:
+                        sparse: Sparse | None = None, attempt: int | None = None) -> Reply:
         """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean
-        (of the dense gradients, and of the row gradients: summed per id, divided by the count)."""
+        (of the dense gradients, and of the row gradients: summed per id, divided by the count).
+        ``attempt``: the replica's submission (actor calls; FencedOff when it was replaced)."""
+        fence(self.owners, replica, attempt)
         if self.uses_tokens:  # training.sync_tokens: TF's token queue (ps/token_push.py)
             return await self._push_token(grad, replica, version, loss, samples, local_step, out, sparse)
         cond = self._condition()

@@ -429,6 +429,12 @@ class TrainingSpec(Strict):
         60.0, gt=0, le=WEEK_S, description="sync: how long a replica waits for the others (at most a week).")
     call_timeout_s: float = Field(
         60.0, gt=0, le=WEEK_S, description="Timeout of every call a replica makes to a ps task (at most a week).")
+    stage_start_timeout_s: float = Field(
+        1800.0, gt=0, le=WEEK_S, description="Pipeline stages: how long a stage waits for the first message from "
+        "each neighbour, which comes once that neighbour has started (built its layers, read its first batch, "
+        "made its first pull) and so have the stages beyond it; later messages wait call_timeout_s + "
+        "barrier_timeout_s. A neighbour whose process ends fails the wait at once, one whose machine is lost "
+        "within about 2 minutes (TCP keepalive). Never less than call_timeout_s + barrier_timeout_s; at most a week.")
     max_recoveries: int = Field(3, ge=0, description="Lost ps/worker recoveries before the run fails.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica process.")
     transport: Literal["dask", "socket"] = Field(

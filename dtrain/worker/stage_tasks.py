@@ -2,22 +2,24 @@
 
 Before the stage tasks start, the chief runs :func:`open_stage_listener` on the worker of every
 stage but the first: it opens the listening socket the upstream stage connects to and keeps it
-in this process (the stage task that runs here next takes it by key), and returns its address.
+in this process (the stage task that runs here next takes it by key; one that no task takes, as
+when its run failed first, is closed after ``UNCLAIMED_S``), and returns its address.
 :func:`stage_task` then runs one stage: it accepts its upstream link, connects its downstream
 one, opens its own shards' data-plane connections once its model is built, and trains.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-import time
 from dataclasses import asdict
 from typing import Any
 
 from distributed import get_worker, secede
 
 from dtrain.dataplane.links import StageListener, connect
+from dtrain.dataplane.protocol import DataPlaneError
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan
 from dtrain.spec.pipeline import PipelineSpec
@@ -25,7 +27,9 @@ from dtrain.spec.pipeline import PipelineSpec
 from .stages import link_shape, run_stage, stage_shards
 from .tasks import own_tls, partition_reader, shard_handles, socket_handles
 
-_LISTENERS: dict[str, StageListener] = {}
+logger = logging.getLogger(__name__)
+
+_LISTENERS: dict[str, tuple[StageListener, threading.Timer]] = {}  # key -> the listener, its expiry
 _LOCK = threading.Lock()
 UNCLAIMED_S = 900.0  # a listener no stage task took (its run died first) is closed after this
 
@@ -37,12 +41,34 @@ def open_stage_listener(key: str, secret: bytes, tls: bool, shm: tuple[int, int]
 
     ctx = server_ssl_context(own_tls()) if tls else None
     listener = StageListener(task_host(get_worker().address), secret, ctx, shm)
+    expiry = threading.Timer(UNCLAIMED_S, _expire, args=(key, listener))
+    expiry.daemon = True
+    expiry.name = f"dtrain-listener-expiry-{key}"
     with _LOCK:
-        now = time.monotonic()
-        for k in [k for k, v in _LISTENERS.items() if now - v.created > UNCLAIMED_S]:
-            _LISTENERS.pop(k).close()
-        _LISTENERS[key] = listener
+        _LISTENERS[key] = (listener, expiry)
+    expiry.start()
     return listener.host, listener.port
+
+
+def _expire(key: str, listener: StageListener) -> None:
+    """Close ``listener`` if no stage task took it (its run ended or failed first)."""
+    with _LOCK:
+        if _LISTENERS.get(key, (None,))[0] is not listener:
+            return
+        del _LISTENERS[key]
+    listener.close()
+    logger.info("closed the stage listener %s: no stage task took it in %g s", key, UNCLAIMED_S)
+
+
+def _claim(key: str, name: str) -> StageListener:
+    """The listener ``key`` opened for this stage task (its expiry cancelled)."""
+    with _LOCK:
+        entry = _LISTENERS.pop(key, None)
+    if entry is None:
+        raise DataPlaneError(f"stage link {name}: no listener {key} on this worker (closed after {UNCLAIMED_S:g} s "
+                             "unclaimed, or the worker restarted)")
+    entry[1].cancel()
+    return entry[0]
 
 
 def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: list[tuple[str, str]],
@@ -55,18 +81,17 @@ def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: 
     secede()
     t = spec.training
     timeout = t.call_timeout_s + t.barrier_timeout_s
+    start = max(t.stage_start_timeout_s, timeout)  # each link's first message: the neighbour's start
     name = f"replica {index} stage {position - 1}->{position}"
     up = down = None
     try:
         if position > 0:
-            with _LOCK:
-                listener = _LISTENERS.pop(links["keys"][position])
-            up = listener.accept(name, timeout)
+            up = _claim(links["keys"][position], name).accept(name, timeout, start)
         if position + 1 < plan.stage_positions:
             host, port = links["endpoints"][position + 1]
             ctx = client_ssl_context(own_tls()) if links.get("tls") else None
             down = connect(host, port, links["secret"], f"replica {index} stage {position}->{position + 1}",
-                           timeout, ctx, link_shape(spec, plan, position))
+                           timeout, ctx, link_shape(spec, plan, position), start)
     except BaseException:
         for link in (up, down):
             if link is not None:
@@ -79,7 +104,7 @@ def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: 
         opened.extend(socket_handles(spec, plan, index, data_plane, attempt, only=mine))  # type: ignore[arg-type]
         return opened
 
-    shards = open_handles if data_plane else shard_handles([refs[i] for i in mine])
+    shards = open_handles if data_plane else shard_handles([refs[i] for i in mine], attempt)
     try:
         stats = run_stage(spec, plan, index, position, shards, up, down, start_local_step,
                           read=partition_reader(plan) if position == 0 else None, owns_replies=bool(data_plane))

@@ -215,11 +215,24 @@ class StageModel:
             self.down.send(FORWARD, i, (out, yb), loss=len(yb) / len(y), count=len(chunks))
             outs.append(out)
         loss = 0.0
+        left = set(range(len(outs)))
         for _ in chunks:
             msg = self._receive(self.down, BACKWARD)
-            outs[msg.microbatch].backward(msg.tensors[0].to(outs[msg.microbatch].device))
+            out = outs[self._gradient_of(msg, left, len(outs))]
+            out.backward(msg.tensors[0].to(out.device))
             loss += msg.loss
         return loss, len(y)
+
+    def _gradient_of(self, msg: Message, left: set[int], count: int) -> int:
+        """The micro-batch a BACKWARD message from downstream is for, taken off ``left`` (this
+        step's ``count`` micro-batches still without their gradient): a repeated or unknown index
+        fails the step (it would apply one backward twice, or index nothing)."""
+        if msg.microbatch not in left:
+            what = "a second time" if msg.microbatch < count else f"in a step of {count} micro-batches"
+            raise StageError(f"replica {self.index} stage {self.position}: the gradient of micro-batch "
+                             f"{msg.microbatch} came back {what} from stage {self.position + 1}")
+        left.remove(msg.microbatch)
+        return msg.microbatch
 
     def _later(self, first: Message) -> tuple[float, int]:
         if first.count < 1:
@@ -244,10 +257,11 @@ class StageModel:
             else:
                 self.down.send(FORWARD, msg.microbatch, (out, y), loss=msg.loss, count=first.count)
                 kept.append((inp, out))
+        left = set(range(len(kept)))
         for _ in kept:
             assert self.down is not None  # (kept only with a downstream neighbour)
             msg = self._receive(self.down, BACKWARD)
-            inp, out = kept[msg.microbatch]
+            inp, out = kept[self._gradient_of(msg, left, len(kept))]
             out.backward(msg.tensors[0].to(out.device))
             up.send(BACKWARD, msg.microbatch, (_grad_of(inp),), loss=msg.loss)
         return 0.0, n

@@ -40,10 +40,29 @@ from .replica import ReplicaModel, model_buffers, run_replica
 logger = logging.getLogger(__name__)
 
 
-def shard_handles(refs: list[tuple[str, str]]) -> list[Actor]:
-    """Actor handles for ``(worker address, actor key)`` pairs, bound to this worker."""
+def shard_handles(refs: list[tuple[str, str]], attempt: int | None = None) -> list[Any]:
+    """Actor handles for ``(worker address, actor key)`` pairs, bound to this worker. ``attempt``:
+    this submission of the replica, sent with each push (the shard refuses other attempts')."""
     worker = get_worker()
-    return [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
+    actors = [Actor(ParameterShard, address, key, worker=worker) for address, key in refs]
+    return actors if attempt is None else [AttemptShard(a, attempt) for a in actors]
+
+
+class AttemptShard:
+    """A shard actor handle whose pushes carry the replica's ``attempt`` (``ParameterShard.set_owner``:
+    a push from an attempt the session replaced is refused, FencedOff); other calls as the actor's."""
+
+    def __init__(self, actor: Actor, attempt: int):
+        self._actor, self.attempt = actor, attempt
+
+    def push_pull(self, *args: Any, **kwargs: Any) -> Any:
+        return self._actor.push_pull(*args, attempt=self.attempt, **kwargs)
+
+    def push_sync(self, *args: Any, **kwargs: Any) -> Any:
+        return self._actor.push_sync(*args, attempt=self.attempt, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._actor, name)
 
 
 def tls_pems(security: Any) -> dict[str, str | None] | None:
@@ -152,7 +171,7 @@ def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[st
         opened.extend(socket_handles(spec, plan, index, data_plane, attempt))
         return opened
 
-    shards = open_handles if data_plane else shard_handles(refs)
+    shards = open_handles if data_plane else shard_handles(refs, attempt)
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
                             owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan),

@@ -118,3 +118,35 @@ def test_a_resumed_pipeline_continues_exactly(inproc_client, tmp_path):
     result = dtrain.run(longer, client=inproc_client, run_dir=tmp_path / "run", resume=True)
     assert result.summary["start_step"] == 20 and result.summary["global_step"] == 30
     assert max_abs_diff(result.model, single_process(longer, 1)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("slow", ["worker-0", "worker-1"])
+def test_a_stage_whose_start_outlasts_the_link_timeout_still_trains(inproc_client, tmp_path, slow):
+    """One stage builds its model for 1.5 times the links' call_timeout_s + barrier_timeout_s (a large
+    stage, a cold first shard): stage 0's (worker-0) start delays stage 1's first FORWARD, stage 1's
+    (worker-1) start delays stage 0's first BACKWARD. The neighbour waits that out
+    (training.stage_start_timeout_s) instead of failing the run as a lost stage."""
+    from tests.helpers.slowmodels import SlowStart
+
+    SlowStart.SLEPT.clear()
+    spec = dtrain.loads(f"""
+name: slow-start
+cluster: {{jobs: {{ps: 1, worker: 2}}}}
+model:
+  module: tests.helpers.slowmodels:SlowStart
+  kwargs: {{delay_s: 6.0, slow_worker: {slow}}}
+  input_shape: [64]
+  loss: cross_entropy
+placement:
+  layer_devices: {{first: /job:worker/task:0, act: /job:worker/task:0, head: /job:worker/task:1}}
+data: {{source: sklearn:digits, batch_size: 16}}
+optimizer: {{name: sgd, lr: 0.1}}
+training: {{mode: sync, steps: 10, seed: 5, microbatches: 2, call_timeout_s: 2, barrier_timeout_s: 2}}
+summary: {{tensorboard: false}}
+""", base_dir=".")
+    assert dtrain.compile(spec).stage_positions == 2
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert result.summary["status"] == "completed" and result.summary["global_step"] == 10
+    first = result.replica_stats[0]
+    assert (first["worker"], first["extra"]["stages"][0]["worker"]) == ("worker-0", "worker-1")
+    assert SlowStart.SLEPT == [slow]  # that stage's start was the slow one

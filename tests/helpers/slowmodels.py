@@ -42,3 +42,25 @@ class SlowMLP(nn.Module):
             elif worker is not None and self.fast_delay_s:
                 time.sleep(self.fast_delay_s)
         return self.net(x)
+
+
+class SlowStart(nn.Module):
+    """A small MLP in three children (``first``, ``act``, ``head``) whose constructor sleeps
+    ``delay_s`` on the Dask worker named ``slow_worker`` (a stage whose start is slow: a large
+    stage, a cold first shard). The workers that slept are appended to ``SLEPT``."""
+
+    SLEPT: list[str] = []
+
+    def __init__(self, features: int = 64, hidden: int = 16, classes: int = 10, delay_s: float = 1.0,
+                 slow_worker: str = "worker-0"):
+        super().__init__()
+        self.first = nn.Linear(features, hidden)
+        self.act = nn.Tanh()
+        self.head = nn.Linear(hidden, classes)
+        worker = _worker_name()
+        if worker == slow_worker:
+            time.sleep(delay_s)
+            SlowStart.SLEPT.append(worker)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.first(x)))

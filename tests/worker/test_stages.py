@@ -65,3 +65,67 @@ def test_the_link_regions_hold_a_micro_batch_and_its_labels():
     assert capacity >= 4 * 4 * 16 + 4 * 8 and capacity % 64 == 0  # 4 examples of 16 floats, int64 labels
     off = dtrain.loads(s.model_dump_json(), base_dir=".", overrides=["training.shared_memory=false"])
     assert link_shape(off, plan, 0) is None
+
+
+def _pair() -> tuple:
+    """A stage link on 127.0.0.1: (upstream end, downstream end)."""
+    import threading
+
+    from dtrain.dataplane.links import StageListener, connect
+
+    listener = StageListener("127.0.0.1", b"s" * 32)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("down", listener.accept("test", 10.0)))
+    t.start()
+    try:
+        up = connect("127.0.0.1", listener.port, b"s" * 32, "test", 10.0)
+    finally:
+        t.join()
+    return up, out["down"]
+
+
+@pytest.mark.parametrize("position", [0, 1])
+@pytest.mark.parametrize(("second", "error"), [(0, "micro-batch 0 came back a second time"),
+                                               (7, "micro-batch 7 came back in a step of 2 micro-batches")])
+def test_a_gradient_for_a_wrong_micro_batch_fails_the_step_naming_it(position, second, error):
+    """The stage after this one sends back the gradients of micro-batches 0 and then ``second``: a
+    repeated index (one backward applied twice) or one past the step's micro-batches (indexing
+    nothing) fails the step with a StageError naming it, not a torch or an IndexError."""
+    from dtrain.dataplane.links import BACKWARD, FORWARD
+    from dtrain.worker.stages import StageError
+
+    s = dtrain.loads("""
+name: bad-microbatch
+cluster: {jobs: {ps: 1, worker: 3}}
+model:
+  input_shape: [8]
+  layers:
+    - {type: linear, out: 6, device: /job:worker/task:0}
+    - {type: linear, out: 5, device: /job:worker/task:1}
+    - {type: linear, out: 3, device: /job:worker/task:2}
+  loss: cross_entropy
+data: {source: synthetic, num_samples: 64, batch_size: 8}
+training: {microbatches: 2, shared_memory: false}
+""", base_dir=".")
+    plan = dtrain.compile(s)
+    assert plan.stage_positions == 3
+    links = []
+    try:
+        down, below = _pair()  # this stage's downstream link; ``below``: the next stage's end
+        links += [down, below]
+        up = None
+        if position == 1:
+            above, up = _pair()  # ``above``: stage 0's end
+            links += [above, up]
+            for mb in range(2):
+                above.send(FORWARD, mb, (torch.randn(4, 6), torch.zeros(4, dtype=torch.int64)), loss=0.5, count=2)
+        width = 6 if position == 0 else 5  # this stage's output
+        for mb in (0, second):  # queued before the step: the stage reads them in this order
+            below.send(BACKWARD, mb, (torch.ones(4, width),))
+        stage = StageModel(s, plan, 0, position, up=up, down=down)
+        with pytest.raises(StageError, match=error):
+            stage.step(stage.grad_bufs[0])
+        stage.batches.close()
+    finally:
+        for link in links:
+            link.close()
