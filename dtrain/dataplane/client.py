@@ -331,7 +331,7 @@ class InlineReply:
             if not ready:
                 return False
         try:
-            value = self.shard._answer(self.slot)
+            value: tuple = self.shard._answer(self.slot)
             if self.sparse is not None:
                 value = (*value, self.shard._rows(self.sparse))
             self.value = value

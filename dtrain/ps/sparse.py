@@ -55,13 +55,12 @@ class SparseRows:
         ``budget`` values in all, now: the same values as on first use (a function of the id),
         without a dozen small calls per table in every step while most of their rows are new.
         Larger parts start undrawn (their untouched rows take no memory)."""
-        lazy = sorted((len(part.rows) * part.dim, name) for name, part in self.tables.items()
-                      if isinstance(part, TablePart) and part._fresh is not None)
-        for size, name in lazy:
+        lazy = sorted(((len(part.rows) * part.dim, name, part) for name, part in self.tables.items()
+                       if isinstance(part, TablePart) and part._fresh is not None), key=lambda e: e[:2])
+        for size, _name, part in lazy:
             if size > budget:
                 break
             budget -= size
-            part = self.tables[name]
             part.ensure(torch.arange(len(part.rows)))
             if part.marks is not None:  # (a new part: the first checkpoint writes it whole anyway)
                 part.marks.current[part._mark_at:part._mark_at + len(part.rows)] = False
