@@ -155,11 +155,15 @@ class ClusterSpec(Strict):
     memory_limit: str = Field(
         "4GiB", description="Embedded cluster: memory limit of each worker process: a size such as 4GiB or 512MB "
         "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; at least 64MiB), 'auto' (Dask's share of the machine) or 0 "
-        "(no limit).")
-    nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
-    dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
+        "(no limit). Refused with cluster.scheduler, dtrain run --scheduler or dtrain.run(client=): that cluster's "
+        "workers have their own.")
+    nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one); "
+                          "refused on a running cluster, like memory_limit.")
+    dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1; refused on a "
+                            "running cluster, like memory_limit.")
     start_method: Literal["forkserver", "spawn"] = Field("forkserver", description="Embedded cluster: how worker "
-        "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default).")
+        "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default); "
+        "refused on a running cluster, like memory_limit.")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
     tls: bool = Field(True, description="Embedded cluster: TLS with a per-run certificate on every Dask connection "
                       "and the data plane. false: plain TCP on 127.0.0.1 (faster where the bytes cross the socket; "

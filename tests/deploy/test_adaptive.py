@@ -90,3 +90,14 @@ def test_adaptive_on_a_cluster_of_yours_is_refused(inproc_client, tmp_path):
     assert [p.path for p in info.value.problems] == ["cluster.adaptive"]
     assert "call that cluster's adapt()" in str(info.value)
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_a_key_of_the_embedded_cluster_on_a_cluster_of_yours_is_refused(inproc_client, tmp_path):
+    """cluster.nthreads (like memory_limit, dashboard, start_method) sizes the embedded cluster's
+    processes; given a client, the run is on that cluster's workers: refused before anything starts."""
+    spec = dtrain.load(PIPELINES / "digits_async.yaml", overrides=["cluster.nthreads=4", "cluster.dashboard=false"])
+    with pytest.raises(SpecError) as info:
+        dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert [p.path for p in info.value.problems] == ["cluster.nthreads", "cluster.dashboard"]
+    assert "this run is on the cluster of the client given (client=)" in str(info.value)
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
