@@ -447,11 +447,13 @@ class TrainingSpec(Strict):
     bucket_mb: float = Field(
         1.0, ge=0, le=MAX_BUCKET_MB, description="transport: socket without shared memory: send the gradient in buckets of about "
         "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
-        "after backward sends only the rest. 0 sends it whole after backward. At most 1024.")
+        "after backward sends only the rest. 0 sends it whole after backward (as does training.microbatches > 1: "
+        "a bucket would hold a part of the batch). At most 1024.")
     microbatches: int = Field(
         1, ge=1, le=4096, description="Split each replica's batch into this many micro-batches (GPipe): pipeline "
         "stages work on different micro-batches at once; their gradients add up to the whole batch's. With one "
-        "stage, gradient accumulation. At most data.batch_size.")
+        "stage, gradient accumulation (the update equals the whole batch's; no gradient buckets during backward). "
+        "At most data.batch_size.")
     pin_cpus: bool = Field(
         False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
         "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")
