@@ -54,6 +54,9 @@ def test_adaptive_retires_idle_workers_keeps_a_busy_ps_and_reuses_slot_names():
         # a dtrain task on ps-0 (as a ps shard's actor or a replica would be): KeepRunTasks guards it
         busy = conn.client.submit(lambda: hold.wait(60), key="dtrain-test-busy", workers=[ps], pure=False)
         _until(lambda: busy.status == "pending" and conn.client.processing().get(ps), "the busy task running")
+        # No run here: the replica slots' demand is set by hand (the runs above and the elastic tests
+        # drive dtrain's own demand); what is tested is which workers a scale-down retires and
+        # which names a growth reuses.
         conn.adaptive.demand = lambda: 1  # one replica slot with work: the ps worker and one replica worker
         _until(lambda: len(names()) == 2, "a scale-down to 2 workers")
         assert "ps-0" in names()
