@@ -118,8 +118,10 @@ class Recovery:
         except Exception:  # scheduler unreachable: nothing to recover to
             raise RunError("lost the connection to the scheduler") from None
         tasks = conn.tasks
-        shards = [sh.index for sh, f in zip(plan.shards, self.shards.futures, strict=True)
-                  if f.status == "error" or tasks.get(sh.task) not in live]
+        # (a creation that failed part-way, its worker lost, has no actor for the later shards)
+        futures = self.shards.futures
+        shards = [sh.index for j, sh in enumerate(plan.shards)
+                  if tasks.get(sh.task) not in live or (j < len(futures) and futures[j].status == "error")]
         # A pipeline replica is lost with any of its stage tasks (named in the log by the lost ones).
         self.lost_stage_tasks = {r.index: [t for t in r.stage_tasks if tasks.get(t) not in live]
                                  for r in plan.replicas if r.stage_tasks}

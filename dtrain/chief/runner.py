@@ -20,8 +20,8 @@ from distributed import Client
 
 from dtrain.deploy import forkserver, phases
 from dtrain.deploy.cluster import connect, dask_config
-from dtrain.spec.errors import ConnectError, RunDirError, SpecError
-from dtrain.spec.pipeline import PipelineSpec
+from dtrain.spec.errors import ConnectError, Problem, RunDirError, SpecError
+from dtrain.spec.pipeline import PipelineSpec, embedded_only_problems
 
 from . import signals
 from .inputs import file_input, sharded
@@ -50,6 +50,13 @@ def run(spec: PipelineSpec, client: Client | None = None, run_dir: str | Path | 
     ``data``: a ``dask.dataframe.DataFrame`` (feature columns and ``data.target``) or an ``(X, y)``
     pair of ``dask.array``s to train on instead of ``data.source``; its partitions are the shards
     (docs/data.md)."""
+    if client is not None or scheduler:
+        # Keys of the embedded cluster do nothing on a cluster of the user's (cluster.scheduler is
+        # checked by validation, --scheduler too when the pipeline was loaded with it).
+        where = ("this run is on the cluster of the client given (client=)" if client is not None
+                 else f"this run is on the scheduler at {scheduler}")
+        if found := embedded_only_problems(spec, where=where):
+            raise SpecError([Problem(message, path=".".join(map(str, loc))) for loc, message in found])
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(spec)
     check_run_dir(run_dir, resume)
     fresh = not run_dir.exists()

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ObserveSpec(BaseModel):
-    """Telemetry and diagnosis (docs/observability.md)."""
+    """Telemetry and diagnosis (docs/observability.md): of between_graph replicas and their ps shards; a
+    key set here is refused under ``replication: in_graph`` and in a graph pipeline (no replica loop)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -59,7 +59,8 @@ class PipelineSpec(Strict):
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation on the test split (always at the end).")
     hooks: list[HookSpec] = Field(default_factory=list, description="Extra hooks.")
     observe: ObserveSpec = Field(default_factory=ObserveSpec, description="Telemetry and diagnosis: where time, "
-                                 "bytes and staleness go per replica and per ps shard (docs/observability.md).")
+                                 "bytes and staleness go per replica and per ps shard (docs/observability.md); between_graph "
+                                 "replication only (refused in_graph and in a graph pipeline).")
     variables: list[VariableSpec] = Field(default_factory=list, description="Graph section: variables.")
     graph: list[OpSpec] = Field(default_factory=list, description="Graph section: operations.")
     fetch: list[str] = Field(default_factory=list, description="Graph section: names whose values are printed.")
@@ -140,6 +141,8 @@ class PipelineSpec(Strict):
                              "task counts, or run on a Dask cluster with cluster.scheduler (or dtrain run --scheduler)"))
         check_elastic(self, problems)
         check_tokens(self, problems)
+        problems.extend(embedded_only_problems(self, (info.context or {}).get("scheduler")))
+        problems.extend(observe_problems(self))
 
         if self.is_graph:
             if not self.graph and not self.variables:
@@ -396,4 +399,41 @@ def sparse_limits(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]
         out.append((("training", "moving_average"), "moving averages are kept for dense variables only, not sparse "
                                                     "tables; remove it, or set sparse: false on the embedding layer"))
     return out
+
+
+# The embedded cluster's own settings: a running cluster's workers were started with theirs.
+EMBEDDED_ONLY = ("memory_limit", "nthreads", "dashboard", "start_method")
+
+
+def embedded_only_problems(spec: PipelineSpec, scheduler: str | None = None,
+                           where: str | None = None) -> list[tuple[tuple[str | int, ...], str]]:
+    """A key of the embedded cluster set in a pipeline that runs on a cluster of its own
+    (``cluster.scheduler``, ``scheduler``: ``dtrain run --scheduler``, or ``where``: a
+    description such as "client=") would do nothing: one problem per key, naming it."""
+    if where is None:
+        if spec.cluster.scheduler is not None:
+            where = "cluster.scheduler names a running cluster"
+        elif scheduler:
+            where = f"this run is on the scheduler at {scheduler} (--scheduler)"
+        else:
+            return []
+    return [(("cluster", key), f"{key} applies to the embedded cluster, and {where}, whose workers were started "
+             f"with their own settings (dask worker --nthreads, --memory-limit, --dashboard-address): remove "
+             f"cluster.{key}") for key in EMBEDDED_ONLY if key in spec.cluster.model_fields_set]
+
+
+def observe_problems(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    """``observe:`` measures the replicas' own loop (between_graph replication); an in-graph run
+    or a graph pipeline has none, so a key set there would do nothing."""
+    if "observe" not in spec.model_fields_set or not spec.observe.model_fields_set:
+        return []
+    if spec.is_graph:
+        why = "a graph pipeline has no replica loop to measure"
+    elif spec.training.replication == "in_graph":
+        why = "an in_graph run (towers driven by the chief) has no replica loop to measure"
+    else:
+        return []
+    key = sorted(spec.observe.model_fields_set)[0]
+    return [(("observe", key), f"observe.{key} applies to between_graph replication; {why}: remove observe "
+             "(or use replication: between_graph)")]
 

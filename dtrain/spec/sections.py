@@ -155,11 +155,15 @@ class ClusterSpec(Strict):
     memory_limit: str = Field(
         "4GiB", description="Embedded cluster: memory limit of each worker process: a size such as 4GiB or 512MB "
         "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; at least 64MiB), 'auto' (Dask's share of the machine) or 0 "
-        "(no limit).")
-    nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one).")
-    dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1.")
+        "(no limit). Refused with cluster.scheduler, dtrain run --scheduler or dtrain.run(client=): that cluster's "
+        "workers have their own.")
+    nthreads: int = Field(2, ge=1, description="Embedded cluster: threads per worker process (a replica uses one); "
+                          "refused on a running cluster, like memory_limit.")
+    dashboard: bool = Field(True, description="Embedded cluster: serve the Dask dashboard on 127.0.0.1; refused on a "
+                            "running cluster, like memory_limit.")
     start_method: Literal["forkserver", "spawn"] = Field("forkserver", description="Embedded cluster: how worker "
-        "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default).")
+        "processes start: forked from a server with torch and dtrain imported (fast), or spawned fresh (Dask's default); "
+        "refused on a running cluster, like memory_limit.")
     security: SecuritySpec | None = Field(None, description="TLS for the scheduler connection.")
     tls: bool = Field(True, description="Embedded cluster: TLS with a per-run certificate on every Dask connection "
                       "and the data plane. false: plain TCP on 127.0.0.1 (faster where the bytes cross the socket; "
@@ -449,11 +453,13 @@ class TrainingSpec(Strict):
     bucket_mb: float = Field(
         1.0, ge=0, le=MAX_BUCKET_MB, description="transport: socket without shared memory: send the gradient in buckets of about "
         "this many MB while backward is still running, last layers first (DDP's gradient bucketing); the push "
-        "after backward sends only the rest. 0 sends it whole after backward. At most 1024.")
+        "after backward sends only the rest. 0 sends it whole after backward (as does training.microbatches > 1: "
+        "a bucket would hold a part of the batch). At most 1024.")
     microbatches: int = Field(
         1, ge=1, le=4096, description="Split each replica's batch into this many micro-batches (GPipe): pipeline "
         "stages work on different micro-batches at once; their gradients add up to the whole batch's. With one "
-        "stage, gradient accumulation. At most data.batch_size.")
+        "stage, gradient accumulation (the update equals the whole batch's; no gradient buckets during backward). "
+        "At most data.batch_size.")
     pin_cpus: bool = Field(
         False, description="Pin each replica's compute thread to torch_threads CPUs of its machine, the replicas "
         "of one machine spread over its CPUs in index order (Linux; the ps threads are not pinned).")

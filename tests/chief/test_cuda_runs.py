@@ -1,7 +1,11 @@
 """Training on a CUDA GPU, end to end: replicas on the GPU in sync mode agree with the same run on
 the CPU, a sparse embedding table's rows travel between a GPU replica and the CPU ps, and the
 `dtrain` command's own worker processes compute on the GPU. Every test here needs a GPU and is
-skipped without one (`pytest -m cuda` runs them on a GPU machine)."""
+skipped without one, so a CPU-only CI never runs them. On a GPU machine (``make venv`` installs
+torch's CUDA build where ``nvidia-smi`` works): ``.venv/bin/python -m pytest -m cuda`` runs these
+and the other ``cuda`` tests; the soft-placement fallback (tests/chief/test_session.py), which
+skips where a GPU is visible, runs there with the GPUs hidden:
+``CUDA_VISIBLE_DEVICES= .venv/bin/python -m pytest tests/chief/test_session.py -k soft_placement``."""
 
 from __future__ import annotations
 

@@ -102,9 +102,9 @@ def test_workers_join_and_leave_an_async_run(tmp_path):
 
 
 def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
-    steps = 3000
+    steps, hold = 3700, 1600
     summary, seen = _scaled_run(tmp_path, "digits_sync.yaml", "{ps: 1, worker: {min: 1, max: 3}}", steps,
-                                up=4, down=2, live=(2, 3, 1), extra=("training.replicas_to_aggregate=null",), hold=800)
+                                up=4, down=2, live=(2, 3, 1), extra=("training.replicas_to_aggregate=null",), hold=hold)
     assert summary["eval"]["accuracy"] >= 0.9, summary["eval"]
     assert (summary["replicas_joined"], summary["replicas_left"], summary["replicas_max"]) == (1, 2, 3)
     events = summary["elastic_log"]
@@ -112,12 +112,13 @@ def test_a_sync_quorum_follows_the_live_replicas(tmp_path):
     # Every step aggregated the replicas live then: 2, then 3 after the join, 2 and 1 after the leaves.
     # (Event steps are the chief's polls, every 0.25 s: with digits' 1-2 ms sync steps the count
     # the events give can be off by a hundred gradients or more on a loaded machine, 156-177 fewer
-    # in a CI run and two runs right after it, so allow 10% of the steps.) A quorum stuck at the first two would count 2 per step in the 800 steps
-    # between the join and the leaves (800 fewer); one that never shrank would hang.
+    # in a CI run and two runs right after it, so allow 300.) A quorum stuck at the first two would
+    # count 2 per step in the 1,600 or more steps between the join and the leaves (1,600 fewer:
+    # five times the allowance); one that never shrank would hang.
     bounds = [0, events[0]["step"], events[1]["step"], events[2]["step"], steps]
     expected = sum(n * (b - a) for n, a, b in zip((2, 3, 2, 1), bounds[:-1], bounds[1:], strict=True))
-    assert abs(summary["samples"] / BATCH - expected) <= 0.1 * steps, (summary["samples"] / BATCH, expected, bounds)
-    assert bounds[2] - bounds[1] >= 800
+    assert abs(summary["samples"] / BATCH - expected) <= 300, (summary["samples"] / BATCH, expected, bounds)
+    assert bounds[2] - bounds[1] >= hold
 
 
 def test_a_sync_join_with_two_ps_tasks(tmp_path):

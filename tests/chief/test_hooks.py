@@ -156,7 +156,6 @@ hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls_file}
     assert summary["status"] == "completed" and summary["global_step"] == 40
     assert summary["recoveries"] == 0, summary["recovery_log"]
     calls = helper_hooks.read_calls(calls_file)
-    assert calls == helper_hooks.CALLS  # the file and the in-process list agree
     events = [c[0] for c in calls]
     assert events[0] == "begin" and calls[0][1] == 0
     assert events[-1] == "end" and calls[-1][1] == 40

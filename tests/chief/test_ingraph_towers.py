@@ -73,9 +73,15 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
                  "shared_memory": True}
         future = client.submit(Tower, spec, shards.plan, 0, plane, 0, actor=True, workers=[worker], pure=False)
         tower = future.result(30)
+        # The actor itself (in this process): step 1 has reached it once its turn condition exists,
+        # made by the first call on the worker's loop before that call yields to anything else.
+        actor = client.cluster.workers["worker-0"].state.actors[future.key]
         try:
             second = tower.step(1)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while actor._turn is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert actor._turn is not None and not second.done()  # step 1 waits for step 0's turn
             first = tower.step(0)
             (a,), (b,) = first.result(timeout=30), second.result(timeout=30)
             assert (a["version"], a["steps"], b["version"], b["steps"]) == (0, [1], 1, [2])

@@ -197,9 +197,10 @@ optimizer: {name: adam}
     code, err = cmd(capsys, "plan", str(path))
     assert code == 2 and f"needs at least {6 * weights} bytes" in err[0] and "with their gradient sum, scratch" in err[0]
     path.write_text(text)
-    # Not on a running cluster (its workers have their own limits), nor without a limit.
+    # Not without a limit; on a running cluster (its workers have their own limits) the key is refused.
     path.write_text(text.replace("memory_limit: 1GiB", "memory_limit: 1GiB, scheduler: tcp://127.0.0.1:1"))
-    assert cmd(capsys, "plan", str(path))[0] == 0
+    code, err = cmd(capsys, "plan", str(path))
+    assert code == 2 and "cluster.memory_limit: memory_limit applies to the embedded cluster" in err[0], err
     path.write_text(text.replace("memory_limit: 1GiB", "memory_limit: '0'"))
     assert cmd(capsys, "plan", str(path))[0] == 0
 

@@ -109,5 +109,8 @@ def test_keep_every_n_hours_in_a_run(inproc_client, run_dir):
     assert on_disk[-2:] == [ckpt.checkpoint_dir(run_dir) / n for n in summary["checkpoints"][-2:]]
     assert on_disk[0].name == "ckpt-00000000"  # the oldest anchors the periods
     older = times[:-2]
+    # Deletion: at this model's usual pace (about 1 s per 10 steps) two checkpoints come within
+    # 1.8 s, so keeping them all fails the gaps above; on a machine so slow that every checkpoint
+    # came 1.8 s after the last, all 13 are rightly kept, so the count has no upper bound here.
     assert all(b - a >= 1.8 for a, b in zip(older, older[1:], strict=False))
-    assert 3 <= len(on_disk) < 13  # some older ones kept, not all
+    assert len(on_disk) >= 3  # the newest 2 and older ones kept (deleting all older ones: 2)

@@ -1,14 +1,13 @@
-"""The chief's ShardGroup on real ParameterShards (their coroutines on a background event loop,
-as on a ps worker; no Dask needed for the order of the calls): an interrupt's snapshot holds
-every shard at one step before stopping them; a restore refuses what it cannot map."""
+"""The chief's ShardGroup on real ParameterShard actors of the in-process Dask cluster: an
+interrupt's snapshot holds every shard at one step before stopping them; ``level`` completes or
+reports a half-pushed step; a restore refuses what it cannot map; a lapsed lease stops the shards."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,96 +31,101 @@ training: {mode: sync, steps: 100, barrier_timeout_s: 5}
 """
 
 
-class Handle:
-    """An actor-like handle: each method call runs the shard's coroutine on ``loop`` and returns
-    a concurrent future (``.result(timeout=)``), as a Dask actor call does."""
+@contextlib.contextmanager
+def group_of(client, spec: dtrain.PipelineSpec):
+    """A ShardGroup of real actors on the in-process cluster's ps workers (as a run creates them),
+    and the actors themselves (they live in this process: their state is read, never set, here)."""
+    from dtrain.deploy.cluster import connect
 
-    def __init__(self, shard: ParameterShard, loop: asyncio.AbstractEventLoop):
-        self._shard, self._loop = shard, loop
-
-    def __getattr__(self, name):
-        method = getattr(self._shard, name)
-        return lambda *a, **k: asyncio.run_coroutine_threadsafe(method(*a, **k), self._loop)
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-
-
-def group_of(spec: dtrain.PipelineSpec, loop, replicas: int = 1) -> tuple[ShardGroup, list[ParameterShard]]:
     plan = dtrain.compile(spec)
-    group = ShardGroup(SimpleNamespace(client=None, tasks={}), spec, plan, token="t")
-    shards = [ParameterShard({**group._config(s.index), "num_replicas": replicas, "replicas_to_aggregate": replicas},
-                             torch.zeros(s.numel)) for s in plan.shards]
-    group.handles = [Handle(s, loop) for s in shards]
-    return group, shards
+    with connect(spec, client=client) as conn, conn.client.as_current():
+        group = ShardGroup(conn, spec, plan, token=f"shards{time.monotonic_ns()}")
+        try:
+            group.create([torch.zeros(s.numel) for s in plan.shards])
+            workers = client.cluster.workers
+            shards = [next(w.state.actors[f.key] for w in workers.values() if f.key in w.state.actors)
+                      for f in group.futures]
+            assert all(isinstance(s, ParameterShard) for s in shards)
+            yield group, shards
+        finally:
+            group.close_data_plane()
+            group.stop_renewing()
+            client.cancel(group.futures, force=True)
 
 
-def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(loop, tmp_path):
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(inproc_client, tmp_path):
     """A replica has pushed step 0 to shard 1 (applied: step 1) but not yet to shard 0 when the
     interrupt comes: the checkpoint must wait for that push and stop both shards at step 1, each
     writing its part there (stopping first, as the interrupt path once did, left shard 0 at 0 and
     shard 1 at 1: a checkpoint no resume can start from)."""
     spec = dtrain.loads(SPEC, base_dir=".")
-    group, shards = group_of(spec, loop)
-    grads = [torch.ones(s.numel) for s in group.plan.shards]
-    assert group.handles[1].push_sync(grads[1], 0, 0, None, 8, 1).result(5)[1] == 1
-    result: dict = {}
+    with group_of(inproc_client, spec) as (group, shards):
+        grads = [torch.ones(s.numel) for s in group.plan.shards]
+        assert group.handles[1].push_sync(grads[1], 0, 0, None, 8, 1).result(5)[1] == 1
+        result: dict = {}
 
-    def interrupt() -> None:
-        result["written"] = group.write_parts(lambda step: tmp_path / f"ckpt-{step:08d}", stop=True)
+        def interrupt() -> None:
+            result["written"] = group.write_parts(lambda step: tmp_path / f"ckpt-{step:08d}", stop=True)
 
-    chief = threading.Thread(target=interrupt)
-    chief.start()
-    time.sleep(0.3)  # the chief is holding, waiting for shard 0's step 1
-    assert chief.is_alive()
-    assert group.handles[0].push_sync(grads[0], 0, 0, 0.5, 8, 1).result(5)[1] == 1
-    chief.join(10)
-    step, directory = result["written"]
-    assert step == 1 and directory == tmp_path / "ckpt-00000001"
-    parts = group.parts_written(directory, wait=True)
-    assert [read_part_file(directory / p["file"], p["bytes"], p["sha256"])["step"] for p in parts] == [1, 1]
-    assert all(s.stop for s in shards) and all(s.hold_at is None for s in shards)
-    # stopped: the next step's pushes are refused, on every shard
-    for h, g in zip(group.handles, grads, strict=True):
-        assert h.push_sync(g, 0, 1, 0.5, 8, 2).result(5)[1:3] == (1, True)
+        chief = threading.Thread(target=interrupt)
+        chief.start()
+        # The chief holds every shard at step 1 and waits for shard 0 to get there.
+        assert wait_for(lambda: shards[0].hold_at == 1 or not chief.is_alive())
+        assert chief.is_alive() and shards[0].step == 0
+        assert group.handles[0].push_sync(grads[0], 0, 0, 0.5, 8, 1).result(5)[1] == 1
+        chief.join(30)
+        step, directory = result["written"]
+        assert step == 1 and directory == tmp_path / "ckpt-00000001"
+        parts = group.parts_written(directory, wait=True)
+        assert [read_part_file(directory / p["file"], p["bytes"], p["sha256"])["step"] for p in parts] == [1, 1]
+        assert all(s.stop for s in shards) and all(s.hold_at is None for s in shards)
+        # stopped: the next step's pushes are refused, on every shard
+        for h, g in zip(group.handles, grads, strict=True):
+            assert h.push_sync(g, 0, 1, 0.5, 8, 2).result(5)[1:3] == (1, True)
 
 
-def test_level_completes_a_half_pushed_step_with_the_other_replicas_gradients(loop):
+def test_level_completes_a_half_pushed_step_with_the_other_replicas_gradients(inproc_client):
     """Replica 1 pushed step 0 to both shards, replica 0 (then lost) to shard 1 only: shard 1 applied
     step 1, shard 0 waits for replica 0. ``level`` excuses it there: shard 0 applies replica 1's
     gradient alone, and both shards are at step 1 (the recovery then resubmits only replica 0)."""
-    spec = dtrain.loads(SPEC, base_dir=".")
-    group, shards = group_of(spec, loop, replicas=2)
-    grads = [torch.ones(s.numel) for s in group.plan.shards]
-    waiting = group.handles[0].push_sync(grads[0], 1, 0, 0.5, 8, 1)
-    group.handles[1].push_sync(grads[1], 1, 0, None, 0, 1)
-    assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
-    assert group.steps() == [0, 1]
-    assert group.level([0], wait_s=1.0) == [1, 1]
-    assert waiting.result(5)[1] == 1
-    # replica 1's gradient alone (mean of 1), where replica 0's never came
-    assert torch.allclose(shards[0].param, torch.full_like(shards[0].param, -0.1))
+    spec = dtrain.loads(SPEC.replace("worker: 1", "worker: 2"), base_dir=".")
+    with group_of(inproc_client, spec) as (group, shards):
+        grads = [torch.ones(s.numel) for s in group.plan.shards]
+        waiting = group.handles[0].push_sync(grads[0], 1, 0, 0.5, 8, 1)
+        group.handles[1].push_sync(grads[1], 1, 0, None, 0, 1)
+        assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
+        assert wait_for(lambda: shards[0].meter.pushes == 1)  # replica 1's push is in on shard 0
+        assert group.steps() == [0, 1]
+        assert group.level([0], wait_s=1.0) == [1, 1]
+        assert waiting.result(5)[1] == 1
+        # replica 1's gradient alone (mean of 1), where replica 0's never came
+        params, _ = group.handles[0].get_params().result(5)
+        assert torch.allclose(params, torch.full_like(params, -0.1))
 
 
-def test_level_reports_a_step_no_other_replica_can_complete(loop):
+def test_level_reports_a_step_no_other_replica_can_complete(inproc_client):
     """A lone replica lost between its pushes to two shards: nothing can complete shard 0's step
     (no gradient of it is in), so ``level`` returns the two steps after its wait (the recovery then
     restarts every shard from the newest checkpoint) and applies nothing."""
     spec = dtrain.loads(SPEC, base_dir=".")
-    group, shards = group_of(spec, loop)
-    grads = [torch.ones(s.numel) for s in group.plan.shards]
-    assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
-    t0 = time.monotonic()
-    assert group.level([0], wait_s=0.5) == [0, 1]
-    assert time.monotonic() - t0 >= 0.5
-    assert not shards[0].param.any()
+    with group_of(inproc_client, spec) as (group, shards):
+        grads = [torch.ones(s.numel) for s in group.plan.shards]
+        assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
+        t0 = time.monotonic()
+        assert group.level([0], wait_s=0.5) == [0, 1]
+        assert time.monotonic() - t0 >= 0.5
+        params, _ = group.handles[0].get_params().result(5)
+        assert not params.any()
 
 
 def checkpoint_for(spec: dtrain.PipelineSpec, states: list[dict]) -> Checkpoint:
@@ -130,18 +134,18 @@ def checkpoint_for(spec: dtrain.PipelineSpec, states: list[dict]) -> Checkpoint:
         "step": 10, "shards": states, "spec": spec.model_dump(mode="json"), "layout": checkpoint_layout(spec, plan)})
 
 
-def test_a_restore_refuses_other_variables_and_another_optimizer(loop):
+def test_a_restore_refuses_other_variables_and_another_optimizer(inproc_client):
     spec = dtrain.loads(SPEC, base_dir=".")
-    group, _ = group_of(spec, loop)
-    states = [{"params": torch.zeros(s.numel), "step": 10, "optimizer_state": {}} for s in group.plan.shards]
-    wider = dtrain.loads(SPEC.replace("out: 3", "out: 5"), base_dir=".")
-    with pytest.raises(RunError, match=r"other variables than the model .*0.weight is \[5, 4\] there and \[3, 4\]"):
-        group.restore(checkpoint_for(wider, states))
-    adam = dtrain.loads(SPEC.replace("{name: sgd, lr: 0.1}", "{name: adam, lr: 0.1}"), base_dir=".")
-    with pytest.raises(RunError, match="written with optimizer 'adam', the pipeline has 'sgd'"):
-        group.restore(checkpoint_for(adam, states))
-    group.restore(checkpoint_for(spec, states))  # the same model: fine (a new lr would be too)
-    assert [h.current_step().result(5) for h in group.handles] == [10, 10]
+    with group_of(inproc_client, spec) as (group, _):
+        states = [{"params": torch.zeros(s.numel), "step": 10, "optimizer_state": {}} for s in group.plan.shards]
+        wider = dtrain.loads(SPEC.replace("out: 3", "out: 5"), base_dir=".")
+        with pytest.raises(RunError, match=r"other variables than the model .*0.weight is \[5, 4\] there and \[3, 4\]"):
+            group.restore(checkpoint_for(wider, states))
+        adam = dtrain.loads(SPEC.replace("{name: sgd, lr: 0.1}", "{name: adam, lr: 0.1}"), base_dir=".")
+        with pytest.raises(RunError, match="written with optimizer 'adam', the pipeline has 'sgd'"):
+            group.restore(checkpoint_for(adam, states))
+        group.restore(checkpoint_for(spec, states))  # the same model: fine (a new lr would be too)
+        assert [h.current_step().result(5) for h in group.handles] == [10, 10]
 
 
 def _accept_threads() -> set[threading.Thread]:
@@ -187,12 +191,14 @@ def test_shards_stop_and_free_their_data_plane_when_the_chief_stops_renewing(inp
             assert len(waiting.recv(len(MAGIC) + 16, socket.MSG_WAITALL)) == len(MAGIC) + 16
             group.stop_renewing()
             t0 = time.monotonic()
-            deadline = t0 + lease + 2.0
+            # Within the 1.5 s lease, give or take a loaded machine's thread wake-ups (the default
+            # lease, max(60 s, 4 x worker_ttl_s), would be far past this bound).
+            deadline = t0 + lease + 15.0
             while time.monotonic() < deadline and not all(call_stats(h)["stop"] for h in group.handles):
                 time.sleep(0.1)
             stats = [call_stats(h) for h in group.handles]
             assert all(s["stop"] for s in stats) and "lease" in stats[0]["error"], stats
-            assert time.monotonic() - t0 < lease + 1.0
+            assert time.monotonic() - t0 < lease + 15.0
             assert all(_refused(h, p) for h, p in endpoints)
             assert waiting.recv(1) == b""  # its connection closed too
             waiting.close()

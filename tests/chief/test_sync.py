@@ -74,6 +74,25 @@ def test_sync_differs_from_a_wrong_data_order(inproc_client, tmp_path):
     assert max_abs_diff(result.model, single_process(spec, 1, steps=20)) > 1e-3
 
 
+def test_microbatches_without_stages_are_gradient_accumulation(inproc_client, tmp_path):
+    """training.microbatches with one stage: each replica runs its batch of 8 in 4 parts before one
+    push, and the run equals single-process training on the whole batches (fails if the parts'
+    losses are not weighted by their share, i.e. 4x the gradient, or if a part's gradient is lost).
+    The bytes cross the socket (no shared memory) with a bucket size that would send buckets during
+    backward: bucketing is off with micro-batches, else the first part's partial gradient would be
+    sent as the step's."""
+    spec = sync_spec(2, 2, "momentum", steps=30)
+    spec.training.microbatches = 4
+    spec.training.shared_memory = False
+    spec.training.bucket_mb = 0.001
+    plan = dtrain.compile(spec)
+    assert not plan.stages
+    result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    s = result.summary
+    assert s["status"] == "completed" and s["global_step"] == 30
+    assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE
+
+
 def test_backup_replicas_do_not_wait_for_a_straggler(inproc_client, tmp_path):
     """3 replicas, aggregate 2, replica 2 sleeps 0.1 s in every forward (the others 5 ms, so the
     60 steps outlast the straggler's first pushes): the two fast replicas carry every step, the

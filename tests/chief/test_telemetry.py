@@ -34,18 +34,25 @@ def digits(name: str = "obs", jobs: str = "{ps: 2, worker: 2}", hidden: int = 32
 
 
 def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_client, tmp_path):
-    # (input_bound 0.5: on an in-process cluster every task is a thread of one process, and the
-    # GIL's hand-overs put 15-20% of a replica's time into reading an in-memory batch, whatever the
-    # model's size; the slow-input test below finds a replica starved with the default 0.2)
-    spec = digits(observe="{interval_s: 0.2, input_bound: 0.5}")
+    # The summary's figures are whole-run, but on an in-process cluster every task is a thread of
+    # one process: the GIL's hand-overs put 15-20% of a replica's time into reading an in-memory
+    # batch, and a loaded machine can starve one replica's thread for a while. The timing
+    # thresholds are therefore set where no healthy run goes, even on a busy 2-core machine
+    # (a replica at a fifth of the other's rate over the whole run, 80% of its time waiting for
+    # data, a shard busy 95% of the time), and where a miscounted figure still lands: a fraction
+    # summed over intervals or replicas (over 1), a replica whose counters were lost (rate 0), a
+    # staleness counted in local steps or per shard. The slow-input, straggler and hot-shard tests
+    # below find each with its default threshold; staleness keeps its default (twice the replicas:
+    # two async replicas average about one step).
+    spec = digits(observe="{interval_s: 0.2, input_bound: 0.8, straggler_ratio: 0.2, hot_busy: 0.95}")
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     s = result.summary
-    assert s["status"] == "completed" and s["diagnosis"] == []
+    assert s["status"] == "completed" and s["diagnosis"] == [], s["diagnosis"]
     reps, shards = s["replicas_stats"], s["shards_stats"]
     assert set(reps) == {"0", "1"} and set(shards) == {"0", "1"}
     for i, r in reps.items():
         assert r["task"] == f"/job:worker/task:{i}" and r["steps"] > 0 and r["steps_per_s"] > 0
-        assert 0 < r["compute_frac"] <= 1 and 0 <= r["data_frac"] < 0.5 and 0 < r["ps_frac"] <= 1
+        assert 0 < r["compute_frac"] <= 1 and 0 <= r["data_frac"] < 0.8 and 0 < r["ps_frac"] <= 1
         assert r["compute_frac"] + r["data_frac"] + r["ps_frac"] <= 1.0001
     # Every push carries its shard's whole gradient: the bytes in are pushes x the shard's bytes.
     for j, sh in shards.items():

@@ -11,7 +11,7 @@ import pytest
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from dtrain.data.sources import _bundled_digits
+from dtrain.data.sources import _bundled_digits, _split
 from dtrain.data.split import split_indices
 
 RNG = np.random.default_rng(7)
@@ -30,8 +30,6 @@ LABELS = {
 def test_stratified_split_is_sklearns(labels, fraction, seed):
     y = LABELS[labels]
     n = len(y)
-    if np.ceil(fraction * n) < len(np.unique(y)):
-        pytest.skip("too few test examples for one of each class (dtrain does not stratify then)")
     want_train, want_test = train_test_split(np.arange(n), test_size=fraction, random_state=seed, stratify=y)
     train, test = split_indices(n, y, fraction, seed)
     assert np.array_equal(train, np.sort(want_train)) and np.array_equal(test, np.sort(want_test))
@@ -41,6 +39,21 @@ def test_stratified_split_is_sklearns(labels, fraction, seed):
 def test_plain_split_is_sklearns(n, fraction, seed):
     want_train, want_test = train_test_split(np.arange(n), test_size=fraction, random_state=seed)
     train, test = split_indices(n, None, fraction, seed)
+    assert np.array_equal(train, np.sort(want_train)) and np.array_equal(test, np.sort(want_test))
+
+
+@pytest.mark.parametrize("labels", [
+    np.array([0] * 30 + [1] * 29 + [2]),  # a class of one example
+    np.arange(20) % 10,  # 10 classes, 4 test examples
+], ids=["singleton-class", "more-classes-than-test-examples"])
+def test_a_split_that_cannot_be_stratified_is_sklearns_plain_one(labels):
+    """Labels scikit-learn cannot stratify (it raises): the dataset's split is then the plain,
+    unstratified one, index for index (fails if dtrain stratified anyway or raised)."""
+    n = len(labels)
+    with pytest.raises(ValueError):
+        train_test_split(np.arange(n), test_size=0.2, random_state=5, stratify=labels)
+    want_train, want_test = train_test_split(np.arange(n), test_size=0.2, random_state=5)
+    train, test = _split(n, labels, "classification", 0.2, 5)
     assert np.array_equal(train, np.sort(want_train)) and np.array_equal(test, np.sort(want_test))
 
 

@@ -256,7 +256,7 @@ def test_handshake_has_an_absolute_deadline(loop):  # noqa: F811
     s = socket.create_connection((server.host, server.port), timeout=5)
     try:
         assert proto.recv_bytes(s, len(MAGIC) + 16)[:len(MAGIC)] == MAGIC
-        assert drip_until_closed(s) < 2.5
+        assert drip_until_closed(s) < 5  # its 1 s deadline, with room for a loaded machine (never: inf)
     finally:
         s.close()
         server.close()
@@ -350,17 +350,23 @@ def on_loop(loop, coro):  # noqa: F811
 
 
 def test_requests_wait_through_the_barrier_grace(loop):  # noqa: F811
-    """A lost replica is being restarted: the session granted a 3 s grace. A lone sync push must
-    wait past the server's 2 s timeout until the replacement pushes at 2.5 s (it used to get
+    """A lost replica is being restarted: the session granted a 10 s grace. A lone sync push must
+    wait past the server's 2 s timeout until the replacement pushes 2.5 s after it (it used to get
     "TimeoutError" from the server at 2 s, failing the recovery the grace was for)."""
     shard = make_shard(mode="sync", n=10, replicas=2, replicas_to_aggregate=2, barrier_timeout_s=1)
     server = ShardServer(shard, loop, SECRET, timeout=2)
     a = SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=10, shared_memory=False)
     b = SocketShard(server.host, server.port, SECRET, replica=1, numel=10, timeout=10, shared_memory=False)
     try:
-        on_loop(loop, shard.barrier_grace(3))
+        on_loop(loop, shard.barrier_grace(10))
         fa = a.push_sync(torch.ones(10), 0, 0, 1.0, 4, 1)
-        time.sleep(2.5)
+        deadline = time.monotonic() + 30
+        while shard.meter.pushes < 1 and time.monotonic() < deadline:  # it is in, waiting at the barrier
+            time.sleep(0.005)
+        pushed = time.monotonic()
+        while time.monotonic() < pushed + 2.5:  # past the server's 2 s timeout, inside the grace
+            assert not fa.done()
+            time.sleep(0.05)
         fb = b.push_sync(torch.ones(10), 1, 0, 1.0, 4, 1)
         assert fa.result(5)[1] == 1 and fb.result(5)[1] == 1
     finally:
@@ -519,7 +525,7 @@ def test_tls_handshake_deadline_and_idle_connection(loop, tls):  # noqa: F811
     drip = socket.create_connection((server.host, server.port), timeout=5)
     try:
         drip.sendall(b"\x16\x03\x01\x02\x00")  # a TLS record header announcing 512 bytes, then a trickle
-        assert drip_until_closed(drip) < 2.5
+        assert drip_until_closed(drip) < 5  # (never cut: inf)
         assert client.pull(0).result(5)[1] == 0  # idle 1 s past the 0.5 s server timeout
     finally:
         drip.close()

@@ -57,7 +57,7 @@ def test_a_short_result_timeout_leaves_the_reply_to_a_later_read(loop):  # noqa:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             waiting.result(timeout=0.2)
-        assert 0.15 < time.monotonic() - t0 < 2 and not waiting.done()
+        assert 0.15 < time.monotonic() - t0 < 5 and not waiting.done()  # (its own 0.2 s, not the 10 s connection's)
         b.push_sync(torch.ones(8) * 3, 1, 0).result(5)
         params, step, *_ = waiting.result(5)
         assert step == 1 and torch.equal(params, torch.full((8,), 1 - 0.5 * 2.0))

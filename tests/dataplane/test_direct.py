@@ -29,6 +29,44 @@ def connect(server, n, shm=False, replica=0):  # noqa: F811
     return SocketShard(server.host, server.port, SECRET, replica=replica, numel=n, timeout=10, shared_memory=shm)
 
 
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class ContendedLock:
+    """The shard's own lock, which also says (``contended``) when a second thread began waiting
+    for it: the moment a race under test is set up, instead of a sleep that hopes it is."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self.contended = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.contended.set()
+        return self._lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def test_pushes_run_on_the_connection_thread_and_apply_exactly(shm):  # noqa: F811
     """The event loop is never run here: every push is answered anyway, so none went through it
     (without the direct path each would wait for the loop and fail after the server's 2 s), and
@@ -68,7 +106,8 @@ def test_a_checkpoint_hold_stops_direct_applies_until_release(loop, how):  # noq
             assert on_loop(loop, shard.hold()) == 3
         assert shard.hold_at == 3
         waiting = client.push_pull(g, 0, 3)
-        time.sleep(0.3)
+        # The push reaches the shard and waits on the event loop for the release (else: applied).
+        assert wait_until(lambda: shard._waiting == 1 or waiting.done())
         assert not waiting.done() and shard.step == 3
         state = on_loop(loop, shard.get_state())
         assert state["step"] == 3 and torch.equal(state["params"], torch.full((64,), 1 - 0.5 * 3))
@@ -87,11 +126,13 @@ def test_an_event_loop_push_rechecks_a_hold_set_by_a_direct_apply(loop):  # noqa
     sets that hold): once it has the lock it must wait for the release, not apply past the
     checkpoint step. Fails if push_pull does not re-check the hold under the lock."""
     shard = make_shard(n=8)
-    with shard.lock:
+    shard.lock = lock = ContendedLock(shard.lock)
+    with lock:
         pushed = asyncio.run_coroutine_threadsafe(shard.push_pull(torch.ones(8), 0, 0), loop)
-        time.sleep(0.2)  # the loop is now blocked on the lock, past _wait_unheld
+        assert lock.contended.wait(30)  # the loop is now blocked on the lock, past _wait_unheld
         shard.hold_at = shard.step
-    time.sleep(0.3)
+    # It must now wait for the release on the event loop (without the re-check it applies at once).
+    assert wait_until(lambda: shard._waiting == 1 or pushed.done())
     assert not pushed.done() and shard.step == 0 and torch.equal(shard.param, torch.ones(8))
     on_loop(loop, shard.release())
     assert pushed.result(timeout=5)[1] == 1

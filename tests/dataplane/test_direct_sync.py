@@ -16,6 +16,7 @@ from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import DataPlaneError
 from dtrain.dataplane.server import ShardServer
 
+from .test_direct import wait_until
 from .test_transport import loop, make_shard, shm  # noqa: F401  (fixtures)
 
 SECRET = b"y" * 32
@@ -53,8 +54,8 @@ def test_the_barrier_runs_on_connection_threads_and_applies_the_exact_mean(shm):
         for k in range(15):
             grads = [torch.randn(n, generator=torch.Generator().manual_seed(100 * k + r)) for r in range(3)]
             first = [cs[r].push_sync(grads[r], r, k, 0.5, 8, k + 1) for r in range(2)]
-            time.sleep(0.02)
-            assert not any(f.done() for f in first) and shard.step == k  # waiting at the barrier
+            assert wait_until(lambda k=k: shard.meter.pushes == 3 * k + 2)  # both in: waiting at the barrier
+            assert not any(f.done() for f in first) and shard.step == k
             last = cs[2].push_sync(grads[2], 2, k, 0.5, 8, k + 1)
             expected -= LR * (grads[0] + grads[1] + grads[2]) / 3
             for f in (*first, last):
@@ -132,15 +133,16 @@ def test_a_stop_or_an_error_releases_a_direct_waiter(loop, how):  # noqa: F811
     a, b = cs = clients(server, 4, 2)
     try:
         waiting = a.push_sync(torch.ones(4), 0, 0)
-        time.sleep(0.1)
+        assert wait_until(lambda: shard.meter.pushes == 1)  # waiting at the barrier
         t0 = time.monotonic()
         if how == "request_stop":
             on_loop(loop, shard.request_stop())
         else:
             b.push_sync(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 1, 0).result(5)
             assert "non-finite gradient" in shard.error
-        _params, step, stop, _ = waiting.result(2)
-        assert stop and step == 0 and time.monotonic() - t0 < 1.5
+        # At once: well before the 5 s barrier timeout would answer it (with an error, no stop).
+        _params, step, stop, _ = waiting.result(4)
+        assert stop and step == 0 and time.monotonic() - t0 < 4
     finally:
         close(server, cs)
 
@@ -148,7 +150,7 @@ def test_a_stop_or_an_error_releases_a_direct_waiter(loop, how):  # noqa: F811
 def test_the_barrier_times_out_on_the_thread_unless_a_grace_is_granted(loop):  # noqa: F811
     """barrier_timeout_s bounds a direct wait (BarrierTimeout, which the session retries); a grace
     from the session (a lost replica is being restarted) lets it outlast that timeout."""
-    for grace in (None, 2.0):
+    for grace in (None, 10.0):
         shard = make_shard(mode="sync", n=4, replicas=2, barrier_timeout_s=0.5)
         server = ShardServer(shard, loop, SECRET, timeout=10)
         a, b = cs = clients(server, 4, 2)
@@ -156,13 +158,16 @@ def test_the_barrier_times_out_on_the_thread_unless_a_grace_is_granted(loop):  #
             t0 = time.monotonic()
             if grace is None:
                 with pytest.raises(DataPlaneError, match=r"BarrierTimeout: replica 0 waited .*barrier_timeout_s: 0"):
-                    a.push_sync(torch.ones(4), 0, 0).result(5)
-                assert 0.4 < time.monotonic() - t0 < 3
+                    a.push_sync(torch.ones(4), 0, 0).result(8)
+                assert 0.4 < time.monotonic() - t0  # (not before barrier_timeout_s; the server's 10 s: no answer in 8)
                 continue
             on_loop(loop, shard.barrier_grace(grace))
             waiting = a.push_sync(torch.ones(4), 0, 0)
-            time.sleep(1.2)  # past barrier_timeout_s, inside the grace
-            assert not waiting.done()
+            assert wait_until(lambda shard=shard: shard.meter.pushes == 1)  # waiting at the barrier
+            pushed = time.monotonic()
+            while time.monotonic() < pushed + 1.0:  # past barrier_timeout_s (0.5 s), inside the grace (10 s)
+                assert not waiting.done()
+                time.sleep(0.05)
             b.push_sync(torch.ones(4), 1, 0).result(5)
             assert waiting.result(5)[1] == shard.step == 1
         finally:

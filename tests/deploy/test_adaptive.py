@@ -54,6 +54,9 @@ def test_adaptive_retires_idle_workers_keeps_a_busy_ps_and_reuses_slot_names():
         # a dtrain task on ps-0 (as a ps shard's actor or a replica would be): KeepRunTasks guards it
         busy = conn.client.submit(lambda: hold.wait(60), key="dtrain-test-busy", workers=[ps], pure=False)
         _until(lambda: busy.status == "pending" and conn.client.processing().get(ps), "the busy task running")
+        # No run here: the replica slots' demand is set by hand (the runs above and the elastic tests
+        # drive dtrain's own demand); what is tested is which workers a scale-down retires and
+        # which names a growth reuses.
         conn.adaptive.demand = lambda: 1  # one replica slot with work: the ps worker and one replica worker
         _until(lambda: len(names()) == 2, "a scale-down to 2 workers")
         assert "ps-0" in names()
@@ -89,4 +92,15 @@ def test_adaptive_on_a_cluster_of_yours_is_refused(inproc_client, tmp_path):
         dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     assert [p.path for p in info.value.problems] == ["cluster.adaptive"]
     assert "call that cluster's adapt()" in str(info.value)
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_a_key_of_the_embedded_cluster_on_a_cluster_of_yours_is_refused(inproc_client, tmp_path):
+    """cluster.nthreads (like memory_limit, dashboard, start_method) sizes the embedded cluster's
+    processes; given a client, the run is on that cluster's workers: refused before anything starts."""
+    spec = dtrain.load(PIPELINES / "digits_async.yaml", overrides=["cluster.nthreads=4", "cluster.dashboard=false"])
+    with pytest.raises(SpecError) as info:
+        dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
+    assert [p.path for p in info.value.problems] == ["cluster.nthreads", "cluster.dashboard"]
+    assert "this run is on the cluster of the client given (client=)" in str(info.value)
     assert not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -38,9 +38,13 @@ def test_every_throttles_and_a_failing_publisher_is_dropped():
     e.tick(now + 0.2, lambda: 4)
     assert got == [2, 4]
 
-    def boom(_):
+    calls = []
+
+    def boom(value):
+        calls.append(value)
         raise RuntimeError("worker closing")
 
     e = Every(boom, 0.0)
     e.tick(time.perf_counter() + 1, lambda: 1)  # does not raise
-    e.tick(time.perf_counter() + 2, lambda: 1)
+    e.tick(time.perf_counter() + 2, lambda: 2)  # dropped: not called again (nor its snapshot taken)
+    assert calls == [1]

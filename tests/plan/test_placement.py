@@ -102,9 +102,17 @@ def test_place_variables_other_ps_job_name():
 
 
 def test_place_variables_is_pure_and_repeatable():
+    """No state kept between calls (a counter carried over would move the second call's devices)
+    and the requests left as they were."""
+    import copy
+
     reqs = [_req(f"v{i}", 4 * (i + 1)) for i in range(5)]
+    before = copy.deepcopy(reqs)
     for strategy in ("round_robin", "greedy", "partitioned"):
-        assert place_variables(reqs, "ps", 3, strategy) == place_variables(reqs, "ps", 3, strategy)
+        first = place_variables(reqs, "ps", 3, strategy)
+        place_variables(reqs[:2], "ps", 2, strategy)  # another placement in between
+        assert place_variables(reqs, "ps", 3, strategy) == first
+    assert reqs == before
 
 
 def test_place_variables_rejects_unknown_strategy():

@@ -315,3 +315,42 @@ def test_validate_does_not_walk_a_whole_file_system(tmp_path):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert time.monotonic() - t0 < 20  # (an interpreter's start and dtrain's imports: about 2 s here)
+
+
+@pytest.mark.parametrize(("key", "value"), [("memory_limit", "1GiB"), ("nthreads", 4), ("dashboard", False),
+                                            ("start_method", "spawn")])
+def test_a_key_of_the_embedded_cluster_is_refused_on_a_running_cluster(key: str, value: Any):
+    """memory_limit, nthreads, dashboard and start_method size the processes the embedded cluster
+    starts; a running cluster's workers have their own: refused, naming the key (as cluster.tls
+    is), with cluster.scheduler and with the scheduler `dtrain run --scheduler` passes."""
+    model = {"input_shape": [4], "layers": [{"type": "linear", "out": 3}]}
+    validate({"model": model, "cluster": {key: value}})  # the embedded cluster: fine
+    validate({"model": model, "cluster": {"scheduler": "tcp://10.0.0.5:8786"}})  # the defaults: fine
+    for cluster, scheduler in (({"scheduler": "tcp://10.0.0.5:8786", key: value}, None),
+                               ({key: value}, "tcp://10.0.0.5:8786")):
+        with pytest.raises(SpecError) as info:
+            validate({"model": model, "cluster": cluster}, scheduler=scheduler)
+        problems = info.value.problems
+        assert [p.path for p in problems] == [f"cluster.{key}"], problems
+        assert f"{key} applies to the embedded cluster" in problems[0].message
+        assert f"remove cluster.{key}" in problems[0].message
+
+
+@pytest.mark.parametrize("where", ["in_graph", "graph"])
+def test_observe_is_refused_where_there_is_no_replica_loop(where: str):
+    """observe.* measures between_graph replicas; an in_graph run or a graph pipeline has no
+    replica loop, so a key set there is refused (an empty observe: {} and the defaults are fine)."""
+    if where == "graph":
+        base: dict[str, Any] = {"variables": [{"name": "v", "value": 1.0}]}
+    else:
+        base = {"model": {"input_shape": [4], "layers": [{"type": "linear", "out": 3}]},
+                "training": {"replication": "in_graph", "mode": "sync"}}
+    validate(base)
+    validate({**base, "observe": {}})
+    with pytest.raises(SpecError) as info:
+        validate({**base, "observe": {"telemetry": False}})
+    problems = info.value.problems
+    assert [p.path for p in problems] == ["observe.telemetry"], problems
+    assert "applies to between_graph replication" in problems[0].message
+    if where == "in_graph":  # the same run between graphs measures its replicas: fine
+        validate({**base, "training": {"mode": "sync"}, "observe": {"telemetry": False}})
