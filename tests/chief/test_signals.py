@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.chief import checkpoint as ckpt
-from tests.helpers.orphans import purge_dask_scratch
+from tests.helpers.orphans import family, purge_dask_scratch, wait_gone
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.processes
@@ -277,3 +277,23 @@ def test_a_third_signal_ends_the_process_at_once(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert group_gone(proc.pid, timeout=15 + 15), "an orphaned worker outlived its death timeout"
     purge_dask_scratch()  # their work directories, as the next Dask start on this machine does
+
+
+def test_the_processes_of_a_killed_chief_exit_within_15_s(tmp_path):
+    """SIGKILL `dtrain run` mid-training: its embedded workers (re-parented to init), its
+    forkserver and the rest of its process tree exit by themselves within 15 s, leaving no
+    shared-memory file."""
+    run_dir = tmp_path / "run"
+    shm_before = shm_files()
+    proc = start_async(run_dir)
+    wait_step(proc, run_dir, 20)
+    tasks = {int(t["pid"]) for t in json.loads((run_dir / "cluster.json").read_text())["tasks"].values()}
+    started = family(proc.pid)
+    assert tasks <= set(started), (tasks, started)  # (the workers are the chief's descendants)
+    del started[proc.pid]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    left = wait_gone(started, timeout=15)
+    assert not left, f"still running 15 s after the chief was killed: {left}"
+    assert shm_files() <= shm_before
+    purge_dask_scratch()
