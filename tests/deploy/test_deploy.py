@@ -338,6 +338,19 @@ def test_missing_ps_task_exits_1_naming_it_after_wait_s(plain, tmp_path):
     assert elapsed < 5 + 90  # the wait plus the start of a Python process on a busy machine
 
 
+def test_every_server_of_a_dtrain_worker_binds_its_host(plain):
+    """`dtrain worker --host 127.0.0.1`: no socket of its processes (the nanny, the worker, the
+    worker's HTTP server for /metrics and /health) listens on every interface."""
+    plain.start_worker("probe", 0)
+    plain.wait_for({"probe-0"})
+    tree = plain._family[plain.workers["probe-0"].pid]
+    listening = [(pid, c.laddr) for pid in tree for c in psutil.Process(pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    plain.stop_worker("probe-0")
+    assert len(listening) >= 3, listening  # the nanny, the worker, its HTTP server
+    assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
+
+
 def test_plain_cluster_stops_leaving_no_process(plain):
     assert not plain.shutdown()
 
