@@ -351,6 +351,43 @@ def test_every_server_of_a_dtrain_worker_binds_its_host(plain):
     assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
 
 
+@pytest.mark.timeout(600)
+def test_a_stopped_scheduler_fails_the_run_with_a_summary(plain, tmp_path):
+    """SIGSTOP the `dask scheduler` under a training run: the chief's next question to it gets no
+    answer within cluster.scheduler_timeout_s (5 s here; 30 s by default), and the run fails (exit 1)
+    with one line naming the scheduler and the setting, its summary written; nothing hangs."""
+    run_dir = tmp_path / "run"
+    chief = subprocess.Popen([PY, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--scheduler",
+                              plain.address, "--run-dir", str(run_dir), "--quiet", "--set", "training.steps=10000000",
+                              "--set", "cluster.scheduler_timeout_s=5", "--set", "summary.every_steps=10"],
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    assert plain.scheduler is not None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert chief.poll() is None and time.monotonic() < deadline, chief.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.kill(plain.scheduler.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            _, err = chief.communicate(timeout=5 + 90)
+            elapsed = time.monotonic() - stopped
+        finally:
+            os.kill(plain.scheduler.pid, signal.SIGCONT)
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+            chief.communicate()
+    assert chief.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("dtrain: ")]
+    assert len(errors) == 1 and "does not answer" in errors[0] and "cluster.scheduler_timeout_s" in errors[0], err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "does not answer" in summary["error"], summary
+    assert 5 <= elapsed < 5 + 30, f"the run ended {elapsed:.0f} s after the scheduler stopped"
+
+
 def test_plain_cluster_stops_leaving_no_process(plain):
     assert not plain.shutdown()
 
