@@ -24,8 +24,8 @@ import torch
 
 from dtrain.chief import checkpoint as ckpt
 from dtrain.ps.part_writer import read_part_file
-from tests.chief.test_recovery import finish, start_run, wait_for_step
 from tests.helpers.paths import ROOT
+from tests.helpers.runs import finish, start_run, wait_for_step
 
 pytestmark = pytest.mark.processes
 

@@ -13,7 +13,7 @@ import dtrain
 from dtrain.chief.ingraph import InGraphDriver
 from dtrain.chief.ingraph_towers import TowerDriver
 from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
-from tests.chief.test_ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
+from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
 from tests.helpers.reference import max_abs_diff, single_process
 
 
@@ -46,7 +46,7 @@ def test_the_session_chooses_towers_or_the_graph_path(inproc_client, tmp_path):
     spec = in_graph_spec(2, 2, steps=20)
     with shards_for(inproc_client, spec, tmp_path) as shards:
         assert type(driver_for(shards)) is TowerDriver
-    dask_spec = in_graph_spec(2, 2, steps=20, training="transport: dask")
+    dask_spec = in_graph_spec(2, 2, steps=20, training={"transport": "dask"})
     with shards_for(inproc_client, dask_spec, tmp_path) as shards:
         driver = driver_for(shards)
         assert type(driver) is InGraphDriver
@@ -61,7 +61,7 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
     """Two steps are in flight to each tower, and their messages may overtake each other: step 1
     sent before step 0 still runs after it (a tower that ran them as they came would wait for step
     1's parameters forever, with step 0 queued behind it), and a step sent twice is refused."""
-    spec = in_graph_spec(1, 1, steps=2, training="barrier_timeout_s: 5")
+    spec = in_graph_spec(1, 1, steps=2, training={"barrier_timeout_s": 5})
     spec.training.call_timeout_s = 5
     client = inproc_client
     with shards_for(client, spec, tmp_path) as shards:
@@ -101,7 +101,7 @@ def test_towers_over_the_socket_with_buckets_match_single_process(inproc_client,
     """No shared memory (the bytes cross the socket, as between machines) and gradient buckets
     sent during backward: still single-process training with batch N*b (fails if a tower sends
     a wrong head or a bucket lands at a wrong offset)."""
-    spec = in_graph_spec(2, 2, steps=30, training="shared_memory: false, bucket_mb: 0.001")
+    spec = in_graph_spec(2, 2, steps=30, training={"shared_memory": False, "bucket_mb": 0.001})
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = driver_for(shards)
         assert type(driver) is TowerDriver

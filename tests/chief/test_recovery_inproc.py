@@ -18,20 +18,16 @@ import dtrain
 from dtrain.deploy.cluster import HOUSEKEEPING
 from dtrain.spec.errors import RunError
 from tests.helpers.hooks import read_calls
+from tests.helpers.pipelines import pipeline_yaml
 
-PIPELINE = """
-name: inproc-recovery
-cluster: {{jobs: {{ps: 2, worker: 2}}, wait_s: 30}}
-model:
-  input_shape: [64]
-  layers: [{{type: linear, out: 16}}, {{type: relu}}, {{type: linear, out: 10}}]
-data: {{source: sklearn:digits, batch_size: 16}}
-optimizer: {{name: sgd, lr: 0.1}}
-training: {{mode: {mode}, steps: {steps}, max_recoveries: {recoveries}, call_timeout_s: 20, barrier_timeout_s: 20}}
-summary: {{every_steps: 10, tensorboard: false}}
-checkpoint: {{every_steps: 50}}
-hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls}"}}}}]
-"""
+
+def recovery_pipeline(mode: str, steps: int, recoveries: int, calls, workers: int = 2) -> str:
+    return pipeline_yaml(
+        "inproc-recovery", jobs={"ps": 2, "worker": workers}, cluster={"wait_s": 30},
+        training={"mode": mode, "steps": steps, "max_recoveries": recoveries, "call_timeout_s": 20,
+                  "barrier_timeout_s": 20},
+        checkpoint={"every_steps": 50},
+        hooks=[{"type": "tests.helpers.hooks:RecordingHook", "args": {"path": str(calls)}}])
 
 
 @pytest.fixture
@@ -93,7 +89,7 @@ def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: f
 def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100000, recoveries=0, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 100000, 0, calls), base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
     wait_for_step(tmp_path / "run", 30, thread)
     lose(cluster, "ps-1", come_back=False)
@@ -109,7 +105,7 @@ def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tm
 def test_async_goes_on_after_a_lost_worker_and_its_replica_restarts(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="async", steps=600, recoveries=2, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("async", 600, 2, calls), base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
     wait_for_step(tmp_path / "run", 100, thread)
     lose(cluster, "worker-1", come_back=True)
@@ -135,7 +131,7 @@ def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_pa
 
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=300, recoveries=3, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 300, 3, calls), base_dir=".")
     real_create = ShardGroup.create
     creates = []
 
@@ -165,7 +161,7 @@ def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoin
     recovery, and the run completes; resubmitting the replica onto shards of two steps would not."""
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    text = PIPELINE.format(mode="sync", steps=300, recoveries=2, calls=calls).replace("worker: 2}", "worker: 1}")
+    text = recovery_pipeline("sync", 300, 2, calls, workers=1)
     text = text.replace('hooks: [', 'hooks: [{type: "tests.helpers.hooks:HalfPushOnLoss"}, ')
     spec = dtrain.loads(text, base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
@@ -195,7 +191,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
     from dtrain.deploy.cluster import connect
 
     cluster, client = cluster
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100, recoveries=1, calls="unused"), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 100, 1, "unused"), base_dir=".")
     with connect(spec, client=client) as conn, conn.client.as_current():
         plan = dtrain.compile(spec)
         group = ShardGroup(conn, spec, plan, token=f"lost{time.monotonic_ns()}")

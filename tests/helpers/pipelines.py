@@ -111,3 +111,46 @@ def _flow(value: Any) -> str:
     text = str(value)
     plain = text and yaml.safe_load(f"{{k: [{text}]}}") == {"k": [text]}
     return text if plain else json.dumps(text)
+
+
+# ------------------------------------------------------------------ pipelines more than one module runs
+
+OPTIMIZERS = {"sgd": {"name": "sgd", "lr": 0.1}, "momentum": {"name": "momentum", "lr": 0.05, "momentum": 0.9},
+              "adam": {"name": "adam", "lr": 0.01}}
+
+
+def tiny(text: str = "") -> Any:
+    """tests/chief/test_session.py's run (async, 60 steps, hidden 32, batch 32) with ``text``
+    appended, loaded."""
+    import dtrain
+
+    return dtrain.loads(pipeline_yaml("tiny", model=mlp(32), data={"source": "sklearn:digits", "batch_size": 32},
+                                      mode="async", steps=60, summary={"every_steps": 20, "tensorboard": False})
+                        + text, base_dir=".")
+
+
+def stage_spec(workers: int, optimizer: str, mode: str = "sync", microbatches: int = 4, steps: int = 50,
+               num_ps: int = 1, shared_memory: bool = True) -> Any:
+    """An MLP in two pipeline stages (worker tasks 0 and 1), loaded; ``optimizer`` in YAML's flow
+    style (``"{name: sgd, lr: 0.1}"``: the tests' parameter ids)."""
+    import dtrain
+
+    w0, w1 = "/job:worker/task:0", "/job:worker/task:1"
+    model = {"input_shape": [64],
+             "layers": [{"type": "linear", "out": 24, "device": w0}, {"type": "tanh"},
+                        {"type": "linear", "out": 16, "device": w1}, {"type": "relu", "device": w1},
+                        {"type": "linear", "out": 10, "device": w1}],
+             "loss": "cross_entropy"}
+    return dtrain.loads(pipeline_yaml(
+        "stages", jobs={"ps": num_ps, "worker": workers}, model=model, optimizer=yaml.safe_load(optimizer),
+        training={"mode": mode, "steps": steps, "seed": 5, "microbatches": microbatches,
+                  "shared_memory": shared_memory},
+        summary={"every_steps": 25, "tensorboard": False}), base_dir=".")
+
+
+# tests/chief/test_partitioned.py's run (its parts along axis 1), also run on a GPU by test_cuda_runs.py.
+PARTITIONED = pipeline_yaml("partitioned", model=mlp(loss="cross_entropy"),
+                            placement={"partitioner": {"type": "fixed_size", "num_shards": 3, "axis": 1}},
+                            optimizer={"name": "momentum", "lr": 0.05, "momentum": 0.9},
+                            training={"mode": "sync", "steps": 60, "seed": 3},
+                            summary={"every_steps": 20, "tensorboard": False}, checkpoint={"every_steps": 30, "keep": 2})
