@@ -3,7 +3,6 @@ per step, numerically the same as single-process training with the global batch.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, fields
 
 import pytest
@@ -15,6 +14,7 @@ from dtrain.worker.replica import ReplicaStats
 from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shard_steps, shards_for, trained_model
 from tests.helpers.paths import PIPELINES
 from tests.helpers.reference import max_abs_diff, single_process
+from tests.helpers.waiting import wait_until
 
 
 @pytest.mark.parametrize(("num_ps", "replicas", "optimizer", "steps"), [
@@ -70,9 +70,7 @@ def started_driver(shards, until_step: int):
     """A running InGraphDriver, once it has applied ``until_step`` steps (or 60 s passed)."""
     driver = driver_for(shards)
     driver.start()
-    deadline = time.monotonic() + 60
-    while driver.global_step < until_step and time.monotonic() < deadline and not driver.done():
-        time.sleep(0.05)
+    wait_until(lambda: driver.global_step >= until_step or driver.done(), 60, f"step {until_step}")
     return driver
 
 
@@ -93,9 +91,7 @@ def test_in_graph_ends_when_the_session_stops_the_shards(inproc_client, tmp_path
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = driver_for(shards)
         driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 3 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        wait_until(lambda: driver.global_step >= 3 or driver.done(), 60, "step 3")
         shards.request_stop()  # what the session does at a stop hook or a failure
         assert driver.join(timeout=60)
         assert driver.error() is None

@@ -4,8 +4,6 @@ towers progress independently, the global step counts the applied pushes."""
 
 from __future__ import annotations
 
-import time
-
 from distributed import get_task_stream
 
 import dtrain
@@ -15,6 +13,7 @@ from dtrain.chief.ingraph_async import AsyncInGraphDriver
 from tests.helpers.ingraph import shard_steps, shards_for
 from tests.helpers.paths import PIPELINES
 from tests.helpers.pipelines import mlp, pipeline_yaml
+from tests.helpers.waiting import wait_until
 
 # Tower 1 (worker task 1, the in-process worker-1) sleeps in every forward: a straggler.
 SLOW = {"module": "tests.helpers.slowmodels:SlowMLP", "kwargs": {"slow_worker": "worker-1", "delay_s": 0.4}}
@@ -77,9 +76,7 @@ def test_stop_ends_after_the_steps_in_flight_with_every_push_counted(inproc_clie
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = new_driver(inproc_client, spec, shards.plan, shards.refs(), shards.conn.tasks, shards.token)
         driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 6 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        wait_until(lambda: driver.global_step >= 6 or driver.done(), 60, "step 6")
         driver.stop()
         assert driver.join(timeout=60) and driver.error() is None
         assert shard_steps(shards) == [driver.global_step]

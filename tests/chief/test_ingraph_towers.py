@@ -4,8 +4,6 @@ plane; and the graph path (one Dask graph per step) where towers do not apply.""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from distributed import get_task_stream
 
@@ -15,6 +13,7 @@ from dtrain.chief.ingraph_towers import TowerDriver
 from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
 from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
 from tests.helpers.reference import max_abs_diff, single_process
+from tests.helpers.waiting import wait_until
 
 
 def _ig_tasks(task_stream) -> list[str]:
@@ -78,9 +77,7 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
         actor = client.cluster.workers["worker-0"].state.actors[future.key]
         try:
             second = tower.step(1)
-            deadline = time.monotonic() + 30
-            while actor._turn is None and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_until(lambda: actor._turn is not None, 30, "step 1 waiting for its turn", every=0.005)
             assert actor._turn is not None and not second.done()  # step 1 waits for step 0's turn
             first = tower.step(0)
             (a,), (b,) = first.result(timeout=30), second.result(timeout=30)

@@ -19,6 +19,7 @@ from dtrain.deploy.cluster import HOUSEKEEPING
 from dtrain.spec.errors import RunError
 from tests.helpers.hooks import read_calls
 from tests.helpers.pipelines import pipeline_yaml
+from tests.helpers.waiting import wait_until
 
 
 def recovery_pipeline(mode: str, steps: int, recoveries: int, calls, workers: int = 2) -> str:
@@ -75,14 +76,14 @@ def run_in_thread(spec, client, run_dir: Path) -> tuple[threading.Thread, dict]:
 
 
 def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
-            return
+        return path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x)
+
+    def alive() -> None:
         assert thread.is_alive()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
+
+    wait_until(reached, timeout, f"step {step}", check=alive)
 
 
 @pytest.mark.slow
@@ -199,9 +200,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
             group.create([torch.zeros(s.numel) for s in plan.shards])
             assert sorted(group.loads()) == [0, 1]
             lose(cluster, "ps-1", come_back=False)
-            deadline = time.monotonic() + 10
-            while group.futures[1].status != "error" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: group.futures[1].status == "error", 10, "ps-1's actor lost")
             with pytest.raises(RuntimeError, match="Worker holding Actor was lost"):
                 group.handles[1].load()
             assert sorted(group.loads()) == [0]

@@ -14,6 +14,7 @@ from dtrain.worker.tasks import REPLICA_TOPIC
 from tests.helpers.observe import slow_frame
 from tests.helpers.paths import PIPELINES
 from tests.helpers.pipelines import mlp, pipeline_yaml
+from tests.helpers.waiting import wait_until
 
 
 def digits(name: str = "obs", jobs: dict | None = None, hidden: int = 32, steps: int = 400,
@@ -114,15 +115,18 @@ def test_another_runs_replicas_of_the_same_name_are_not_counted(inproc_client):
         other = {"run": "same-00000002", "replica": 0, "attempt": 1, "worker": "worker-1", "steps": 99, "wall_s": 9.0}
         mine = {"run": "same-00000001", "replica": 0, "attempt": 1, "worker": "worker-0", "steps": 7, "wall_s": 1.0}
         deadline = time.monotonic() + 10
-        while 0 not in t.latest:  # until the chief's subscription has reached the scheduler
+
+        def arrived() -> bool:  # once the chief's subscription has reached the scheduler
+            if 0 in t.latest:
+                return True
             inproc_client.log_event(REPLICA_TOPIC, mine)
-            assert time.monotonic() < deadline, "the run's own report never arrived"
-            time.sleep(0.05)
+            return False
+
+        wait_until(arrived, 10, "the run's own report")
         inproc_client.log_event(REPLICA_TOPIC, other)
         inproc_client.log_event(REPLICA_TOPIC, {**mine, "steps": 8})  # in order: once it is in, so is the other
-        while t.latest[0]["steps"] == 7:
-            assert time.monotonic() < deadline, "the run's second report never arrived"
-            time.sleep(0.02)
+        wait_until(lambda: t.latest[0]["steps"] != 7, deadline - time.monotonic(), "the run's second report",
+                   every=0.02)
         assert t.latest[0]["steps"] == 8 and t.latest[0]["wall_s"] == 1.0  # nothing of the other run's 99
     finally:
         t.close()
