@@ -14,15 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.cli import dtrain_cli as dtrain
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.slow  # a `dtrain` process (Python, torch) per command
-
-
-def dtrain(*args: str, timeout: float = 240, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
 
 
 def test_validate_ok_for_every_pipeline():

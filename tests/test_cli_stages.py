@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_cli import dtrain
+from tests.helpers.cli import dtrain_cli as dtrain
 
 pytestmark = pytest.mark.slow  # a `dtrain` process per command
 

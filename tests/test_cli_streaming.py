@@ -12,7 +12,7 @@ import pytest
 import dtrain as dtrain_api
 from dtrain.spec.errors import SpecError
 from tests.helpers import shards
-from tests.test_cli import dtrain
+from tests.helpers.cli import dtrain_cli as dtrain
 
 pytestmark = pytest.mark.slow  # a `dtrain` process per command
 

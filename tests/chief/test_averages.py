@@ -15,37 +15,24 @@ from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.layout import ShardLayout
 from dtrain.ps.averages import decay_at
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import pipeline_yaml
 from tests.helpers.reference import single_process
 
 TOLERANCE = 1e-5
 
-SPEC = """
-name: ema
-cluster: {{jobs: {{ps: {ps}, worker: {workers}}}}}
-model:
-  input_shape: [64]
-  layers:
-    - {{type: linear, out: 16{dev0}}}
-    - {{type: relu{dev0}}}
-    - {{type: linear, out: 10{dev1}}}
-  loss: cross_entropy
-placement: {{variables: {placement}, min_slice_bytes: 64}}
-data: {{source: sklearn:digits, batch_size: 8}}
-optimizer: {{name: sgd, lr: 0.2}}
-training: {{mode: {mode}, replication: {replication}, steps: {steps}, seed: 3,
-           moving_average: {{decay: {decay}, num_updates: {num_updates}, use_for_eval: {use_for_eval}}}}}
-summary: {{every_steps: 10, tensorboard: false}}
-checkpoint: {{every_steps: 10, keep: 5}}
-"""
-
-
 def ema_spec(*, ps: int = 2, placement: str = "partitioned", replication: str = "between_graph", stages: bool = False,
              steps: int = 20, decay: float = 0.8, num_updates: bool = True, use_for_eval: bool = True,
              mode: str = "sync", workers: int = 2) -> dtrain.PipelineSpec:
-    dev0, dev1 = (", device: /job:worker/task:0", ", device: /job:worker/task:1") if stages else ("", "")
-    return dtrain.loads(SPEC.format(ps=ps, workers=workers, mode=mode, placement=placement, replication=replication, steps=steps, decay=decay,
-                                    num_updates=str(num_updates).lower(), use_for_eval=str(use_for_eval).lower(),
-                                    dev0=dev0, dev1=dev1), base_dir=".")
+    dev0, dev1 = ({"device": "/job:worker/task:0"}, {"device": "/job:worker/task:1"}) if stages else ({}, {})
+    model = {"input_shape": [64], "layers": [{"type": "linear", "out": 16, **dev0}, {"type": "relu", **dev0},
+                                             {"type": "linear", "out": 10, **dev1}],
+             "loss": "cross_entropy"}
+    average = {"decay": decay, "num_updates": num_updates, "use_for_eval": use_for_eval}
+    return dtrain.loads(pipeline_yaml(
+        "ema", jobs={"ps": ps, "worker": workers}, model=model, placement={"variables": placement, "min_slice_bytes": 64},
+        data={"source": "sklearn:digits", "batch_size": 8}, optimizer={"name": "sgd", "lr": 0.2},
+        training={"mode": mode, "replication": replication, "steps": steps, "seed": 3, "moving_average": average},
+        checkpoint={"every_steps": 10, "keep": 5}), base_dir=".")
 
 
 def reference_average(spec: dtrain.PipelineSpec, replicas: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:

@@ -20,6 +20,7 @@ import pytest
 import dtrain
 from tests.helpers.hooks import read_calls
 from tests.helpers.paths import PIPELINES, ROOT
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -65,26 +66,24 @@ def test_five_random_kills_during_a_run(inproc_client, tmp_path, mode):
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             start_new_session=True)
     killed: list[tuple[str, int, int]] = []  # (task, pid, step seen before the kill)
+
+    def running() -> None:
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+
     try:
         step = 0
         for kind in kinds:
             step = max(step, metrics_step(run_dir)) + rng.randint(60, 160)  # after the last recovery's restart
-            deadline = time.monotonic() + 240
-            while metrics_step(run_dir) < step:
-                assert proc.poll() is None, proc.communicate()[1][-4000:]
-                assert time.monotonic() < deadline, f"step {step} not reached (killed so far: {killed})"
-                time.sleep(0.05)
+            wait_until(lambda step=step: metrics_step(run_dir) >= step, 240, f"step {step} (killed so far: {killed})",
+                       check=running)
             info = json.loads((run_dir / "cluster.json").read_text())
             task = rng.choice(sorted(k for k in info["tasks"] if k.startswith(f"/job:{kind}/")))
             pid = int(info["tasks"][task]["pid"])
             killed.append((task, pid, metrics_step(run_dir)))
             os.kill(pid, signal.SIGKILL)
             # the next kill comes once this one is recovered: the chief rewrote cluster.json
-            deadline = time.monotonic() + 180
-            while json.loads((run_dir / "cluster.json").read_text())["tasks"][task]["pid"] == pid:
-                assert proc.poll() is None, proc.communicate()[1][-4000:]
-                assert time.monotonic() < deadline, f"{task} was not recovered"
-                time.sleep(0.1)
+            wait_until(lambda task=task, pid=pid: json.loads((run_dir / "cluster.json").read_text())["tasks"][task]["pid"]
+                       != pid, 180, f"{task} recovered", every=0.1, check=running)
         out, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:

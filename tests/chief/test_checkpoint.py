@@ -19,6 +19,7 @@ import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.errors import RunDirError
+from tests.helpers.pipelines import pipeline_yaml
 
 LOGGER = "dtrain.chief.checkpoint"
 
@@ -257,18 +258,9 @@ def test_pickled_object_is_rejected_not_executed(tmp_path, caplog):
 
 # ----------------------------------------------------------------------------- a real run, resumed
 
-SYNC = """
-name: ckpt-sync
-cluster: {jobs: {ps: 2, worker: 2}}
-model:  # fast steps: the shards pause at 20 and 40 for the chief however fast they go
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: momentum, lr: 0.05}
-training: {mode: sync, steps: 60}
-summary: {every_steps: 20, tensorboard: false}
-checkpoint: {every_steps: 20, keep: 2}
-"""
+# fast steps: the shards pause at 20 and 40 for the chief however fast they go
+SYNC = pipeline_yaml("ckpt-sync", optimizer={"name": "momentum", "lr": 0.05}, mode="sync", steps=60,
+                     summary={"every_steps": 20, "tensorboard": False}, checkpoint={"every_steps": 20, "keep": 2})
 
 
 def _assemble(spec: dtrain.PipelineSpec, shards: list[dict]) -> dict[str, torch.Tensor]:
@@ -331,18 +323,9 @@ def test_sync_run_checkpoints_consistently_and_resumes(inproc_client, run_dir):
     assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 60
 
 
-RESHARD = """
-name: ckpt-reshard
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: adam, lr: 0.01}
-training: {mode: sync, steps: 80, seed: 3}
-summary: {every_steps: 20, tensorboard: false}
-checkpoint: {every_steps: 40, keep: 2}
-"""
+RESHARD = pipeline_yaml("ckpt-reshard", optimizer={"name": "adam", "lr": 0.01},
+                        training={"mode": "sync", "steps": 80, "seed": 3},
+                        summary={"every_steps": 20, "tensorboard": False}, checkpoint={"every_steps": 40, "keep": 2})
 
 
 @pytest.fixture(scope="module")

@@ -19,34 +19,23 @@ from dtrain.chief import checkpoint as ckpt
 from dtrain.chief.export import export
 from dtrain.model.recommendation import record_layout
 from dtrain.serving import ExportedModel
-
-SPEC = """
-name: ckpt-deltas
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  features:
-    dense: [I1, I2]
-    categorical: [{name: C1}, {name: C2, max_ids: 3}, {name: C3}]
-  tables:
-    C1: {num_embeddings: 5000, dim: 4, init_std: 0.3}
-    C2: {dim: 4, init_std: 0.3, max_rows: 900, ttl_steps: 8, storage: bfloat16,
-         optimizer: {name: rowwise_adagrad, lr: 0.1}}
-    C3: {num_embeddings: 3000, dim: 4, init_std: 0.3}
-  dlrm: {bottom: [8, 4], top: [8, 1]}
-  loss: bce_with_logits
-data: {batch_size: 64, shuffle: false}
-optimizer: {name: adagrad, lr: 0.1}
-training: {mode: sync, steps: 40, seed: 5}
-summary: {every_steps: 10, tensorboard: false}
-checkpoint: {every_steps: 10, keep: 1, incremental: {full_every: 3}}
-"""
+from tests.helpers.pipelines import dlrm_yaml
 
 
-def spec(**changes: str) -> dtrain.PipelineSpec:
-    text = SPEC
-    for old, new in changes.items():
-        text = text.replace(old, new)
-    return dtrain.loads(text, base_dir=".")
+def spec_text(ps: int = 2, steps: int = 40) -> str:
+    return dlrm_yaml(
+        "ckpt-deltas", jobs={"ps": ps, "worker": 2},
+        categorical=[{"name": "C1"}, {"name": "C2", "max_ids": 3}, {"name": "C3"}],
+        tables={"C1": {"num_embeddings": 5000, "dim": 4, "init_std": 0.3},
+                "C2": {"dim": 4, "init_std": 0.3, "max_rows": 900, "ttl_steps": 8, "storage": "bfloat16",
+                       "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}},
+                "C3": {"num_embeddings": 3000, "dim": 4, "init_std": 0.3}},
+        training={"mode": "sync", "steps": steps, "seed": 5},
+        checkpoint={"every_steps": 10, "keep": 1, "incremental": {"full_every": 3}})
+
+
+def spec(ps: int = 2, steps: int = 40) -> dtrain.PipelineSpec:
+    return dtrain.loads(spec_text(ps, steps), base_dir=".")
 
 
 def records(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +100,7 @@ def test_a_resume_from_a_delta_restores_the_model_exactly_and_goes_on_with_delta
     same = dtrain.run(spec(), client=inproc_client, run_dir=copy, resume=True, data=data())
     assert same.summary["start_step"] == 40
     assert torch.equal(predict(same.model), predict(result.model))  # bit for bit, every table and variable
-    more = dtrain.run(spec(**{"steps: 40": "steps: 50"}), client=inproc_client, run_dir=copy, resume=True,
+    more = dtrain.run(spec(steps=50), client=inproc_client, run_dir=copy, resume=True,
                       data=data())
     assert more.summary["checkpoints"] == ["ckpt-00000050"] and more.summary["checkpoint_deltas"] == 1
     m = manifest(copy, 50)
@@ -124,14 +113,14 @@ def test_a_resume_onto_three_ps_tasks_and_an_export_of_a_delta_predict_the_same(
     run_dir, result = trained
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    three = dtrain.run(spec(**{"ps: 2": "ps: 3"}), client=inproc_client, run_dir=copy, resume=True, data=data())
+    three = dtrain.run(spec(ps=3), client=inproc_client, run_dir=copy, resume=True, data=data())
     assert three.summary["start_step"] == 40 and three.summary["ps_tasks"] == [f"/job:ps/task:{i}" for i in range(3)]
     assert torch.equal(predict(three.model), predict(result.model))
     # On to step 50 on three ps tasks (a full checkpoint: the tables were resharded), then onto one.
-    on = dtrain.run(spec(**{"ps: 2": "ps: 3", "steps: 40": "steps: 50"}), client=inproc_client, run_dir=copy,
+    on = dtrain.run(spec(ps=3, steps=50), client=inproc_client, run_dir=copy,
                     resume=True, data=data())
     assert on.summary["checkpoints"] == ["ckpt-00000050"] and on.summary["checkpoint_deltas"] == 0
-    one = dtrain.run(spec(**{"ps: 2": "ps: 1", "steps: 40": "steps: 50"}), client=inproc_client, run_dir=copy,
+    one = dtrain.run(spec(ps=1, steps=50), client=inproc_client, run_dir=copy,
                      resume=True, data=data())
     assert one.summary["start_step"] == 50 and torch.equal(predict(one.model), predict(on.model))
     out = tmp_path / "served"

@@ -24,8 +24,9 @@ import torch
 
 from dtrain.chief import checkpoint as ckpt
 from dtrain.ps.part_writer import read_part_file
-from tests.chief.test_recovery import finish, start_run, wait_for_step
 from tests.helpers.paths import ROOT
+from tests.helpers.runs import finish, start_run, wait_for_step
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -55,10 +56,11 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
                              str(run_dir), "--quiet", *settings(1000, incremental)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoints" / "ckpt-00000010.json").exists():  # one periodic checkpoint first
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    def running() -> None:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+
+    # one periodic checkpoint first
+    wait_until((run_dir / "checkpoints" / "ckpt-00000010.json").exists, 180, "ckpt-00000010", check=running)
     wait_for_step(proc, run_dir, 20 + 10 * seed)  # then the next one falls due ...
     time.sleep(random.Random(seed).uniform(0.0, 1.0))  # ... and is being written
     os.killpg(proc.pid, signal.SIGKILL)  # the chief, the scheduler, the ps tasks and their writers
@@ -99,15 +101,14 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
 def _parts_being_written(run_dir: Path, timeout: float = 180) -> Path:
     """Wait until a checkpoint after the first periodic one has parts being written (a directory
     without its manifest); returns that directory."""
-    deadline = time.monotonic() + timeout
     directory = run_dir / "checkpoints"
-    while time.monotonic() < deadline:
-        pending = [p for p in directory.glob("ckpt-*") if p.is_dir() and not p.with_suffix(".json").exists()
-                   and p.name > "ckpt-00000010"] if directory.is_dir() else []
-        if pending:
-            return pending[0]
-        time.sleep(0.01)
-    raise AssertionError("no checkpoint was being written")
+
+    def pending() -> list[Path]:
+        return [p for p in directory.glob("ckpt-*") if p.is_dir() and not p.with_suffix(".json").exists()
+                and p.name > "ckpt-00000010"] if directory.is_dir() else []
+
+    wait_until(pending, timeout, "a checkpoint being written", every=0.01)
+    return pending()[0]
 
 
 @pytest.mark.parametrize("victim", ["ps", "chief"])

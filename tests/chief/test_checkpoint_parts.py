@@ -18,23 +18,19 @@ import torch
 import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.chief.rundir import check_run_dir
+from tests.helpers.pipelines import pipeline_yaml
 
-SPEC = """
-name: ckpt-parts
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16, shuffle: false}
-optimizer: {name: momentum, lr: 0.05}
-training: {mode: sync, steps: 40}
-summary: {every_steps: 20, tensorboard: false}
-checkpoint: {every_steps: 20, keep: 3}
-"""
+
+def spec_text(steps: int = 40, ps: int = 2, every: int = 20) -> str:
+    return pipeline_yaml("ckpt-parts", jobs={"ps": ps, "worker": 2},
+                         data={"source": "sklearn:digits", "batch_size": 16, "shuffle": False},
+                         optimizer={"name": "momentum", "lr": 0.05}, mode="sync", steps=steps,
+                         summary={"every_steps": every, "tensorboard": False},
+                         checkpoint={"every_steps": every, "keep": 3})
 
 
 def _spec(steps: int) -> dtrain.PipelineSpec:
-    return dtrain.loads(SPEC.replace("steps: 40", f"steps: {steps}"), base_dir=".")
+    return dtrain.loads(spec_text(steps), base_dir=".")
 
 
 def test_each_ps_task_writes_its_part_and_the_manifest_commits_them(inproc_client, run_dir):
@@ -75,7 +71,9 @@ def test_a_corrupt_part_moves_its_checkpoint_aside_and_the_previous_one_is_resto
     part.write_bytes(bytes(data))
     assert ckpt.latest(run_dir).step == 40  # the chief checks sizes only: the ps task finds it
     with caplog.at_level(logging.WARNING, logger="dtrain.chief.saver"):
-        spec = _spec(60) if ps == 2 else dtrain.loads(SPEC.replace("steps: 40", "steps: 60").replace("ps: 2", "ps: 3"),
+        # (on 3 ps tasks every 30 steps: what the text it was once written as, SPEC.replace("ps: 2",
+        # "ps: 3"), made of "every_steps: 20" too)
+        spec = _spec(60) if ps == 2 else dtrain.loads(spec_text(60, ps=3, every=30),
                                                        base_dir=".")
         s = dtrain.run(spec, client=inproc_client, run_dir=run_dir, resume=True).summary
     assert s["status"] == "completed" and s["start_step"] == 20 and s["global_step"] == 60
@@ -129,17 +127,11 @@ def test_an_evaluation_on_a_checkpoint_step_longer_than_the_barrier_timeout_cost
     """The shards pause at step 20 for the checkpoint; the evaluation of step 20 takes 2.5 s, the
     replicas' barrier timeout is 1 s. Fails if the hold lasts through the evaluation (the
     replicas' pushes then time out and the run recovers or fails)."""
-    spec = dtrain.loads("""
-name: slow-eval
-cluster: {jobs: {ps: 2, worker: 2}}
-model: {module: "tests.helpers.models:SlowEval", kwargs: {sleep_s: 2.5}}
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.05}
-training: {mode: sync, steps: 40, barrier_timeout_s: 1.0}
-summary: {every_steps: 20, tensorboard: false}
-eval: {every_steps: 20}
-checkpoint: {every_steps: 20}
-""", base_dir=".")
+    spec = dtrain.loads(pipeline_yaml(
+        "slow-eval", model={"module": "tests.helpers.models:SlowEval", "kwargs": {"sleep_s": 2.5}},
+        optimizer={"name": "sgd", "lr": 0.05}, training={"mode": "sync", "steps": 40, "barrier_timeout_s": 1.0},
+        summary={"every_steps": 20, "tensorboard": False}, eval={"every_steps": 20},
+        checkpoint={"every_steps": 20}), base_dir=".")
     s = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary
     assert s["status"] == "completed" and s["global_step"] == 40
     assert s["recoveries"] == 0 and not s["recovery_log"]

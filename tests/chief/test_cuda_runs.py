@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import dtrain
-from tests.chief.test_session import tiny
-from tests.data.test_ctr import accuracy
+from tests.helpers.cli import dtrain_cli
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import PARTITIONED, dlrm_yaml, tiny
+from tests.helpers.reference import binary_accuracy as accuracy
 from tests.helpers.reference import single_process
-from tests.test_cli import dtrain as dtrain_cli
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,10 +82,9 @@ def test_axis_1_partitions_on_cuda_match_the_cpu_run(inproc_client, tmp_path):
     replicas on the GPU: the strided copies between the flat shard buffers and the GPU model's
     parameters give the CPU run's model (a copy that ignored the stride would scramble columns and
     be off by whole updates)."""
-    from tests.chief.test_partitioned import SPEC
     runs = {}
     for name, extra in {"cpu": [], "cuda": ["placement.worker_device=cuda", "placement.soft=false"]}.items():
-        spec = dtrain.loads(SPEC, base_dir=".", overrides=["checkpoint.every_steps=1000", *extra])
+        spec = dtrain.loads(PARTITIONED, base_dir=".", overrides=["checkpoint.every_steps=1000", *extra])
         runs[name] = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / name)
         assert runs[name].summary["status"] == "completed" and runs[name].summary["global_step"] == 60
     assert {s["device"] for s in runs["cuda"].replica_stats} == {"cuda:0"}
@@ -103,19 +102,11 @@ def test_a_dlrm_on_cuda_replicas_matches_the_cpu_run(inproc_client, tmp_path):
 
     from dtrain.model.recommendation import record_layout
 
-    text = """
-name: dlrm-cuda
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  features: {dense: [I1, I2], categorical: [{name: C1}, {name: C2, max_ids: 3, weighted: true}]}
-  tables: {C1: {num_embeddings: 500, dim: 4, init_std: 0.3}, C2: {dim: 4, max_rows: 1000, init_std: 0.3}}
-  dlrm: {bottom: [8, 4], top: [8, 1]}
-  loss: bce_with_logits
-data: {batch_size: 32, shuffle: false}
-optimizer: {name: adagrad, lr: 0.1}
-training: {mode: sync, steps: 30, seed: 3}
-summary: {tensorboard: false}
-"""
+    text = dlrm_yaml("dlrm-cuda", categorical=[{"name": "C1"}, {"name": "C2", "max_ids": 3, "weighted": True}],
+                     tables={"C1": {"num_embeddings": 500, "dim": 4, "init_std": 0.3},
+                             "C2": {"dim": 4, "max_rows": 1000, "init_std": 0.3}},
+                     data={"batch_size": 32, "shuffle": False}, training={"mode": "sync", "steps": 30, "seed": 3},
+                     summary={"tensorboard": False})
     rng = np.random.default_rng(0)
     n = 1600
     lengths = rng.integers(0, 4, n)

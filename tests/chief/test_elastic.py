@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 
 import pytest
 from distributed import Client, LocalCluster
 
 import dtrain
 from tests.helpers.paths import PIPELINES
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -24,11 +24,10 @@ BATCH = 32  # digits_*.yaml's batch_size
 
 
 def _wait(cond, run: threading.Thread, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
+    def alive() -> None:
         assert run.is_alive(), f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
-        time.sleep(0.05)
+
+    wait_until(cond, timeout, what, check=alive)
 
 
 class _Run:

@@ -17,25 +17,14 @@ import dtrain
 from dtrain.cli import main
 from dtrain.model.recommendation import record_layout
 from dtrain.serving import ExportedModel
+from tests.helpers.pipelines import dlrm_yaml
 
-SPEC = """
-name: export-dlrm
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  features:
-    dense: [I1, I2]
-    categorical: [{name: C1}, {name: C2, max_ids: 3, weighted: true}]
-  tables:
-    C1: {num_embeddings: 5000, dim: 4, init_std: 0.3}
-    C2: {dim: 4, init_std: 0.3, max_rows: 1000, storage: bfloat16, optimizer: {name: rowwise_adagrad, lr: 0.1}}
-  dlrm: {bottom: [8, 4], top: [8, 1]}
-  loss: bce_with_logits
-data: {batch_size: 64, shuffle: false}
-optimizer: {name: adagrad, lr: 0.1}
-training: {mode: sync, steps: 30, seed: 5}
-summary: {every_steps: 10, tensorboard: false}
-checkpoint: {every_steps: 10}
-"""
+SPEC = dlrm_yaml(
+    "export-dlrm", categorical=[{"name": "C1"}, {"name": "C2", "max_ids": 3, "weighted": True}],
+    tables={"C1": {"num_embeddings": 5000, "dim": 4, "init_std": 0.3},
+            "C2": {"dim": 4, "init_std": 0.3, "max_rows": 1000, "storage": "bfloat16",
+                   "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}},
+    training={"mode": "sync", "steps": 30, "seed": 5}, checkpoint={"every_steps": 10})
 
 
 def records(spec: dtrain.PipelineSpec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

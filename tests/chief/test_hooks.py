@@ -19,16 +19,17 @@ from dtrain.chief.hooks import LoggingHook, StepContext, StepCounterHook, StopAt
 from dtrain.spec.errors import RunError, SpecError
 from dtrain.spec.session import HookSpec
 from tests.helpers import hooks as helper_hooks
+from tests.helpers.pipelines import pipeline_yaml
 
-BASE = """
-name: hooks
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.1}
-"""
+BASE = pipeline_yaml("hooks", summary=None)
+
+
+def nan_pipeline(name: str, after: int, keep: int, hooks: list) -> str:
+    """A sync run whose gradients turn NaN after step ``after``; checkpoints every 15 steps."""
+    return pipeline_yaml(name, model={"module": "tests.helpers.hooks:NanAfter", "kwargs": {"after": after}},
+                         optimizer={"name": "sgd", "lr": 0.05}, mode="sync", steps=1000,
+                         summary={"every_steps": 5, "tensorboard": False}, checkpoint={"every_steps": 15, "keep": keep},
+                         hooks=hooks)
 
 
 def spec(text: str) -> dtrain.PipelineSpec:
@@ -110,17 +111,7 @@ def test_nan_guard_fails_the_run_and_keeps_a_finite_checkpoint(inproc_client, ru
     # Checkpoints every 15 steps, exactly (the shards pause at each multiple until the chief has
     # its snapshot). after=45: the NaN gradients are computed on step 45's parameters while the
     # shards are held there for the checkpoint, and arrive as the chief writes it.
-    s = dtrain.loads(f"""
-name: nan
-cluster: {{jobs: {{ps: 2, worker: 2}}}}
-model: {{module: "tests.helpers.hooks:NanAfter", kwargs: {{after: {after}}}}}
-data: {{source: sklearn:digits, batch_size: 16}}
-optimizer: {{name: sgd, lr: 0.05}}
-training: {{mode: sync, steps: 1000}}
-summary: {{every_steps: 5, tensorboard: false}}
-checkpoint: {{every_steps: 15, keep: 5}}
-hooks: [{{type: nan_guard}}]
-""", base_dir=".")
+    s = dtrain.loads(nan_pipeline("nan", after, keep=5, hooks=[{"type": "nan_guard"}]), base_dir=".")
     with pytest.raises(RunError, match="nan_guard") as info:
         dtrain.run(s, client=inproc_client, run_dir=run_dir)
     assert "non-finite" in str(info.value)
@@ -268,17 +259,7 @@ hooks: [{type: logging, every_steps: 15, at_end: true, tensors: [loss, learning_
 def test_nan_guard_warn_mode_stops_cleanly_at_the_first_nan(inproc_client, run_dir, caplog):
     # X18: NanTensorHook(fail_on_nan_loss=False): a warning, a requested stop, no exception; the ps
     # refused the NaN update, so the final checkpoint and model.pt hold the last good parameters.
-    s = dtrain.loads("""
-name: nan-warn
-cluster: {jobs: {ps: 2, worker: 2}}
-model: {module: "tests.helpers.hooks:NanAfter", kwargs: {after: 40}}
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.05}
-training: {mode: sync, steps: 1000}
-summary: {every_steps: 5, tensorboard: false}
-checkpoint: {every_steps: 15, keep: 10}
-hooks: [{type: nan_guard, mode: warn}]
-""", base_dir=".")
+    s = dtrain.loads(nan_pipeline("nan-warn", 40, keep=10, hooks=[{"type": "nan_guard", "mode": "warn"}]), base_dir=".")
     with caplog.at_level(logging.WARNING):
         summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
     assert summary["status"] == "completed" and "error" not in summary

@@ -3,78 +3,18 @@ per step, numerically the same as single-process training with the global batch.
 
 from __future__ import annotations
 
-import contextlib
-import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, fields
 
 import pytest
-import torch
 from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
-from dtrain.chief.drivers import new_driver
-from dtrain.chief.ingraph import InGraphDriver
-from dtrain.chief.shards import ShardGroup
-from dtrain.deploy.cluster import Connection, wait_for_tasks
-from dtrain.plan.layout import ShardLayout
 from dtrain.worker.replica import ReplicaStats
+from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shard_steps, shards_for, trained_model
 from tests.helpers.paths import PIPELINES
 from tests.helpers.reference import max_abs_diff, single_process
-
-TOLERANCE = 1e-5
-OPTIMIZERS = {"sgd": "{name: sgd, lr: 0.1}", "momentum": "{name: momentum, lr: 0.05, momentum: 0.9}",
-              "adam": "{name: adam, lr: 0.01}"}
-
-
-def in_graph_spec(num_ps: int, replicas: int, steps: int, optimizer: str = "sgd",
-                  model: str = "input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, "
-                               "{type: linear, out: 10}]", extra: str = "", training: str = "") -> dtrain.PipelineSpec:
-    return dtrain.loads(f"""
-name: in-graph
-cluster: {{jobs: {{ps: {num_ps}, worker: {replicas}}}}}
-model:
-  {model}
-data: {{source: sklearn:digits, batch_size: 8}}
-optimizer: {OPTIMIZERS[optimizer]}
-training: {{replication: in_graph, mode: sync, steps: {steps}, seed: 5, call_timeout_s: 30{", " + training if training else ""}}}
-summary: {{every_steps: 50, tensorboard: false}}
-{extra}
-""", base_dir=".")
-
-
-@contextlib.contextmanager
-def shards_for(client, spec: dtrain.PipelineSpec, tmp_path) -> Iterator[ShardGroup]:
-    """The run's ps actors, created and initialised as ``Session.run`` does, then removed."""
-    conn = Connection(client)
-    wait_for_tasks(conn, spec, 30)
-    with client.as_current():
-        plan = dtrain.compile(spec, conn.workers())
-        group = ShardGroup(conn, spec, plan, token=uuid.uuid4().hex[:8])
-        group.create(ShardLayout.from_plan(plan).pack(dict(dtrain.build_model(spec).named_parameters())))
-        try:
-            yield group
-        finally:
-            group.request_stop()
-            client.cancel(group.futures, force=True)
-
-
-def driver_for(group: ShardGroup, spec: dtrain.PipelineSpec | None = None) -> InGraphDriver:
-    """The driver the session would start (towers on the socket data plane, else one graph per step)."""
-    return new_driver(group.client, spec or group.spec, group.plan, group.refs(), group.conn.tasks, group.token)
-
-
-def trained_model(group: ShardGroup) -> torch.nn.Module:
-    model = dtrain.build_model(group.spec)
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    model.load_state_dict(ShardLayout.from_plan(group.plan).unpack(group.pull_params(), shapes))
-    return model
-
-
-def shard_steps(group: ShardGroup) -> list[int]:
-    return [s.get_params().result(timeout=10)[1] for s in group.handles]
+from tests.helpers.waiting import wait_until
 
 
 @pytest.mark.parametrize(("num_ps", "replicas", "optimizer", "steps"), [
@@ -130,9 +70,7 @@ def started_driver(shards, until_step: int):
     """A running InGraphDriver, once it has applied ``until_step`` steps (or 60 s passed)."""
     driver = driver_for(shards)
     driver.start()
-    deadline = time.monotonic() + 60
-    while driver.global_step < until_step and time.monotonic() < deadline and not driver.done():
-        time.sleep(0.05)
+    wait_until(lambda: driver.global_step >= until_step or driver.done(), 60, f"step {until_step}")
     return driver
 
 
@@ -153,9 +91,7 @@ def test_in_graph_ends_when_the_session_stops_the_shards(inproc_client, tmp_path
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = driver_for(shards)
         driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 3 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        wait_until(lambda: driver.global_step >= 3 or driver.done(), 60, "step 3")
         shards.request_stop()  # what the session does at a stop hook or a failure
         assert driver.join(timeout=60)
         assert driver.error() is None
@@ -163,7 +99,7 @@ def test_in_graph_ends_when_the_session_stops_the_shards(inproc_client, tmp_path
 
 
 def test_in_graph_reports_a_failing_gradient_task(inproc_client, tmp_path):
-    spec = in_graph_spec(1, 2, steps=10, model='module: "tests.helpers.models:BrokenMLP"')
+    spec = in_graph_spec(1, 2, steps=10, model={"module": "tests.helpers.models:BrokenMLP"})
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = driver_for(shards)
         driver.start()
@@ -205,7 +141,7 @@ def test_in_graph_digits_pipeline_reaches_accuracy(inproc_client, tmp_path):
 def test_in_graph_checkpoints_pause_applies_without_changing_the_result(inproc_client, tmp_path):
     """Checkpoint snapshots hold the shards (apply_mean waits like a push); the run still equals
     single-process training."""
-    spec = in_graph_spec(2, 2, steps=30, extra="checkpoint: {every_steps: 10, keep: 5}")
+    spec = in_graph_spec(2, 2, steps=30, checkpoint={"every_steps": 10, "keep": 5})
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     assert result.summary["status"] == "completed" and result.summary["global_step"] == 30
     assert max_abs_diff(result.model, single_process(spec, 2)) <= TOLERANCE

@@ -4,34 +4,27 @@ towers progress independently, the global step counts the applied pushes."""
 
 from __future__ import annotations
 
-import time
-
 from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief import checkpoint
 from dtrain.chief.drivers import new_driver
 from dtrain.chief.ingraph_async import AsyncInGraphDriver
-from tests.chief.test_ingraph import shard_steps, shards_for
+from tests.helpers.ingraph import shard_steps, shards_for
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import mlp, pipeline_yaml
+from tests.helpers.waiting import wait_until
 
-MLP = "input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]"
 # Tower 1 (worker task 1, the in-process worker-1) sleeps in every forward: a straggler.
-SLOW = 'module: "tests.helpers.slowmodels:SlowMLP"\n  kwargs: {slow_worker: worker-1, delay_s: 0.4}'
+SLOW = {"module": "tests.helpers.slowmodels:SlowMLP", "kwargs": {"slow_worker": "worker-1", "delay_s": 0.4}}
 
 
-def async_spec(num_ps: int, replicas: int, steps: int, model: str = MLP, extra: str = "") -> dtrain.PipelineSpec:
-    return dtrain.loads(f"""
-name: in-graph-async
-cluster: {{jobs: {{ps: {num_ps}, worker: {replicas}}}}}
-model:
-  {model}
-data: {{source: sklearn:digits, batch_size: 8}}
-optimizer: {{name: sgd, lr: 0.1}}
-training: {{replication: in_graph, mode: async, steps: {steps}, seed: 5, call_timeout_s: 30}}
-summary: {{every_steps: 10, tensorboard: false}}
-{extra}
-""", base_dir=".")
+def async_spec(num_ps: int, replicas: int, steps: int, model: dict | None = None, **sections) -> dtrain.PipelineSpec:
+    return dtrain.loads(pipeline_yaml(
+        "in-graph-async", jobs={"ps": num_ps, "worker": replicas}, model=model or mlp(),
+        data={"source": "sklearn:digits", "batch_size": 8},
+        training={"replication": "in_graph", "mode": "async", "steps": steps, "seed": 5, "call_timeout_s": 30},
+        **sections), base_dir=".")
 
 
 def run_driver(shards, spec=None) -> AsyncInGraphDriver:
@@ -83,9 +76,7 @@ def test_stop_ends_after_the_steps_in_flight_with_every_push_counted(inproc_clie
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = new_driver(inproc_client, spec, shards.plan, shards.refs(), shards.conn.tasks, shards.token)
         driver.start()
-        deadline = time.monotonic() + 60
-        while driver.global_step < 6 and time.monotonic() < deadline and not driver.done():
-            time.sleep(0.05)
+        wait_until(lambda: driver.global_step >= 6 or driver.done(), 60, "step 6")
         driver.stop()
         assert driver.join(timeout=60) and driver.error() is None
         assert shard_steps(shards) == [driver.global_step]
@@ -94,7 +85,7 @@ def test_stop_ends_after_the_steps_in_flight_with_every_push_counted(inproc_clie
 
 
 def test_a_failing_gradient_task_names_the_tower(inproc_client, tmp_path):
-    spec = async_spec(1, 2, 10, model='module: "tests.helpers.models:BrokenMLP"')
+    spec = async_spec(1, 2, 10, model={"module": "tests.helpers.models:BrokenMLP"})
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = new_driver(inproc_client, spec, shards.plan, shards.refs(), shards.conn.tasks, shards.token)
         driver.start()
@@ -127,7 +118,7 @@ def test_stop_at_step_checkpoints_and_resume(inproc_client, tmp_path):
     """A stop_at_step hook ends the towers at that global step; the checkpoint keeps each tower's
     pushes, and a resumed run continues both the global step and each tower's data order."""
     run_dir = tmp_path / "run"
-    spec = async_spec(1, 2, 40, extra="checkpoint: {every_steps: 10}\nhooks: [{type: stop_at_step, last_step: 20}]")
+    spec = async_spec(1, 2, 40, checkpoint={"every_steps": 10}, hooks=[{"type": "stop_at_step", "last_step": 20}])
     first = dtrain.run(spec, client=inproc_client, run_dir=run_dir)
     assert first.summary["status"] == "completed" and first.summary["global_step"] == 20
     ckpt = checkpoint.latest(run_dir).payload

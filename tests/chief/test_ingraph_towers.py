@@ -4,8 +4,6 @@ plane; and the graph path (one Dask graph per step) where towers do not apply.""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from distributed import get_task_stream
 
@@ -13,8 +11,9 @@ import dtrain
 from dtrain.chief.ingraph import InGraphDriver
 from dtrain.chief.ingraph_towers import TowerDriver
 from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
-from tests.chief.test_ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
+from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
 from tests.helpers.reference import max_abs_diff, single_process
+from tests.helpers.waiting import wait_until
 
 
 def _ig_tasks(task_stream) -> list[str]:
@@ -46,7 +45,7 @@ def test_the_session_chooses_towers_or_the_graph_path(inproc_client, tmp_path):
     spec = in_graph_spec(2, 2, steps=20)
     with shards_for(inproc_client, spec, tmp_path) as shards:
         assert type(driver_for(shards)) is TowerDriver
-    dask_spec = in_graph_spec(2, 2, steps=20, training="transport: dask")
+    dask_spec = in_graph_spec(2, 2, steps=20, training={"transport": "dask"})
     with shards_for(inproc_client, dask_spec, tmp_path) as shards:
         driver = driver_for(shards)
         assert type(driver) is InGraphDriver
@@ -61,7 +60,7 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
     """Two steps are in flight to each tower, and their messages may overtake each other: step 1
     sent before step 0 still runs after it (a tower that ran them as they came would wait for step
     1's parameters forever, with step 0 queued behind it), and a step sent twice is refused."""
-    spec = in_graph_spec(1, 1, steps=2, training="barrier_timeout_s: 5")
+    spec = in_graph_spec(1, 1, steps=2, training={"barrier_timeout_s": 5})
     spec.training.call_timeout_s = 5
     client = inproc_client
     with shards_for(client, spec, tmp_path) as shards:
@@ -78,9 +77,7 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
         actor = client.cluster.workers["worker-0"].state.actors[future.key]
         try:
             second = tower.step(1)
-            deadline = time.monotonic() + 30
-            while actor._turn is None and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_until(lambda: actor._turn is not None, 30, "step 1 waiting for its turn", every=0.005)
             assert actor._turn is not None and not second.done()  # step 1 waits for step 0's turn
             first = tower.step(0)
             (a,), (b,) = first.result(timeout=30), second.result(timeout=30)
@@ -101,7 +98,7 @@ def test_towers_over_the_socket_with_buckets_match_single_process(inproc_client,
     """No shared memory (the bytes cross the socket, as between machines) and gradient buckets
     sent during backward: still single-process training with batch N*b (fails if a tower sends
     a wrong head or a bucket lands at a wrong offset)."""
-    spec = in_graph_spec(2, 2, steps=30, training="shared_memory: false, bucket_mb: 0.001")
+    spec = in_graph_spec(2, 2, steps=30, training={"shared_memory": False, "bucket_mb": 0.001})
     with shards_for(inproc_client, spec, tmp_path) as shards:
         driver = driver_for(shards)
         assert type(driver) is TowerDriver

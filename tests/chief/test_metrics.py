@@ -17,6 +17,7 @@ from dtrain.chief.hooks import StepContext
 from dtrain.chief.metrics import TensorBoardSink, check_summary
 from dtrain.chief.report import read_metrics
 from dtrain.spec.errors import RunError
+from tests.helpers.pipelines import pipeline_yaml
 
 
 def test_tensorboard_groups_telemetry_per_replica_and_per_shard(tmp_path):
@@ -67,17 +68,8 @@ def test_summaries_take_numbers_tensors_and_numpy_scalars():
     assert ctx.summaries == [("my/x", 1.0, 12), ("my/y", 2.0, 10)]
 
 
-SUMMARY_RUN = """
-name: summaries
-cluster: {jobs: {ps: 1, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: sync, steps: 40}
-summary: {every_steps: 10, tensorboard: true}
-"""
+SUMMARY_RUN = pipeline_yaml("summaries", jobs={"ps": 1, "worker": 2}, mode="sync", steps=40,
+                            summary={"every_steps": 10, "tensorboard": True})
 
 
 def test_a_custom_hook_writes_its_own_summaries_to_metrics_jsonl_and_tensorboard(inproc_client, run_dir):

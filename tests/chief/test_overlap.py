@@ -8,19 +8,10 @@ import pytest
 
 import dtrain
 from dtrain.spec.sections import TrainingSpec
+from tests.helpers.pipelines import pipeline_yaml
 from tests.helpers.reference import max_abs_diff, single_process
 
-SPEC = """
-name: overlap
-cluster: {jobs: {ps: 1, worker: 1}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: async, steps: 30, seed: 5}
-summary: {every_steps: 10, tensorboard: false}
-"""
+SPEC = pipeline_yaml("overlap", jobs={"ps": 1, "worker": 1}, training={"mode": "async", "steps": 30, "seed": 5})
 
 
 @pytest.mark.parametrize(("keys", "expected"), [

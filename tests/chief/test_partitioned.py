@@ -13,24 +13,11 @@ import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.partitioner import FixedSizePartitioner
-from tests.chief.test_pipeline_stages import stage_spec
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import PARTITIONED, stage_spec
 from tests.helpers.reference import max_abs_diff, single_process
 
-SPEC = """
-name: partitioned
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-  loss: cross_entropy
-placement: {partitioner: {type: fixed_size, num_shards: 3, axis: 1}}
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: momentum, lr: 0.05, momentum: 0.9}
-training: {mode: sync, steps: 60, seed: 3}
-summary: {every_steps: 20, tensorboard: false}
-checkpoint: {every_steps: 30, keep: 2}
-"""
+SPEC = PARTITIONED
 
 
 def _slice_of(param: torch.Tensor, slice_spec: str) -> torch.Tensor:

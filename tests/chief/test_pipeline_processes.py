@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.chief.test_recovery import finish, kill_pid, start_run, task_pid, wait_for_step
+from tests.helpers.runs import finish, kill_pid, start_run, task_pid, wait_for_step
 
 pytestmark = pytest.mark.processes
 

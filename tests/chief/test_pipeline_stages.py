@@ -6,30 +6,10 @@ from __future__ import annotations
 import pytest
 
 import dtrain
+from tests.helpers.pipelines import stage_spec
 from tests.helpers.reference import max_abs_diff, single_process
 
 TOLERANCE = 1e-5
-
-
-def stage_spec(workers: int, optimizer: str, mode: str = "sync", microbatches: int = 4, steps: int = 50,
-               num_ps: int = 1, shared_memory: bool = True) -> dtrain.PipelineSpec:
-    return dtrain.loads(f"""
-name: stages
-cluster: {{jobs: {{ps: {num_ps}, worker: {workers}}}}}
-model:
-  input_shape: [64]
-  layers:
-    - {{type: linear, out: 24, device: /job:worker/task:0}}
-    - {{type: tanh}}
-    - {{type: linear, out: 16, device: /job:worker/task:1}}
-    - {{type: relu, device: /job:worker/task:1}}
-    - {{type: linear, out: 10, device: /job:worker/task:1}}
-  loss: cross_entropy
-data: {{source: sklearn:digits, batch_size: 16}}
-optimizer: {optimizer}
-training: {{mode: {mode}, steps: {steps}, seed: 5, microbatches: {microbatches}, shared_memory: {str(shared_memory).lower()}}}
-summary: {{every_steps: 25, tensorboard: false}}
-""", base_dir=".")
 
 
 @pytest.mark.parametrize(("workers", "optimizer", "num_ps", "shared_memory"), [

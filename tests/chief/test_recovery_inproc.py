@@ -18,20 +18,17 @@ import dtrain
 from dtrain.deploy.cluster import HOUSEKEEPING
 from dtrain.spec.errors import RunError
 from tests.helpers.hooks import read_calls
+from tests.helpers.pipelines import pipeline_yaml
+from tests.helpers.waiting import wait_until
 
-PIPELINE = """
-name: inproc-recovery
-cluster: {{jobs: {{ps: 2, worker: 2}}, wait_s: 30}}
-model:
-  input_shape: [64]
-  layers: [{{type: linear, out: 16}}, {{type: relu}}, {{type: linear, out: 10}}]
-data: {{source: sklearn:digits, batch_size: 16}}
-optimizer: {{name: sgd, lr: 0.1}}
-training: {{mode: {mode}, steps: {steps}, max_recoveries: {recoveries}, call_timeout_s: 20, barrier_timeout_s: 20}}
-summary: {{every_steps: 10, tensorboard: false}}
-checkpoint: {{every_steps: 50}}
-hooks: [{{type: "tests.helpers.hooks:RecordingHook", args: {{path: "{calls}"}}}}]
-"""
+
+def recovery_pipeline(mode: str, steps: int, recoveries: int, calls, workers: int = 2) -> str:
+    return pipeline_yaml(
+        "inproc-recovery", jobs={"ps": 2, "worker": workers}, cluster={"wait_s": 30},
+        training={"mode": mode, "steps": steps, "max_recoveries": recoveries, "call_timeout_s": 20,
+                  "barrier_timeout_s": 20},
+        checkpoint={"every_steps": 50},
+        hooks=[{"type": "tests.helpers.hooks:RecordingHook", "args": {"path": str(calls)}}])
 
 
 @pytest.fixture
@@ -79,21 +76,21 @@ def run_in_thread(spec, client, run_dir: Path) -> tuple[threading.Thread, dict]:
 
 
 def wait_for_step(run_dir: Path, step: int, thread: threading.Thread, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x):
-            return
+        return path.exists() and any(json.loads(x).get("step", 0) >= step for x in path.read_text().splitlines() if x)
+
+    def alive() -> None:
         assert thread.is_alive()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
+
+    wait_until(reached, timeout, f"step {step}", check=alive)
 
 
 @pytest.mark.slow
 def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100000, recoveries=0, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 100000, 0, calls), base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
     wait_for_step(tmp_path / "run", 30, thread)
     lose(cluster, "ps-1", come_back=False)
@@ -109,7 +106,7 @@ def test_running_out_of_recoveries_fails_the_run_and_tells_the_hooks(cluster, tm
 def test_async_goes_on_after_a_lost_worker_and_its_replica_restarts(cluster, tmp_path):
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="async", steps=600, recoveries=2, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("async", 600, 2, calls), base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
     wait_for_step(tmp_path / "run", 100, thread)
     lose(cluster, "worker-1", come_back=True)
@@ -135,7 +132,7 @@ def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_pa
 
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=300, recoveries=3, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 300, 3, calls), base_dir=".")
     real_create = ShardGroup.create
     creates = []
 
@@ -165,7 +162,7 @@ def test_a_lone_sync_replica_lost_between_two_shards_restarts_from_the_checkpoin
     recovery, and the run completes; resubmitting the replica onto shards of two steps would not."""
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    text = PIPELINE.format(mode="sync", steps=300, recoveries=2, calls=calls).replace("worker: 2}", "worker: 1}")
+    text = recovery_pipeline("sync", 300, 2, calls, workers=1)
     text = text.replace('hooks: [', 'hooks: [{type: "tests.helpers.hooks:HalfPushOnLoss"}, ')
     spec = dtrain.loads(text, base_dir=".")
     thread, out = run_in_thread(spec, client, tmp_path / "run")
@@ -195,7 +192,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
     from dtrain.deploy.cluster import connect
 
     cluster, client = cluster
-    spec = dtrain.loads(PIPELINE.format(mode="sync", steps=100, recoveries=1, calls="unused"), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("sync", 100, 1, "unused"), base_dir=".")
     with connect(spec, client=client) as conn, conn.client.as_current():
         plan = dtrain.compile(spec)
         group = ShardGroup(conn, spec, plan, token=f"lost{time.monotonic_ns()}")
@@ -203,9 +200,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
             group.create([torch.zeros(s.numel) for s in plan.shards])
             assert sorted(group.loads()) == [0, 1]
             lose(cluster, "ps-1", come_back=False)
-            deadline = time.monotonic() + 10
-            while group.futures[1].status != "error" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: group.futures[1].status == "error", 10, "ps-1's actor lost")
             with pytest.raises(RuntimeError, match="Worker holding Actor was lost"):
                 group.handles[1].load()
             assert sorted(group.loads()) == [0]

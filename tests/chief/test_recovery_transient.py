@@ -22,17 +22,14 @@ from dtrain.ps.shard import BarrierTimeout
 from dtrain.spec.errors import RunError
 from tests.helpers.errors import seen
 from tests.helpers.paths import ROOT
+from tests.helpers.pipelines import pipeline_yaml
 
-BASE = """
-name: transient
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.1}
-summary: {every_steps: 5, tensorboard: false}
-"""
+
+def base(**kw) -> str:
+    return pipeline_yaml("transient", summary={"every_steps": 5, "tensorboard": False}, **kw)
+
+
+BASE = base()
 
 
 def raising(tmp_path, error: str, step: int, extra: str = "", more: str = "", steps: int = 60) -> dtrain.PipelineSpec:
@@ -121,9 +118,8 @@ def test_any_other_error_from_a_hook_fails_the_run_at_once(inproc_client, run_di
 def test_a_sync_barrier_timeout_while_every_process_lives_is_recovered(inproc_client, run_dir, tmp_path):
     # X14: the first replica at its 20th batch stalls 6 s (once); the other's barrier gives up after
     # 2 s (BarrierTimeout from the ps). Nothing was lost: the session restarts and completes.
-    s = dtrain.loads(BASE.replace(
-        "model:\n  input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]",
-        f'model: {{module: "tests.helpers.errors:StallOnce", kwargs: {{flag: "{tmp_path}/stalled"}}}}')
+    stall = {"module": "tests.helpers.errors:StallOnce", "kwargs": {"flag": f"{tmp_path}/stalled"}}
+    s = dtrain.loads(base(model=stall)
         + "training: {mode: sync, steps: 60, barrier_timeout_s: 2, call_timeout_s: 30}\n", base_dir=".")
     summary = dtrain.run(s, client=inproc_client, run_dir=run_dir).summary
     assert (tmp_path / "stalled").exists()
@@ -137,7 +133,7 @@ def test_a_sync_barrier_timeout_while_every_process_lives_is_recovered(inproc_cl
 def test_the_cli_exits_1_when_a_transient_error_has_no_recovery_left(tmp_path):
     # MS7 through `dtrain run` (its embedded cluster): the Aborted reaches the caller as exit 1.
     path = tmp_path / "aborted.yaml"
-    path.write_text(BASE.replace("cluster: {jobs: {ps: 2, worker: 2}}", "cluster: {jobs: {ps: 1, worker: 1}}") + f"""
+    path.write_text(base(jobs={"ps": 1, "worker": 1}) + f"""
 training: {{steps: 400, max_recoveries: 0}}
 hooks: [{{type: "tests.helpers.errors:RaiseAt", args: {{step: 10, error: aborted, path: "{tmp_path}/seen.jsonl"}}}}]
 """)

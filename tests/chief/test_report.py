@@ -14,21 +14,11 @@ from dtrain.chief import report_panels
 from dtrain.chief.report import MAX_ROWS, render
 from dtrain.chief.report_panels import SHARD_LOAD, STALENESS, TIME_PER_REPLICA, panels
 from dtrain.cli import main
+from tests.helpers.pipelines import pipeline_yaml
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-SPEC = """
-name: report-run
-cluster: {jobs: {ps: 1, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: sync, steps: 60}
-summary: {every_steps: 10, tensorboard: false}
-eval: {every_steps: 20}
-"""
+SPEC = pipeline_yaml("report-run", jobs={"ps": 1, "worker": 2}, mode="sync", steps=60, eval={"every_steps": 20})
 
 
 def _rows(text: str) -> list[list[str]]:

@@ -15,17 +15,10 @@ from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.errors import SpecError
 from dtrain.spec.session import CheckpointSpec
+from tests.helpers.pipelines import pipeline_yaml
 
-BASE = """
-name: saver
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 16}
-optimizer: {name: momentum, lr: 0.05}
-summary: {every_steps: 10, tensorboard: false}
-"""
+MOMENTUM = {"name": "momentum", "lr": 0.05}
+BASE = pipeline_yaml("saver", optimizer=MOMENTUM)
 
 
 def assemble(spec: dtrain.PipelineSpec, shards: list[dict]) -> dict[str, torch.Tensor]:
@@ -95,9 +88,8 @@ def test_retention_keeps_the_newest_and_one_per_period():
 def test_keep_every_n_hours_in_a_run(inproc_client, run_dir):
     # 0.0005 h = 1.8 s: the checkpoints are every 10 steps of a model that takes 0.1 s a step, so
     # about one in two survives among the older ones, beside the newest 2.
-    spec = dtrain.loads(BASE.replace(
-        "model:\n  input_shape: [64]\n  layers: [{type: linear, out: 16}, {type: relu}, {type: linear, out: 10}]",
-        'model: {module: "tests.helpers.hooks:NanAfter", kwargs: {after: 100000, sleep_s: 0.1}}')
+    slow = {"module": "tests.helpers.hooks:NanAfter", "kwargs": {"after": 100000, "sleep_s": 0.1}}
+    spec = dtrain.loads(pipeline_yaml("saver", model=slow, optimizer=MOMENTUM)
         + "training: {mode: sync, steps: 120}\ncheckpoint: {every_steps: 10, keep: 2, keep_every_n_hours: 0.0005}\n",
         base_dir=".")
     summary = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary

@@ -14,6 +14,7 @@ import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.spec.errors import RunDirError, RunError
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import pipeline_yaml, tiny
 
 
 def pipeline(name: str) -> Path:
@@ -21,21 +22,6 @@ def pipeline(name: str) -> Path:
 
 SUMMARY_KEYS = {"name", "status", "global_step", "final_loss", "eval", "wall_s", "samples_per_sec", "mode",
                 "replication", "replicas", "recoveries", "dropped_stale"}
-
-
-def tiny(text: str = "", **kw) -> dtrain.PipelineSpec:
-    base = """
-name: tiny
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  input_shape: [64]
-  layers: [{type: linear, out: 32}, {type: relu}, {type: linear, out: 10}]
-data: {source: sklearn:digits, batch_size: 32}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: async, steps: 60}
-summary: {every_steps: 20, tensorboard: false}
-"""
-    return dtrain.loads(base + text, base_dir=".")
 
 
 def test_digits_async_python_api_reaches_accuracy(inproc_client, run_dir):
@@ -87,13 +73,9 @@ def test_optimizers_train(inproc_client, run_dir, optimizer):
 
 
 def test_replica_error_ends_run_with_its_message(inproc_client, run_dir):
-    spec = dtrain.loads("""
-name: broken
-cluster: {jobs: {ps: 1, worker: 2}}
-model: {module: "tests.helpers.models:BrokenMLP"}
-data: {source: sklearn:digits, batch_size: 16}
-training: {steps: 50}
-""")
+    spec = dtrain.loads(pipeline_yaml("broken", jobs={"ps": 1, "worker": 2},
+                                      model={"module": "tests.helpers.models:BrokenMLP"}, optimizer=None, steps=50,
+                                      summary=None))
     with pytest.raises(RunError, match=r"replica \d .*mat1 and mat2 shapes cannot be multiplied"):
         dtrain.run(spec, client=inproc_client, run_dir=run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -229,17 +211,9 @@ def test_bfloat16_on_the_wire_end_to_end(inproc_client, tmp_path):
 def test_checkpoints_every_secs(inproc_client, run_dir):
     """checkpoint.every_secs alone: a checkpoint whenever that much time has passed, at whatever
     step it is (the shards held at one step for each)."""
-    spec = dtrain.loads("""
-name: every-secs
-cluster: {jobs: {ps: 2, worker: 2}}
-model:
-  module: "tests.helpers.slowmodels:SlowMLP"
-  kwargs: {delay_s: 0.01, fast_delay_s: 0.01}
-data: {source: sklearn:digits, batch_size: 16}
-training: {mode: sync, steps: 150}
-summary: {every_steps: 10, tensorboard: false}
-checkpoint: {every_secs: 0.4, keep: 100}
-""", base_dir=".")
+    spec = dtrain.loads(pipeline_yaml(
+        "every-secs", model={"module": "tests.helpers.slowmodels:SlowMLP", "kwargs": {"delay_s": 0.01, "fast_delay_s": 0.01}},
+        optimizer=None, mode="sync", steps=150, checkpoint={"every_secs": 0.4, "keep": 100}), base_dir=".")
     assert spec.checkpoint.every_steps is None
     s = dtrain.run(spec, client=inproc_client, run_dir=run_dir).summary
     steps = [int(name[5:13]) for name in s["checkpoints"]]

@@ -11,8 +11,8 @@ import pytest
 
 from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.inputs import assign_shards
-from tests.chief.test_recovery import finish, kill_pid, start_run, task_pid, wait_for_step
 from tests.helpers import shards
+from tests.helpers.runs import finish, kill_pid, start_run, task_pid, wait_for_step
 
 pytestmark = pytest.mark.processes
 

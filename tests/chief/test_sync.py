@@ -9,32 +9,19 @@ import dtrain
 from dtrain.chief.session import Session
 from dtrain.deploy.cluster import connect
 from tests.helpers.paths import PIPELINES
+from tests.helpers.pipelines import OPTIMIZERS, mlp, pipeline_yaml
 from tests.helpers.reference import max_abs_diff, single_process
 
 TOLERANCE = 1e-5
 
-OPTIMIZERS = {
-    "sgd": "{name: sgd, lr: 0.1}",
-    "momentum": "{name: momentum, lr: 0.05, momentum: 0.9}",
-    "adam": "{name: adam, lr: 0.01}",
-}
-
 
 def sync_spec(num_ps: int, replicas: int, optimizer: str, steps: int = 100, placement: str = "round_robin",
               replication: str = "between_graph") -> dtrain.PipelineSpec:
-    return dtrain.loads(f"""
-name: sync-fidelity
-cluster: {{jobs: {{ps: {num_ps}, worker: {replicas}}}}}
-model:
-  input_shape: [64]
-  layers: [{{type: linear, out: 16}}, {{type: relu}}, {{type: linear, out: 10}}]
-  loss: cross_entropy
-placement: {{variables: {placement}, min_slice_bytes: 64}}
-data: {{source: sklearn:digits, batch_size: 8}}
-optimizer: {OPTIMIZERS[optimizer]}
-training: {{replication: {replication}, mode: sync, steps: {steps}, seed: 3}}
-summary: {{every_steps: 50, tensorboard: false}}
-""", base_dir=".")
+    return dtrain.loads(pipeline_yaml(
+        "sync-fidelity", jobs={"ps": num_ps, "worker": replicas}, model=mlp(loss="cross_entropy"),
+        placement={"variables": placement, "min_slice_bytes": 64}, data={"source": "sklearn:digits", "batch_size": 8},
+        optimizer=OPTIMIZERS[optimizer], training={"replication": replication, "mode": "sync", "steps": steps, "seed": 3},
+        summary={"every_steps": 50, "tensorboard": False}), base_dir=".")
 
 
 @pytest.mark.parametrize(("num_ps", "replicas", "optimizer", "placement"), [
@@ -97,17 +84,12 @@ def test_backup_replicas_do_not_wait_for_a_straggler(inproc_client, tmp_path):
     """3 replicas, aggregate 2, replica 2 sleeps 0.1 s in every forward (the others 5 ms, so the
     60 steps outlast the straggler's first pushes): the two fast replicas carry every step, the
     straggler's late gradients are dropped."""
-    spec = dtrain.loads("""
-name: backup
-cluster: {jobs: {ps: 1, worker: 3}}
-model:
-  module: "tests.helpers.slowmodels:SlowMLP"
-  kwargs: {delay_s: 0.1, fast_delay_s: 0.005, slow_worker: worker-2}
-data: {source: sklearn:digits, batch_size: 8}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: sync, total_num_replicas: 3, replicas_to_aggregate: 2, steps: 60}
-summary: {every_steps: 50, tensorboard: false}
-""", base_dir=".")
+    slow = {"module": "tests.helpers.slowmodels:SlowMLP",
+            "kwargs": {"delay_s": 0.1, "fast_delay_s": 0.005, "slow_worker": "worker-2"}}
+    spec = dtrain.loads(pipeline_yaml(
+        "backup", jobs={"ps": 1, "worker": 3}, model=slow, data={"source": "sklearn:digits", "batch_size": 8},
+        training={"mode": "sync", "total_num_replicas": 3, "replicas_to_aggregate": 2, "steps": 60},
+        summary={"every_steps": 50, "tensorboard": False}), base_dir=".")
     with connect(spec, client=inproc_client) as conn, conn.client.as_current():
         session = Session(spec, conn, tmp_path / "run")
         result = session.run()

@@ -13,24 +13,16 @@ from dtrain.chief.telemetry import Telemetry, finding_key
 from dtrain.worker.tasks import REPLICA_TOPIC
 from tests.helpers.observe import slow_frame
 from tests.helpers.paths import PIPELINES
-
-DIGITS = """
-name: {name}
-cluster: {{jobs: {jobs}}}
-model:
-  input_shape: [64]
-  layers: [{{type: linear, out: {hidden}}}, {{type: relu}}, {{type: linear, out: 10}}]
-data: {{source: sklearn:digits, batch_size: 32}}
-optimizer: {{name: sgd, lr: 0.05}}
-training: {{mode: async, steps: {steps}}}
-summary: {{every_steps: 20, tensorboard: false}}
-observe: {observe}
-"""
+from tests.helpers.pipelines import mlp, pipeline_yaml
+from tests.helpers.waiting import wait_until
 
 
-def digits(name: str = "obs", jobs: str = "{ps: 2, worker: 2}", hidden: int = 32, steps: int = 400,
-           extra: str = "", observe: str = "{interval_s: 0.2}") -> dtrain.PipelineSpec:
-    return dtrain.loads(DIGITS.format(name=name, jobs=jobs, hidden=hidden, steps=steps, observe=observe) + extra)
+def digits(name: str = "obs", jobs: dict | None = None, hidden: int = 32, steps: int = 400,
+           extra: str = "", observe: dict | None = None) -> dtrain.PipelineSpec:
+    return dtrain.loads(pipeline_yaml(
+        name, jobs=jobs or {"ps": 2, "worker": 2}, model=mlp(hidden), data={"source": "sklearn:digits", "batch_size": 32},
+        optimizer={"name": "sgd", "lr": 0.05}, mode="async", steps=steps,
+        summary={"every_steps": 20, "tensorboard": False}, observe=observe or {"interval_s": 0.2}) + extra)
 
 
 def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_client, tmp_path):
@@ -44,7 +36,7 @@ def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_c
     # staleness counted in local steps or per shard. The slow-input, straggler and hot-shard tests
     # below find each with its default threshold; staleness keeps its default (twice the replicas:
     # two async replicas average about one step).
-    spec = digits(observe="{interval_s: 0.2, input_bound: 0.8, straggler_ratio: 0.2, hot_busy: 0.95}")
+    spec = digits(observe={"interval_s": 0.2, "input_bound": 0.8, "straggler_ratio": 0.2, "hot_busy": 0.95})
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     s = result.summary
     assert s["status"] == "completed" and s["diagnosis"] == [], s["diagnosis"]
@@ -73,16 +65,11 @@ def test_a_healthy_run_has_figures_per_replica_and_shard_and_no_finding(inproc_c
 
 
 def test_a_slowed_replica_is_named_the_straggler(inproc_client, tmp_path):
-    spec = dtrain.loads("""
-name: straggler
-cluster: {jobs: {ps: 1, worker: 3}}
-model: {module: "tests.helpers.slowmodels:SlowMLP", kwargs: {delay_s: 0.03, fast_delay_s: 0.002}}
-data: {source: sklearn:digits, batch_size: 32}
-optimizer: {name: sgd, lr: 0.05}
-training: {mode: async, steps: 500}
-summary: {every_steps: 50, tensorboard: false}
-observe: {interval_s: 0.2}
-""")
+    spec = dtrain.loads(pipeline_yaml(
+        "straggler", jobs={"ps": 1, "worker": 3},
+        model={"module": "tests.helpers.slowmodels:SlowMLP", "kwargs": {"delay_s": 0.03, "fast_delay_s": 0.002}},
+        data={"source": "sklearn:digits", "batch_size": 32}, optimizer={"name": "sgd", "lr": 0.05}, mode="async",
+        steps=500, summary={"every_steps": 50, "tensorboard": False}, observe={"interval_s": 0.2}))
     s = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run").summary
     found = [f for f in s["diagnosis"] if f.startswith("straggler")]
     assert len(found) == 1 and "replica 2 (/job:worker/task:2)" in found[0], s["diagnosis"]
@@ -100,17 +87,9 @@ def test_a_shard_holding_almost_every_byte_is_named_hot(inproc_client, tmp_path)
 
 
 def test_slow_input_is_named_input_bound(inproc_client, tmp_path):
-    spec = dtrain.loads("""
-name: slow-input
-cluster: {jobs: {ps: 1, worker: 1}}
-model: {input_shape: [4], layers: [{type: linear, out: 8}, {type: relu}, {type: linear, out: 2}],
-        loss: cross_entropy}
-data: {batch_size: 16, test_fraction: 0.2}
-optimizer: {name: sgd, lr: 0.1}
-training: {mode: async, steps: 60}
-summary: {every_steps: 10, tensorboard: false}
-observe: {interval_s: 0.2}
-""")
+    spec = dtrain.loads(pipeline_yaml(
+        "slow-input", jobs={"ps": 1, "worker": 1}, model=mlp(8, features=4, classes=2, loss="cross_entropy"),
+        data={"batch_size": 16, "test_fraction": 0.2}, mode="async", steps=60, observe={"interval_s": 0.2}))
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run", data=slow_frame(parts=8))
     s = result.summary
     found = [f for f in s["diagnosis"] if f.startswith("input-bound")]
@@ -136,15 +115,18 @@ def test_another_runs_replicas_of_the_same_name_are_not_counted(inproc_client):
         other = {"run": "same-00000002", "replica": 0, "attempt": 1, "worker": "worker-1", "steps": 99, "wall_s": 9.0}
         mine = {"run": "same-00000001", "replica": 0, "attempt": 1, "worker": "worker-0", "steps": 7, "wall_s": 1.0}
         deadline = time.monotonic() + 10
-        while 0 not in t.latest:  # until the chief's subscription has reached the scheduler
+
+        def arrived() -> bool:  # once the chief's subscription has reached the scheduler
+            if 0 in t.latest:
+                return True
             inproc_client.log_event(REPLICA_TOPIC, mine)
-            assert time.monotonic() < deadline, "the run's own report never arrived"
-            time.sleep(0.05)
+            return False
+
+        wait_until(arrived, 10, "the run's own report")
         inproc_client.log_event(REPLICA_TOPIC, other)
         inproc_client.log_event(REPLICA_TOPIC, {**mine, "steps": 8})  # in order: once it is in, so is the other
-        while t.latest[0]["steps"] == 7:
-            assert time.monotonic() < deadline, "the run's second report never arrived"
-            time.sleep(0.02)
+        wait_until(lambda: t.latest[0]["steps"] != 7, deadline - time.monotonic(), "the run's second report",
+                   every=0.02)
         assert t.latest[0]["steps"] == 8 and t.latest[0]["wall_s"] == 1.0  # nothing of the other run's 99
     finally:
         t.close()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import dtrain
 from dtrain.data.ctr import main, make_ctr
 from dtrain.worker.replica import dataset_for
 from tests.helpers.paths import ROOT
+from tests.helpers.reference import binary_accuracy as accuracy
 from tests.helpers.reference import single_process
 
 PIPELINE = ROOT / "pipelines" / "ctr_sparse.yaml"
@@ -36,13 +36,6 @@ def test_generator_is_seeded_zipfian_and_learnable():
     assert 0.3 < y.mean() < 0.7
     with pytest.raises(ValueError, match="vocab >= 2"):
         make_ctr(10, 2, 1)
-
-
-def accuracy(model: torch.nn.Module, spec: dtrain.PipelineSpec) -> float:
-    data = dataset_for(spec)
-    with torch.no_grad():
-        logits = model(torch.as_tensor(data.x_test)).reshape(-1)
-    return float(((logits > 0).long() == torch.as_tensor(data.y_test)).float().mean())
 
 
 def test_ctr_pipeline_learns_as_single_process_torch(inproc_client, tmp_path):

@@ -27,8 +27,8 @@ from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import MAGIC, REP, REQ, DataPlaneError, DataPlaneUnavailable
 from dtrain.dataplane.server import ShardServer
 from dtrain.dataplane.shm import F_SHM
-
-from .test_transport import loop, make_shard, shm  # noqa: F401  (fixtures)
+from tests.helpers.dataplane import make_shard
+from tests.helpers.waiting import wait_until
 
 SECRET = b"a" * 32
 
@@ -334,9 +334,7 @@ def test_closed_connections_leave_the_server_list(loop):  # noqa: F811
             else:
                 SocketShard(server.host, server.port, SECRET, replica=0, numel=10, timeout=5,
                             shared_memory=False).close()
-        deadline = time.monotonic() + 5
-        while (server._conns or server._pending) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not (server._conns or server._pending), 5, "every connection closed")
         assert not server._conns and not server._pending and server.connections == 25
     finally:
         server.close()
@@ -360,9 +358,7 @@ def test_requests_wait_through_the_barrier_grace(loop):  # noqa: F811
     try:
         on_loop(loop, shard.barrier_grace(10))
         fa = a.push_sync(torch.ones(10), 0, 0, 1.0, 4, 1)
-        deadline = time.monotonic() + 30
-        while shard.meter.pushes < 1 and time.monotonic() < deadline:  # it is in, waiting at the barrier
-            time.sleep(0.005)
+        wait_until(lambda: shard.meter.pushes >= 1, 30, "the push in", every=0.005)  # waiting at the barrier
         pushed = time.monotonic()
         while time.monotonic() < pushed + 2.5:  # past the server's 2 s timeout, inside the grace
             assert not fa.done()

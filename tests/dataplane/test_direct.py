@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ import torch
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import DataPlaneError
 from dtrain.dataplane.server import ShardServer
-
-from .test_transport import loop, make_shard, shm  # noqa: F401  (fixtures)
+from tests.helpers.dataplane import make_shard
+from tests.helpers.waiting import wait_until
 
 SECRET = b"d" * 32
 
@@ -28,16 +27,6 @@ def on_loop(loop, coro, timeout=5):  # noqa: F811
 def connect(server, n, shm=False, replica=0):  # noqa: F811
     return SocketShard(server.host, server.port, SECRET, replica=replica, numel=n, timeout=10, shared_memory=shm)
 
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 class ContendedLock:
@@ -107,7 +96,7 @@ def test_a_checkpoint_hold_stops_direct_applies_until_release(loop, how):  # noq
         assert shard.hold_at == 3
         waiting = client.push_pull(g, 0, 3)
         # The push reaches the shard and waits on the event loop for the release (else: applied).
-        assert wait_until(lambda: shard._waiting == 1 or waiting.done())
+        wait_until(lambda: shard._waiting == 1 or waiting.done(), 30.0, "the pull waiting", every=0.005)
         assert not waiting.done() and shard.step == 3
         state = on_loop(loop, shard.get_state())
         assert state["step"] == 3 and torch.equal(state["params"], torch.full((64,), 1 - 0.5 * 3))
@@ -132,7 +121,7 @@ def test_an_event_loop_push_rechecks_a_hold_set_by_a_direct_apply(loop):  # noqa
         assert lock.contended.wait(30)  # the loop is now blocked on the lock, past _wait_unheld
         shard.hold_at = shard.step
     # It must now wait for the release on the event loop (without the re-check it applies at once).
-    assert wait_until(lambda: shard._waiting == 1 or pushed.done())
+    wait_until(lambda: shard._waiting == 1 or pushed.done(), 30.0, "the push waiting", every=0.005)
     assert not pushed.done() and shard.step == 0 and torch.equal(shard.param, torch.ones(8))
     on_loop(loop, shard.release())
     assert pushed.result(timeout=5)[1] == 1
@@ -146,9 +135,7 @@ def test_a_waiting_pull_wakes_after_a_direct_apply(loop):  # noqa: F811
     client = connect(server, 64)
     try:
         pulled = asyncio.run_coroutine_threadsafe(shard.pull(2), loop)
-        deadline = time.monotonic() + 5
-        while shard._waiting == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: shard._waiting != 0, 5, "the pull waiting", every=0.01)
         assert not pulled.done() and shard._waiting == 1
         for k in range(2):
             client.push_pull(torch.ones(64), 0, k).result(timeout=5)

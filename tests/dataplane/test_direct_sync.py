@@ -15,9 +15,8 @@ import torch
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import DataPlaneError
 from dtrain.dataplane.server import ShardServer
-
-from .test_direct import wait_until
-from .test_transport import loop, make_shard, shm  # noqa: F401  (fixtures)
+from tests.helpers.dataplane import make_shard
+from tests.helpers.waiting import wait_until
 
 SECRET = b"y" * 32
 LR = 0.5  # make_shard's SGD learning rate
@@ -54,7 +53,7 @@ def test_the_barrier_runs_on_connection_threads_and_applies_the_exact_mean(shm):
         for k in range(15):
             grads = [torch.randn(n, generator=torch.Generator().manual_seed(100 * k + r)) for r in range(3)]
             first = [cs[r].push_sync(grads[r], r, k, 0.5, 8, k + 1) for r in range(2)]
-            assert wait_until(lambda k=k: shard.meter.pushes == 3 * k + 2)  # both in: waiting at the barrier
+            wait_until(lambda k=k: shard.meter.pushes == 3 * k + 2, 30.0, "both pushes in", every=0.005)  # both in: waiting at the barrier
             assert not any(f.done() for f in first) and shard.step == k
             last = cs[2].push_sync(grads[2], 2, k, 0.5, 8, k + 1)
             expected -= LR * (grads[0] + grads[1] + grads[2]) / 3
@@ -133,7 +132,7 @@ def test_a_stop_or_an_error_releases_a_direct_waiter(loop, how):  # noqa: F811
     a, b = cs = clients(server, 4, 2)
     try:
         waiting = a.push_sync(torch.ones(4), 0, 0)
-        assert wait_until(lambda: shard.meter.pushes == 1)  # waiting at the barrier
+        wait_until(lambda: shard.meter.pushes == 1, 30.0, "the push in", every=0.005)  # waiting at the barrier
         t0 = time.monotonic()
         if how == "request_stop":
             on_loop(loop, shard.request_stop())
@@ -163,7 +162,7 @@ def test_the_barrier_times_out_on_the_thread_unless_a_grace_is_granted(loop):  #
                 continue
             on_loop(loop, shard.barrier_grace(grace))
             waiting = a.push_sync(torch.ones(4), 0, 0)
-            assert wait_until(lambda shard=shard: shard.meter.pushes == 1)  # waiting at the barrier
+            wait_until(lambda shard=shard: shard.meter.pushes == 1, 30.0, "the push in", every=0.005)  # waiting at the barrier
             pushed = time.monotonic()
             while time.monotonic() < pushed + 1.0:  # past barrier_timeout_s (0.5 s), inside the grace (10 s)
                 assert not waiting.done()

@@ -14,8 +14,7 @@ import torch
 from dtrain.dataplane import shm as transport
 from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.server import ShardServer
-
-from .test_transport import HAS_SHM, loop, make_shard  # noqa: F401  (fixtures)
+from tests.helpers.dataplane import HAS_SHM, make_shard
 
 pytestmark = pytest.mark.skipif(not HAS_SHM, reason="no /dev/shm on this machine")
 

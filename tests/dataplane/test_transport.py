@@ -18,38 +18,12 @@ from dtrain.dataplane.client import SocketShard
 from dtrain.dataplane.protocol import MAGIC, DataPlaneError
 from dtrain.dataplane.server import ShardServer
 from dtrain.dataplane.shm import SharedSlots
-from dtrain.ps.shard import ParameterShard
+from tests.helpers.dataplane import HAS_SHM, make_shard
 from tests.helpers.paths import ROOT
-
-HAS_SHM = os.path.isdir(transport.SHM_DIR)
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
-    loop.close()
-
-
-@pytest.fixture(params=[True, False], ids=["shm", "tcp"])
-def shm(request):
-    if request.param and not HAS_SHM:
-        pytest.skip("no /dev/shm on this machine")
-    return request.param
 
 
 def dtrain_shm_files() -> set[str]:
     return {n for n in os.listdir(transport.SHM_DIR) if n.startswith("dtrain-")} if HAS_SHM else set()
-
-
-def make_shard(mode="async", n=1000, replicas=1, **kw):
-    config = {"index": 0, "mode": mode, "steps": 10_000, "num_replicas": replicas,
-              "optimizer": {"name": "sgd", "lr": 0.5}, "barrier_timeout_s": 5, **kw}
-    return ParameterShard(config, torch.ones(n))
 
 
 def test_push_pull_roundtrip_applies_the_gradient(loop, shm):

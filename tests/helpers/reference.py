@@ -85,3 +85,11 @@ def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
     return max(float((pa[n].detach().cpu() - pb[n].detach().cpu()).abs().max()) for n in pa)
+
+
+def binary_accuracy(model: torch.nn.Module, spec: dtrain.PipelineSpec) -> float:
+    """``model``'s accuracy on ``spec``'s test split of a binary task (a logit per sample)."""
+    data = dataset_for(spec)
+    with torch.no_grad():
+        logits = model(torch.as_tensor(data.x_test)).reshape(-1)
+    return float(((logits > 0).long() == torch.as_tensor(data.y_test)).float().mean())

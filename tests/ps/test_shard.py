@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dtrain.ps.shard import BarrierTimeout, ParameterShard
+from tests.helpers.waiting import wait_until
 
 
 def sync_shard(n: int = 8, barrier_s: float = 0.5) -> ParameterShard:
@@ -124,14 +125,14 @@ def test_a_direct_sync_step_leaves_its_replicas_gradients_untouched():
     g0, g1 = torch.full((8,), 2.0), torch.full((8,), 4.0)
     first = threading.Thread(target=shard.push_sync_direct, args=(loop, g0, 0, 0, None, 0, 0, torch.empty(8)))
     first.start()
-    assert wait_until(lambda: shard.meter.pushes == 1)  # g0 is in, borrowed: the step's first gradient
+    wait_until(lambda: shard.meter.pushes == 1, 30.0, "g0 in", every=0.005)  # g0 is in, borrowed: the step's first gradient
     shard.push_sync_direct(loop, g1, 1, 0, None, 0, 0, torch.empty(8))
     first.join(5)
     assert torch.equal(g0, torch.full((8,), 2.0)) and torch.equal(g1, torch.full((8,), 4.0))
     assert torch.equal(shard.param, torch.full((8,), -3.0))
     lone = threading.Thread(target=shard.push_sync_direct, args=(loop, g0, 0, 1, None, 0, 0, torch.empty(8)))
     lone.start()
-    assert wait_until(lambda: shard.meter.pushes == 3)  # g0 is in again, alone
+    wait_until(lambda: shard.meter.pushes == 3, 30.0, "g0 in again", every=0.005)  # g0 is in again, alone
     assert asyncio.run(shard.excuse(1, at_step=1)) == 2
     lone.join(5)
     assert torch.equal(g0, torch.full((8,), 2.0)) and torch.equal(shard.param, torch.full((8,), -5.0))
@@ -235,13 +236,3 @@ def test_retiring_a_replica_does_not_wait_on_a_checkpoint_hold():
 
     step, params, after = asyncio.run(main())
     assert step == 1 and torch.equal(params, -torch.ones(4)) and after == 2
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True

@@ -223,7 +223,8 @@ def test_lost_or_retired_replicas_change_nothing_and_rejects_bad_input():
 
 def test_the_token_queue_is_pure():
     """Like the replication rules: no torch, no Dask, no I/O (STYLE.md item 3)."""
-    from tests.test_layering import PKG, imported, tops
+    from tests.helpers.imports import imported, tops
+    from tests.helpers.paths import PKG
 
     names = imported(PKG / "ps" / "tokens.py")
     assert tops(names) - {"dtrain"} <= {"__future__", "collections", "dataclasses"}
