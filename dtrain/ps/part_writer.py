@@ -100,11 +100,16 @@ def write_part_file(directory: str | Path, name: str, state: dict[str, Any],
     # task that wrote the part is gone.
     side = report_path(final)
     tmp_side = directory / f".{side.name}.tmp-{os.getpid()}"
-    with open(tmp_side, "w") as f:
-        json.dump(out, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_side, side)
+    try:
+        with open(tmp_side, "w") as f:
+            json.dump(out, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_side, side)
+    except BaseException:  # (a full disk may take the report after the part: no temp file left)
+        with contextlib.suppress(OSError):
+            tmp_side.unlink()
+        raise
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
