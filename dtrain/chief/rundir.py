@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.errors import RunDirError
 from dtrain.plan.compiler import Plan
-from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
 
 from .files import atomic_write, fsync_dir  # noqa: F401 (fsync_dir: re-exported)
@@ -139,7 +139,7 @@ def early_summary(spec: PipelineSpec, status: str, error: str, wall_s: float) ->
 
 def describe_exit(exc: BaseException) -> tuple[str, str]:
     """(status, error) of a run ended by ``exc``."""
-    from dtrain.spec.errors import RunError, Terminated
+    from dtrain.errors import RunError, Terminated
 
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", (str(exc) or "terminated (SIGTERM)") if isinstance(exc, Terminated) else "interrupted"

@@ -32,10 +32,10 @@ import torch
 
 from dtrain.deploy import phases
 from dtrain.deploy.cluster import Connection
+from dtrain.errors import RunError, Terminated
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import ShardLayout
-from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import checkpoint as ckpt_io

@@ -16,7 +16,7 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 
 import dtrain
 from dtrain.deploy.cluster import HOUSEKEEPING
-from dtrain.spec.errors import RunError
+from dtrain.errors import RunError
 from tests.helpers.hooks import read_calls
 
 PIPELINE = """

@@ -15,9 +15,9 @@ import torch
 import dtrain
 from dtrain.chief.checkpoint import Checkpoint
 from dtrain.chief.shards import ShardGroup, checkpoint_layout
+from dtrain.errors import RunError
 from dtrain.ps.part_writer import read_part_file
 from dtrain.ps.shard import ParameterShard
-from dtrain.spec.errors import RunError
 
 SPEC = """
 name: shards
