@@ -22,8 +22,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dtrain.data.sources import Dataset, load_dataset, to_tensors
-from dtrain.data.stream import OutOfRange
-from dtrain.errors import Unavailable  # a transient error: the session recovers
+from dtrain.errors import OutOfRange, Unavailable  # Unavailable: a transient error, the session recovers
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.metrics import AucHistogram

@@ -165,7 +165,7 @@ class StageModel:
         if self.stopped:
             return None
         if self.position == 0:
-            from dtrain.data.stream import OutOfRange
+            from dtrain.errors import OutOfRange
 
             try:
                 self._peeked = self.batches.next()
