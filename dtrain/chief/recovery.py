@@ -42,9 +42,9 @@ from dtrain.errors import RunError, TransientError
 
 from .context import RunContext, RunState
 from .hooks import Hook
+from .ps_shards import ShardGroup
 from .replicas import ReplicaSet
 from .saver import Saver
-from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 

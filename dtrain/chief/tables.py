@@ -2,7 +2,7 @@
 checkpoint (repartitioned onto another ps count or partition, converted to another storage
 dtype), reading a part in chunks, gathering rows by id, the whole table for ``model.pt``, and the
 tables' figures for ``summary.json``. Functions of the shard actors' handles and the plan
-(``dtrain.chief.shards.ShardGroup`` passes its current ones)."""
+(``dtrain.chief.ps_shards.ShardGroup`` passes its current ones)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.chief.drivers import new_driver
 from dtrain.chief.ingraph import InGraphDriver
-from dtrain.chief.shards import ShardGroup
+from dtrain.chief.ps_shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
 from dtrain.plan.layout import ShardLayout
 from dtrain.worker.replica import ReplicaStats

@@ -131,7 +131,7 @@ def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_pa
     worker closes as the actors are created, and the creation runs against it, as Dask has it):
     the chief recovers again, within max_recoveries (a creation that failed part-way once made
     the chief's loss check raise instead)."""
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
 
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
@@ -191,7 +191,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
     leave the lost one out instead of raising out of the chief's loop before recovery runs."""
     import torch
 
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
     from dtrain.deploy.cluster import connect
 
     cluster, client = cluster
