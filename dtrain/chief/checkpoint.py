@@ -52,6 +52,7 @@ import torch
 from dtrain.errors import RunError
 from dtrain.ps.deltas import merge
 from dtrain.ps.part_writer import digest, read_part_file
+from dtrain.ps.part_writer import save as save_part
 
 from .files import atomic_write, fsync_dir
 
@@ -177,7 +178,7 @@ def save(run_dir: Path, step: int, shards: list[dict[str, Any]], *, spec_data: d
     path = directory / f"ckpt-{step:08d}.pt"
     # Serialised straight into the file (no second copy of the shards' states as bytes in memory),
     # then hashed as written, chunk by chunk: the manifest, written last, commits the checkpoint.
-    atomic_write(path, lambda f: torch.save(payload, f), sync_dir=False)
+    atomic_write(path, lambda f: save_part(payload, f, directory), sync_dir=False)
     size, sha = digest(path)
     manifest = {"step": int(step), "file": path.name, "bytes": size,
                 "sha256": sha, "pipeline_hash": pipeline_hash, "time": now}

@@ -115,6 +115,8 @@ class Recovery:
         conn, plan = self.ctx.conn, self.state.plan
         try:
             live = set(conn.workers())
+        except RunError:  # the scheduler does not answer (cluster.scheduler_timeout_s): said as is
+            raise
         except Exception:  # scheduler unreachable: nothing to recover to
             raise RunError("lost the connection to the scheduler") from None
         tasks = conn.tasks

@@ -154,7 +154,7 @@ class Saver:
         try:
             self.finish(wait=True)
         except Exception as exc:
-            self.abandon()
+            self.pending = None  # never committed (its directory goes at the next commit)
             logger.warning("the checkpoint of step %d could not be committed: %s", step, exc)
 
     def restore(self, checkpoint: ckpt_io.Checkpoint) -> ckpt_io.Checkpoint:

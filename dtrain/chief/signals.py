@@ -7,7 +7,9 @@
 - During that cleanup (:func:`deferred`, used by the session and ``dtrain.run`` in the main
   thread, whoever installed the handlers) a further signal is counted and logged, not raised: a
   second Ctrl-C must not cut the interrupt checkpoint or the cluster's shutdown short. The
-  :data:`FORCE`-th signal ends the process at once (the provisional summary is on disk by then).
+  :data:`FORCE`-th signal ends the process at once (the provisional summary is on disk by then),
+  counting the one that began the cleanup and every one since, through all of the cleanup's
+  steps (the session's checkpoint and summary, the cluster's shutdown).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dtrain.errors import Terminated
 logger = logging.getLogger(__name__)
 
 HANDLED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
-FORCE = 3  # the third signal during a cleanup ends the process at once
+FORCE = 3  # the third signal (the one that began the cleanup included) ends the process at once
 EXIT_CODES: dict[int, int] = {signal.SIGINT: 130}  # SIGTERM and SIGHUP: 143 (the contract's code for a stop request)
 
 
@@ -37,7 +39,12 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+_count = 0  # signals this run got: raised by handled()'s handler, then counted by deferred()'s
+
+
 def _raise(signum: int, frame: Any) -> None:
+    global _count
+    _count += 1
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(f"terminated ({signal.Signals(signum).name})")
@@ -46,9 +53,11 @@ def _raise(signum: int, frame: Any) -> None:
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP raised as exceptions in the main thread for the duration."""
+    global _count
     if not _main_thread():
         yield
         return
+    _count = 0
     with _installed(_raise):
         yield
 
@@ -65,24 +74,28 @@ def _installed(handler: Any) -> Iterator[None]:
 
 
 class _Counter:
-    def __init__(self) -> None:
-        self.count = 0
+    """Counts signals into the run's ``_count``: the cleanup's steps each install one, and a
+    signal counted in one step still counts in the next."""
 
     def __call__(self, signum: int, frame: Any) -> None:
-        self.count += 1
+        global _count
+        _count += 1
         name = signal.Signals(signum).name
-        if self.count >= FORCE:
+        if _count >= FORCE:
             logger.error("%s again: exiting now, without finishing the cleanup", name)
             os._exit(exit_code(signum))
         logger.warning("%s during the cleanup: finishing the checkpoint, summary and shutdown first "
-                       "(%d more to exit at once)", name, FORCE - self.count)
+                       "(%d more to exit at once)", name, FORCE - _count)
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Count signals instead of raising them for the duration (main thread only; nests)."""
+    global _count
     if not _main_thread() or isinstance(signal.getsignal(signal.SIGINT), _Counter):
         yield  # not ours to handle, or an enclosing cleanup counts them already
         return
+    if signal.getsignal(signal.SIGINT) is not _raise:  # dtrain.run without handled(): this cleanup's own count
+        _count = 0
     with _installed(_Counter()):
         yield

@@ -79,6 +79,7 @@ class Telemetry:
         self.spec = ctx.spec
         self.observe = self.spec.observe
         self.client = ctx.client
+        self._unanswered = False  # a report to the scheduler timed out (cluster.scheduler_timeout_s)
         self.run_id = ctx.run_id  # the page, /metrics and the replicas' reports key the run by it, not by name
         self.final: dict[str, Any] | None = None  # summary.json's telemetry keys, once computed
         self.started = time.time()
@@ -175,8 +176,15 @@ class Telemetry:
                         self.state.plan.num_replicas)
 
     def _publish(self, payload: dict[str, Any]) -> None:
+        if self._unanswered:  # a scheduler that let one report time out: no run-end wait for it again
+            return
         try:
-            self.client.log_event(TOPIC, payload)
+            # Client.log_event, with the time any question to the scheduler gets (a stopped one never answers)
+            self.client.sync(self.client.scheduler.log_event, topic=TOPIC, msg=payload,  # type: ignore[union-attr]
+                             callback_timeout=self.spec.cluster.scheduler_timeout_s)
+        except TimeoutError:
+            self._unanswered = True
+            logger.debug("telemetry: the scheduler did not answer in %g s", self.spec.cluster.scheduler_timeout_s)
         except Exception as exc:  # the scheduler is going away: the run's own records still have it
             logger.debug("telemetry: could not log to the scheduler: %s", exc)
 

@@ -41,7 +41,7 @@ from dtrain.spec.pipeline import PipelineSpec
 logger = logging.getLogger(__name__)
 
 DEATH_TIMEOUT_S = 15
-SCHEDULER_TIMEOUT_S = 30  # any single question to the scheduler
+SCHEDULER_TIMEOUT_S = 30.0  # any single question to the scheduler (cluster.scheduler_timeout_s)
 
 
 def dask_config(spec: PipelineSpec, embedded: bool = True) -> dict[str, Any]:
@@ -155,6 +155,7 @@ class Connection:
     shared: tuple[str, ...] = ()  # automatic assignment: ps tasks sharing a replica's worker
     pids: dict[str, int] = field(default_factory=dict)  # worker address -> process id (cluster.json)
     adaptive: Any = None  # cluster.adaptive: the embedded cluster's ReplicaAdaptive (deploy/adaptive.py)
+    scheduler_timeout_s: float = SCHEDULER_TIMEOUT_S  # cluster.scheduler_timeout_s
 
     @property
     def dashboard_link(self) -> str | None:
@@ -170,10 +171,11 @@ class Connection:
         scheduler = self.client.scheduler
         assert scheduler is not None  # a connected client
         try:
-            info = self.client.sync(scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_TIMEOUT_S)
+            info = self.client.sync(scheduler.identity, n_workers=-1, callback_timeout=self.scheduler_timeout_s)
         except TimeoutError:
-            raise RunError(f"the scheduler at {scheduler.address} does not answer "
-                           f"(no reply in {SCHEDULER_TIMEOUT_S} s); is it overloaded, stopped or frozen?") from None
+            raise RunError(f"the scheduler at {scheduler.address} does not answer (no reply in "
+                           f"{self.scheduler_timeout_s:g} s: cluster.scheduler_timeout_s); is it overloaded, stopped "
+                           "or frozen?") from None
         return info["workers"]
 
     def close(self) -> None:
@@ -296,6 +298,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
                 cluster.close()
                 raise
             conn = Connection(c, cluster=cluster, owns_client=True, adaptive=adaptive.start(cluster, spec))
+        conn.scheduler_timeout_s = spec.cluster.scheduler_timeout_s
         try:
             if wait:
                 plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -235,6 +236,19 @@ def _probe(args: argparse.Namespace, address: str | None, use_tls: bool) -> str:
     return address
 
 
+def _listen_host(args: argparse.Namespace) -> str | None:
+    """The host this worker listens on: ``--host``, or the host of a ``--listen-address`` among the
+    `dask worker` options; None when neither names one (Dask's choice: every interface)."""
+    if args.host:
+        return str(args.host)
+    for i, a in enumerate(args.dask_args):
+        if a.startswith("--listen-address"):
+            value = a.partition("=")[2] or (args.dask_args[i + 1] if i + 1 < len(args.dask_args) else "")
+            host = urlsplit(value if "://" in value else f"tcp://{value}").hostname
+            return host or None
+    return None
+
+
 def _dask_worker_command(args: argparse.Namespace, name: str, address: str | None, resources: dict[str, str],
                          tls: dict[str, str]) -> list[str]:
     cmd: list[Any] = [sys.executable, "-m", "dtrain.deploy.dask_worker"]
@@ -245,6 +259,11 @@ def _dask_worker_command(args: argparse.Namespace, name: str, address: str | Non
                         ("--nanny-port", args.nanny_port)):
         if value:
             cmd += [flag, value]
+    host = _listen_host(args)
+    if host and not any(a.startswith("--dashboard-address") for a in args.dask_args):
+        # The worker's HTTP server (/metrics, /health) runs even with --no-dashboard, on every
+        # interface unless told: on the host this worker listens on.
+        cmd += ["--dashboard-address", f"[{host}]:0" if ":" in host else f"{host}:0"]
     if args.no_nanny:
         cmd += ["--no-nanny"]
     for flag, value in tls.items():

@@ -42,7 +42,7 @@ class DirectPush:
     _waiting: int
     mode: str
     gate: Any
-    tables: dict[str, Any]
+    tables: Any  # ShardTables (ps/sparse.py)
     stop: bool
     error: str | None
     _held: Any

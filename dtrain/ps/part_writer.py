@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -50,6 +51,31 @@ def digest(path: str | Path, chunk: int = 1 << 22) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def save(obj: Any, target: str | Path | Any, directory: str | Path) -> None:
+    """``torch.save(obj, target)`` into a file of ``directory``. On a full file system torch's writer
+    reports only a short write ("unexpected pos ..."), the errno lost: that is raised as the
+    ``OSError`` it was (ENOSPC, naming the directory) so that the run's error says the disk is full."""
+    try:
+        torch.save(obj, target)
+    except RuntimeError as exc:
+        cause = exc.__context__
+        if isinstance(cause, OSError):  # (a file object's write raised it; torch went on to fail on its own)
+            raise cause from None
+        if _full(directory):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (writing into {directory})") from None
+        raise
+
+
+def _full(directory: str | Path) -> bool:
+    """Whether the file system of ``directory`` has (next to) no free block for this process."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # (root may use the reserved blocks)
+    return free * st.f_frsize < 1 << 16
+
+
 def write_part_file(directory: str | Path, name: str, state: dict[str, Any],
                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save ``state`` as ``directory/name`` atomically (a temp file, fsynced, renamed, the directory
@@ -60,7 +86,7 @@ def write_part_file(directory: str | Path, name: str, state: dict[str, Any],
     final = directory / name
     tmp = directory / f".{name}.tmp-{os.getpid()}"
     try:
-        torch.save({"part_format": PART_FORMAT, **state}, str(tmp))
+        save({"part_format": PART_FORMAT, **state}, str(tmp), directory)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         size, sha = digest(tmp)

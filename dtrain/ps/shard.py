@@ -19,7 +19,9 @@ Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
 Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
 
-Its lease, stop and checkpoint-hold calls are the mixin ``dtrain.ps.control.ShardControl``; the
+Its table parts are an object it owns, ``dtrain.ps.sparse.ShardTables`` (every request's sparse
+work, called under the shard's lock). Its lease, stop and checkpoint-hold calls are the mixin
+``dtrain.ps.control.ShardControl``; the
 sync barrier (``push_sync``, ``excuse``, ``apply_mean``) is ``dtrain.ps.sync_push.SyncPush``, and
 the pushes a data-plane connection thread runs itself are ``push_direct`` (ps/fastpath.py) and
 ``push_sync_direct`` (ps/sync_push.py). Its
@@ -49,7 +51,7 @@ from .part_writer import BadPartError, PartWriter, check_part_file, cloned, drop
 from .replication import Apply, AsyncPolicy, StalenessGate
 from .reshard import restore_part
 from .rows import pack_state, unpack_state
-from .sparse import Reply, Sparse, SparseRows, rows_bytes
+from .sparse import Reply, ShardTables, Sparse, rows_bytes
 from .sync_push import BarrierTimeout, SyncPush, fence
 from .token_push import TokenPush, sync_for
 
@@ -58,7 +60,7 @@ __all__ = ["BarrierTimeout", "ParameterShard"]
 logger = logging.getLogger(__name__)
 
 
-class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
+class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
@@ -86,7 +88,8 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         # A table with its own optimizer config uses it, the others the run's.
         # Parts that agree on their layout and row optimizer share buffers (ps/groups.py).
         self.incremental = bool(config.get("incremental"))  # checkpoint.incremental: tables track their changes
-        self._init_tables(config.get("tables", ()), config["optimizer"], track=self.incremental)
+        self.tables = ShardTables(config.get("tables", ()), config["optimizer"], track=self.incremental,
+                                  shard=self.index)
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
         self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
         self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
@@ -190,7 +193,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         self.optimizer.step(self.param, grad, scale)
         if self.averages is not None:
             self.averages.update(self.param, self.step)
-        self._apply_rows(scale)
+        self.tables.apply(scale)
         if self.meter is not None:
             self.meter.applies += 1
             self.meter.busy_s += time.perf_counter() - t0
@@ -276,7 +279,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
         if self.meter is not None:
             self.meter.push(rows_bytes(sparse) if sparse else 0, self.step - version, loss)
         if self.error is None and not self._bad_grad(grad, replica) and isinstance(self.policy.push(version), Apply):
-            self._add_rows(sparse)
+            self.tables.add(sparse)
             self._apply(grad)
 
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
@@ -323,10 +326,32 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 return self._sparse_reply(out, {})
             return self._sparse_reply(out, sparse)
 
+    def _bad_ids(self, sparse: Sparse | None, replica: int) -> bool:
+        """An id outside its table (or not on this task) fails the run, naming the table and the id;
+        nothing is read or written (a custom module may compute ids the data checks never saw)."""
+        why = self.tables.why_bad(sparse)
+        if why is None:
+            return False
+        self.error = self.error or f"replica {replica}: {why}"
+        return True
+
+    async def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of table ``name`` (global ``ids`` held by this task): evaluation and ``model.pt``."""
+        with self.lock:  # (a fixed table draws rows on first use; a direct push may be applying)
+            return self.tables.lookup(name, ids)  # (a table without a vocabulary admits no id for an evaluation)
+
+    async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
+        """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
+        state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
+        holds a second copy of its table (the chief holds applies while it reads). Packed for Dask
+        (bfloat16 rows as int16 bits: :func:`dtrain.ps.rows.unpack_state`)."""
+        with self.lock:
+            return pack_state(self.tables[name].chunk(start, stop))
+
     def _sparse_reply(self, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
         if sparse is None:
             return self._reply(out)
-        rows = {} if self.error is not None else self._rows(sparse)
+        rows = {} if self.error is not None else self.tables.gather(sparse)
         return (*self._reply(out), rows)
 
 
@@ -391,14 +416,14 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                 return None
             out = {**self.meter.snapshot(), "dropped": self.dropped_stale}
             if self.tables:  # each table part's rows and counters (dtrain_table_* series)
-                out["tables"] = {name: part.stats() for name, part in self.tables.items()}
+                out["tables"] = self.tables.stats()
             return out
 
     async def table_stats(self) -> dict[str, dict[str, int]]:
         """Per table, this task's part: rows held, bytes, and for a table without a vocabulary the
         ids admitted, rows evicted and gradients rejected so far (summary.json's ``tables``)."""
         with self.lock:
-            return {name: part.stats() for name, part in self.tables.items()}
+            return self.tables.stats()
 
     async def get_params(self, averaged: bool = False) -> tuple[torch.Tensor, int]:
         """The parameters (``averaged``: their moving averages, when the shard keeps them)."""
@@ -437,7 +462,7 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
                         part.load_delta(table)
                     else:
                         part.load_state(table, done)
-            self._clear_rows()
+            self.tables.clear()
             step = int(state["step"])
             self.sync.reset(step)
             self.policy.reset(step)
@@ -484,10 +509,10 @@ class ParameterShard(SparseRows, ShardControl, TokenPush, SyncPush, DirectPush):
             meta = {"kind": "delta", "base": since} if delta else {"kind": "full"}
             out = self.writer.start(directory, name, self._part_state(delta), self.step, meta)
             if "error" not in out:  # (the writer holds its snapshot: count the changes from here)
-                self._snapshot_taken()
+                self.tables.snapshot_taken()
                 self.checkpoint_base = tag
                 if self.incremental:
-                    self._clearing = asyncio.get_running_loop().run_in_executor(None, self._clear_spare_marks)
+                    self._clearing = asyncio.get_running_loop().run_in_executor(None, self.tables.clear_spare_marks)
             return out
 
     async def part_written(self, wait: bool = False) -> dict[str, Any] | None:

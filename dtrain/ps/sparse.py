@@ -1,7 +1,7 @@
-"""The ps's side of sparse tables, mixed into ``ParameterShard``: checking a request's ids,
-adding row gradients to this task's table parts, and gathering the rows a replica asks for.
-Every method runs under the shard's ``lock`` (pushes on the data plane's connection threads and
-the event loop's methods alike).
+"""The ps's side of sparse tables, a part of ``ParameterShard`` (:class:`ShardTables`): this
+task's table parts, checking a request's ids, adding row gradients to the parts, applying them,
+and gathering the rows a replica asks for. The shard calls every method under its ``lock``
+(pushes on the data plane's connection threads and the event loop's methods alike).
 
 A request's ``sparse`` argument maps a table's name to (the ids whose row gradients it pushes,
 those gradients, the ids of the replica's next batch whose rows it wants back); ids are global
@@ -10,20 +10,21 @@ and already on this task (the replica routes them: ``dtrain.worker.tables.Sparse
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .dynamic import DynamicTablePart
 from .groups import TableGroup, table_parts
-from .rows import TablePart, pack_state
+from .rows import TablePart
 
 DRAW_AT_START = 1 << 24
 """Values (rows x dim) of the parts initialised per id that a ps task draws when it starts (about
 0.2 s, 64 MiB of float32): every part of a model whose tables are small, a large model's small
 tables."""
 
+Part = TablePart | DynamicTablePart
 Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
 _Batch = tuple[list[int], list[Any], list[Any], list[str]]  # (members, tensors, gradients, names), one entry each
@@ -34,28 +35,38 @@ def rows_bytes(sparse: Sparse) -> int:
     return sum(int(getattr(t, "nbytes", 0)) for block in sparse.values() for t in block if t is not None)
 
 
-class SparseRows:
-    """Mixin: ``self.index`` and ``self.error`` come from the shard, which builds its tables with
-    :meth:`_init_tables`. The parts of a :class:`~dtrain.ps.groups.TableGroup` are served through
-    their group, a request's tables in one batch per group; the others part by part."""
+class ShardTables(Mapping[str, Part]):
+    """This ps task's table parts (table name -> part, read-only mapping) and the work a request
+    does on them. The parts of a :class:`~dtrain.ps.groups.TableGroup` are served through their
+    group, a request's tables in one batch per group; the others part by part. The shard calls
+    every method under its ``lock``."""
 
-    tables: dict[str, TablePart | DynamicTablePart]
-    index: int
-    error: str | None
-    lock: threading.Lock
+    def __init__(self, configs: Any, run_optimizer: dict[str, Any], track: bool = False, shard: int = 0,
+                 draw: int = DRAW_AT_START):
+        """``configs``: the plan's table configs of this task; ``track``: mark changed rows (incremental
+        checkpoints); ``shard``: this task's shard index (for messages); ``draw``: values of the
+        smallest per-id parts drawn now (:meth:`draw_small_parts`)."""
+        self.parts, self.groups = table_parts(configs, run_optimizer, track)
+        self.shard = shard
+        self._grouped = {name: (group, m) for group in self.groups for m, name in enumerate(group.names)}
+        self._alone = [part for name, part in self.parts.items() if name not in self._grouped]
+        self.draw_small_parts(draw)
 
-    def _init_tables(self, configs: Any, run_optimizer: dict[str, Any], track: bool = False) -> None:
-        self.tables, self.table_groups = table_parts(configs, run_optimizer, track)
-        self._grouped = {name: (group, m) for group in self.table_groups for m, name in enumerate(group.names)}
-        self._alone = [part for name, part in self.tables.items() if name not in self._grouped]
-        self._draw_small_parts()
+    def __getitem__(self, name: str) -> Part:
+        return self.parts[name]
 
-    def _draw_small_parts(self, budget: int = DRAW_AT_START) -> None:
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def draw_small_parts(self, budget: int) -> None:
         """Draw the rows of this task's smallest parts initialised per id (``TablePart.ensure``),
         ``budget`` values in all, now: the same values as on first use (a function of the id),
         without a dozen small calls per table in every step while most of their rows are new.
         Larger parts start undrawn (their untouched rows take no memory)."""
-        lazy = sorted(((len(part.rows) * part.dim, name, part) for name, part in self.tables.items()
+        lazy = sorted(((len(part.rows) * part.dim, name, part) for name, part in self.parts.items()
                        if isinstance(part, TablePart) and part._fresh is not None), key=lambda e: e[:2])
         for size, _name, part in lazy:
             if size > budget:
@@ -86,26 +97,26 @@ class SparseRows:
                     batch[3].append(name)
         return batches, alone
 
-    def _bad_ids(self, sparse: Sparse | None, replica: int) -> bool:
-        """An id outside its table (or not on this task) fails the run, naming the table and the id;
-        nothing is read or written (a custom module may compute ids the data checks never saw)."""
+    def why_bad(self, sparse: Sparse | None) -> str | None:
+        """Why a request cannot be served (the first id outside its table or not on this task, in
+        the request's order, naming the table and the id), or None."""
         if not sparse:
-            return False
+            return None
         batches, alone = self._batches(sparse, (0, 2))
         if all(group.valid(b[0], b[1]) for group, b in batches.items()) and all(
-                name in self.tables and not self.tables[name].check_ids(sparse[name][0])
-                and not self.tables[name].check_ids(sparse[name][2]) for name in alone):
-            return False
-        for name, (push_ids, _grads, pull_ids) in sparse.items():  # (the first bad id, in the request's order)
-            part = self.tables.get(name)
-            why = f"no table {name!r} on ps shard {self.index}" if part is None else \
+                name in self.parts and not self.parts[name].check_ids(sparse[name][0])
+                and not self.parts[name].check_ids(sparse[name][2]) for name in alone):
+            return None
+        for name, (push_ids, _grads, pull_ids) in sparse.items():
+            part = self.parts.get(name)
+            why = f"no table {name!r} on ps shard {self.shard}" if part is None else \
                 part.check_ids(push_ids) or part.check_ids(pull_ids)
             if why:
-                self.error = self.error or f"replica {replica}: {why}"
-                return True
-        return False
+                return why
+        return None
 
-    def _add_rows(self, sparse: Sparse | None) -> None:
+    def add(self, sparse: Sparse | None) -> None:
+        """One replica's row gradients of this step (applied, summed per id, by :meth:`apply`)."""
         if not sparse:
             return
         batches, alone = self._batches(sparse, (0,))
@@ -114,61 +125,59 @@ class SparseRows:
         for name in alone:
             ids, grads, _pull = sparse[name]
             if ids is not None and len(ids):
-                self.tables[name].add_grad(ids, grads)
+                self.parts[name].add_grad(ids, grads)
 
-    def _rows(self, sparse: Sparse | None) -> dict[str, torch.Tensor]:
+    def gather(self, sparse: Sparse | None) -> dict[str, torch.Tensor]:
         """The rows a replica asked for (its next batch's ids on this task), after the update."""
         if not sparse:
             return {}
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)
-            if pull is not None and name in self.tables and (name in alone or not pull.numel()):
-                out[name] = self.tables[name].gather(pull)
+            if pull is not None and name in self.parts and (name in alone or not pull.numel()):
+                out[name] = self.parts[name].gather(pull)
         for group, (members, ids, _grads, names) in batches.items():
             out.update(zip(names, group.gather(members, ids), strict=True))
         return out
 
-    def _snapshot_taken(self) -> None:
+    def snapshot_taken(self) -> None:
         """A checkpoint's writer holds the tables as they are: their changes count afresh from
         here (at no cost under the hold: :class:`~dtrain.ps.rows.ChangeMarks`)."""
-        for group in self.table_groups:
+        for group in self.groups:
             if group.marks is not None:
                 group.marks.flip()
         for part in self._alone:
             part.snapshot_taken()
 
-    def _clear_spare_marks(self) -> None:
-        """Clear the change marks the last snapshot left (off the hold; before the next flip)."""
-        for marks in [g.marks for g in self.table_groups] + [getattr(p, "marks", None) for p in self._alone]:
+    def clear_spare_marks(self) -> None:
+        """Clear the change marks the last snapshot left (off the hold, without the shard's lock:
+        no push writes the spare marks; before the next flip)."""
+        for marks in [g.marks for g in self.groups] + [getattr(p, "marks", None) for p in self._alone]:
             if marks is not None:
                 marks.clear_spare()
 
-    def _clear_rows(self) -> None:
-        for group in self.table_groups:
+    def clear(self) -> None:
+        """Drop the row gradients added since the last apply."""
+        for group in self.groups:
             group.clear()
         for part in self._alone:
             part.clear()
 
-    def _apply_rows(self, scale: float) -> None:
+    def apply(self, scale: float) -> None:
         """Every part's optimizer step (every part counts the step, touched or not, as torch's table)."""
-        for group in self.table_groups:
+        for group in self.groups:
             group.apply(scale)
         for part in self._alone:
             part.apply(scale)
 
-    async def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of table ``name`` (global ``ids`` held by this task): evaluation and ``model.pt``."""
-        part = self.tables[name]
+    def lookup(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of table ``name`` (global ``ids`` held by this task), without admitting an id:
+        evaluation and ``model.pt``. IndexError naming the first id this task does not hold."""
+        part = self.parts[name]
         if why := part.check_ids(ids):
             raise IndexError(why)
-        with self.lock:  # (a fixed table draws rows on first use; a direct push may be applying)
-            return part.lookup(ids)  # (a table without a vocabulary admits no id for an evaluation)
+        return part.lookup(ids)
 
-    async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
-        """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
-        state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
-        holds a second copy of its table (the chief holds applies while it reads). Packed for Dask
-        (bfloat16 rows as int16 bits: :func:`dtrain.ps.rows.unpack_state`)."""
-        with self.lock:
-            return pack_state(self.tables[name].chunk(start, stop))
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per table, this task's part: rows held, bytes, and the dynamic tables' counters."""
+        return {name: part.stats() for name, part in self.parts.items()}

@@ -62,7 +62,7 @@ class SyncPush:
     acc: torch.Tensor
     _first: torch.Tensor | None
     mode: str
-    tables: dict[str, Any]
+    tables: Any  # ShardTables (ps/sparse.py)
     stop: bool
     error: str | None
     meter: Any
@@ -74,8 +74,6 @@ class SyncPush:
     _observe: Any
     _bad_grad: Any
     _bad_ids: Any
-    _clear_rows: Any
-    _add_rows: Any
     _apply: Any
     _reply: Any
     _sparse_reply: Any
@@ -118,12 +116,12 @@ class SyncPush:
                 self._first = grad
             else:
                 self.acc.copy_(grad)
-            self._clear_rows()
+            self.tables.clear()
         elif first is not None:
             torch.add(first, grad, out=self.acc)
         else:
             self.acc.add_(grad)
-        self._add_rows(sparse)
+        self.tables.add(sparse)
         if isinstance(decision, Apply):
             # The optimizer reads the gradient only inside step(), so the accumulator is reused
             # and refilled next step (no fresh buffer per step).

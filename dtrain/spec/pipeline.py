@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
 from .base import MAX_EMBEDDED_TASKS, MAX_STEPS, NAME, Strict, did_you_mean
 from .data import STREAM_KEYS, DataSpec
@@ -409,13 +409,21 @@ def embedded_only_problems(spec: PipelineSpec, scheduler: str | None = None,
             return []
     return [(("cluster", key), f"{key} applies to the embedded cluster, and {where}, whose workers were started "
              f"with their own settings (dask worker --nthreads, --memory-limit, --dashboard-address): remove "
-             f"cluster.{key}") for key in EMBEDDED_ONLY if key in spec.cluster.model_fields_set]
+             f"cluster.{key}") for key in EMBEDDED_ONLY if key in _changed(spec.cluster)]
+
+
+def _changed(section: BaseModel) -> list[str]:
+    """The keys of ``section`` set to a value other than their default (a spec dumped and
+    validated again, as ``model_dump()`` round trips do, sets every key to what it was)."""
+    fields = type(section).model_fields
+    return [key for key in section.model_fields_set
+            if getattr(section, key) != fields[key].get_default(call_default_factory=True)]
 
 
 def observe_problems(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], str]]:
     """``observe:`` measures the replicas' own loop (between_graph replication); an in-graph run
     or a graph pipeline has none, so a key set there would do nothing."""
-    if "observe" not in spec.model_fields_set or not spec.observe.model_fields_set:
+    if "observe" not in spec.model_fields_set or not _changed(spec.observe):
         return []
     if spec.is_graph:
         why = "a graph pipeline has no replica loop to measure"
@@ -423,7 +431,7 @@ def observe_problems(spec: PipelineSpec) -> list[tuple[tuple[str | int, ...], st
         why = "an in_graph run (towers driven by the chief) has no replica loop to measure"
     else:
         return []
-    key = sorted(spec.observe.model_fields_set)[0]
+    key = sorted(_changed(spec.observe))[0]
     return [(("observe", key), f"observe.{key} applies to between_graph replication; {why}: remove observe "
              "(or use replication: between_graph)")]
 

@@ -62,6 +62,11 @@ class ClusterSpec(Strict):
         30.0, gt=0, le=WEEK_S,
         description="Embedded cluster: seconds of silence after which the scheduler drops a worker (at most a week)."
     )
+    scheduler_timeout_s: float = Field(
+        30.0, gt=0, le=WEEK_S,
+        description="Seconds the chief waits for the scheduler's answer to any one question (which workers it "
+        "has, checked several times a second) before it fails the run, with its summary: a scheduler that is "
+        "stopped, frozen or overloaded (at most a week).")
     lease_s: float | None = Field(
         None, gt=0, le=WEEK_S,
         description="Seconds each ps shard keeps serving without a renewal from the chief (it renews every quarter "

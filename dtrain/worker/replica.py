@@ -51,6 +51,13 @@ class ReplicaError(RuntimeError):
     """A replica could not go on (device missing, ps unreachable, a barrier timed out)."""
 
 
+class Abandoned(RuntimeError):
+    """Nobody wants the replica's result any more (its chief is gone, or cancelled it): it stopped."""
+
+
+WAIT_SLICE_S = 1.0  # with ``abandoned``: how often a replica waiting for a ps reply asks it
+
+
 @lru_cache(maxsize=4)
 def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
                     task: Literal["classification", "regression"] | None, num_samples: int, num_features: int | None, num_classes: int,
@@ -276,7 +283,8 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
 
 def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]], *,
                 start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None,
-                read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
+                read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None,
+                abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
     """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
     or a function that opens them, called once the model is built and the data loaded (socket
     connections then do not sit idle through a slow start). ``owns_replies``: the
@@ -285,13 +293,15 @@ def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | 
     thread is pinned to CPUs chosen by it (the affinity is restored when the replica ends). ``read``:
     how a shard of a sharded dataset is read (default: its file). ``report``: given the replica's
     counters every ``observe.interval_s / 2`` seconds and at its end (telemetry). The replica also ends, before the
-    ps says stop, at the end of its data (``data.epochs``: TensorFlow's OutOfRange)."""
+    ps says stop, at the end of its data (``data.epochs``: TensorFlow's OutOfRange). ``abandoned``: asked
+    before every step and every second of a wait for the ps; when it says so, the replica stops
+    (:class:`Abandoned`: its chief is gone, and nobody would read its result)."""
     if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
-        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report)
+        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report, abandoned)
     before = os.sched_getaffinity(0)
     cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
     try:
-        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report)
+        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report, abandoned)
         stats.extra["cpus"] = cpus
         return stats
     finally:
@@ -300,16 +310,18 @@ def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | 
 
 def _run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]],
                  start_local_step: int, owns_replies: bool, read: Reader | None = None,
-                 report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
+                 report: Callable[[dict[str, Any]], None] | None = None,
+                 abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
     rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
     try:
-        return _train(rep, spec, plan.tables, index, shards, start_local_step, report)
+        return _train(rep, spec, plan.tables, index, shards, start_local_step, report, abandoned)
     finally:
         rep.batches.close()
 
 
 def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], index: int, shards: list[Any] | Callable[[], list[Any]],
-           start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None) -> ReplicaStats:
+           start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None,
+           abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
     stats = ReplicaStats(index, device=str(rep.device))
     if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
         stats.extra["data"] = rep.batches.info()
@@ -336,10 +348,15 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
         """The counters so far (the replica's report to the chief: docs/observability.md)."""
         return {"replica": index, **counters({**vars(stats), "wall_s": time.perf_counter() - t_start})}
 
+    def check() -> None:
+        if abandoned is not None and abandoned():
+            raise Abandoned(f"replica {index}: its chief is gone (or cancelled it): stopped")
+
     def wait(futures: list[Any]) -> list[tuple[torch.Tensor, int, bool, int]]:
         t0 = time.perf_counter()
         try:
-            out = [f.result(timeout=timeout) for f in futures]
+            out = [f.result(timeout=timeout) if abandoned is None else _result(f, timeout, check)
+                   for f in futures]
         except (TimeoutError, FutureTimeout):  # distinct classes on Python 3.10
             raise Unavailable(f"replica {index}: a ps call got no answer in {timeout:.0f} s "
                               "(training.call_timeout_s); is a ps task lost?") from None
@@ -389,6 +406,7 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
     overlap = t.overlaps(tables=router is not None)  # default: on in async mode (spec/sections.py)
     k = start_local_step
     while not stop:
+        check()
         t_data = time.perf_counter()
         if rep.peek_inputs() is None:  # OutOfRange: the replica has read its data data.epochs times
             break
@@ -455,6 +473,18 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
     if index == 0:
         stats.extra["buffers"] = model_buffers(rep.model)
     return stats
+
+
+def _result(future: Any, timeout: float, check: Callable[[], None]) -> Any:
+    """``future.result(timeout=timeout)``, calling ``check`` every :data:`WAIT_SLICE_S` of the wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=max(min(WAIT_SLICE_S, deadline - time.monotonic()), 0.0))
+        except (TimeoutError, FutureTimeout):
+            if time.monotonic() >= deadline:
+                raise
+            check()
 
 
 def _head(heads: list[int | None] | None, s: int) -> dict[str, int]:

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -175,7 +176,7 @@ def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[st
     try:
         stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
                             owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan),
-                            report=reporter(spec, attempt, run_id))
+                            report=reporter(spec, attempt, run_id), abandoned=abandoned())
     finally:
         for s in opened:
             close = getattr(s, "close", None)
@@ -186,6 +187,20 @@ def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[st
     out["pid"] = os.getpid()
     return out
 
+
+
+def abandoned() -> Callable[[], bool]:
+    """In a task: whether the scheduler no longer wants it. Its client (the chief) left the
+    scheduler, or cancelled it: the scheduler releases the task and its worker marks it cancelled,
+    though its thread runs on. A local look at the worker's state, cheap enough for every step."""
+    worker = get_worker()
+    key, tasks = worker.get_current_task(), worker.state.tasks
+
+    def gone() -> bool:
+        ts = tasks.get(key)
+        return ts is None or ts.state == "cancelled"
+
+    return gone
 
 
 def partition_reader(plan: Plan) -> Any:

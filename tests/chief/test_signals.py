@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.chief import checkpoint as ckpt
+from tests.helpers.orphans import family, purge_dask_scratch, wait_gone
 from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.processes
@@ -247,3 +248,52 @@ def test_an_interrupt_raised_inside_eval_still_exits_130(tmp_path):
                           timeout=120, env=dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}"))
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.strip().endswith("dtrain: interrupted")
+
+
+def test_a_third_signal_ends_the_process_at_once(tmp_path):
+    """Three SIGINTs to the chief: the first begins the cleanup, the second is counted, the third
+    ends the process at once (exit 130) even though the cluster's shutdown is not done (held here
+    for 120 s), the summary written before it. The embedded workers, orphaned, exit by themselves
+    within their death timeout. Fails if the signals are counted per cleanup step only (the
+    cluster's shutdown, a step of its own, then needs three more)."""
+    run_dir = tmp_path / "run"
+    marker = tmp_path / "closing"
+    prelude = ("import time, pathlib\nimport dtrain.deploy.cluster as c\n"
+               f"c.Connection.close = lambda self: (pathlib.Path({str(marker)!r}).touch(), time.sleep(120))\n")
+    proc = start_async(run_dir, prelude=prelude)
+    wait_step(proc, run_dir, 20)
+    os.kill(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not marker.exists():  # the checkpoint and summary written, the cluster's shutdown begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGINT)
+    t_third = time.monotonic()
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 130 and time.monotonic() - t_third < 10, (proc.returncode, own(err)[-3000:])
+    assert "during the cleanup" in err and "exiting now" in err, err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert group_gone(proc.pid, timeout=15 + 15), "an orphaned worker outlived its death timeout"
+    purge_dask_scratch()  # their work directories, as the next Dask start on this machine does
+
+
+def test_the_processes_of_a_killed_chief_exit_within_15_s(tmp_path):
+    """SIGKILL `dtrain run` mid-training: its embedded workers (re-parented to init), its
+    forkserver and the rest of its process tree exit by themselves within 15 s, leaving no
+    shared-memory file."""
+    run_dir = tmp_path / "run"
+    shm_before = shm_files()
+    proc = start_async(run_dir)
+    wait_step(proc, run_dir, 20)
+    tasks = {int(t["pid"]) for t in json.loads((run_dir / "cluster.json").read_text())["tasks"].values()}
+    started = family(proc.pid)
+    assert tasks <= set(started), (tasks, started)  # (the workers are the chief's descendants)
+    del started[proc.pid]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    left = wait_gone(started, timeout=15)
+    assert not left, f"still running 15 s after the chief was killed: {left}"
+    assert shm_files() <= shm_before
+    purge_dask_scratch()

@@ -265,17 +265,21 @@ def _training_threads() -> tuple[list[str], int]:
     return names, busy
 
 
+LEASE_S = 25
+
+
 @pytest.mark.timeout(600)
 def test_a_killed_chief_leaves_no_training_on_the_workers(plain, tmp_path):
-    """Review M7: SIGKILL `dtrain run` mid-training. The workers outlive it; within its lease
-    (cluster.lease_s, 15 s here; 60 s by default) plus a margin every ps shard stops its replicas and closes its
-    data plane, so no dtrain-ps* thread and no replica code is left running in any worker."""
+    """SIGKILL `dtrain run` mid-training. The workers outlive it. Within 15 s its replicas stop
+    (their tasks' client left the scheduler), while the ps shards keep their lease rule: they stop
+    and close their data plane only when the lease (cluster.lease_s) runs out; then no dtrain-ps*
+    thread and no replica code is left running in any worker."""
     from distributed import Client
 
     with open(tmp_path / "chief.log", "wb") as log:
         chief = subprocess.Popen([PY, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--scheduler",
                                   plain.address, "--run-dir", str(tmp_path / "run"), "--quiet",
-                                  "--set", "training.steps=10000000", "--set", "cluster.lease_s=15"],
+                                  "--set", "training.steps=10000000", "--set", f"cluster.lease_s={LEASE_S}"],
                                  cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         with Client(plain.address, timeout=30, set_as_default=False) as c:
@@ -288,16 +292,25 @@ def test_a_killed_chief_leaves_no_training_on_the_workers(plain, tmp_path):
                 assert chief.poll() is None, (tmp_path / "chief.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, seen
                 time.sleep(0.5)
-            time.sleep(2)
+            time.sleep(1)
             os.kill(chief.pid, signal.SIGKILL)
             chief.wait(30)
             killed = time.monotonic()
             while True:
                 seen = c.run(_training_threads)
-                if not any(names or busy for names, busy in seen.values()):
+                if not any(busy for _, busy in seen.values()):
                     break
-                assert time.monotonic() - killed < 15 + 45, f"still training {time.monotonic() - killed:.0f} s " \
-                                                            f"after the chief was killed: {seen}"
+                assert time.monotonic() - killed < 15, f"replicas still training 15 s after the chief was killed: {seen}"
+                time.sleep(0.5)
+            # the shards' lease has not run out: their data planes still listen
+            assert sum(n.endswith("-accept") for names, _ in seen.values() for n in names) == 2, seen
+            assert time.monotonic() - killed < LEASE_S - 5, "too slow to tell the replicas' stop from the lease's"
+            while True:
+                seen = c.run(_training_threads)
+                if not any(names for names, _ in seen.values()):
+                    break
+                assert time.monotonic() - killed < LEASE_S + 30, f"data plane still open " \
+                                                                 f"{time.monotonic() - killed:.0f} s after the kill: {seen}"
                 time.sleep(1)
     finally:
         if chief.poll() is None:
@@ -323,6 +336,65 @@ def test_missing_ps_task_exits_1_naming_it_after_wait_s(plain, tmp_path):
     assert f"dtrain worker --job ps --task 1 --scheduler {plain.address}" in err
     assert "Traceback" not in err
     assert elapsed < 5 + 90  # the wait plus the start of a Python process on a busy machine
+
+
+def test_every_server_of_a_dtrain_worker_binds_its_host(plain):
+    """`dtrain worker --host 127.0.0.1`: no socket of its processes (the nanny, the worker, the
+    worker's HTTP server for /metrics and /health) listens on every interface."""
+    plain.start_worker("probe", 0)
+    probe = plain.workers.pop("probe-0")  # (not one of the cluster's tasks: stopped here)
+    try:
+        deadline = time.monotonic() + 180
+        while "probe-0" not in plain.worker_names():
+            assert probe.poll() is None, plain.log_tail("probe-0.log")
+            assert time.monotonic() < deadline, "probe-0 did not join"
+            time.sleep(0.2)
+        plain._remember(probe.pid)  # its nanny's worker process exists now
+        tree = plain._family[probe.pid]
+        listening = [(pid, c.laddr) for pid in tree for c in psutil.Process(pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+    finally:
+        plain._stop([probe])
+    assert len(listening) >= 3, listening  # the nanny, the worker, its HTTP server
+    assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
+
+
+@pytest.mark.timeout(600)
+def test_a_stopped_scheduler_fails_the_run_with_a_summary(plain, tmp_path):
+    """SIGSTOP the `dask scheduler` under a training run: the chief's next question to it gets no
+    answer within cluster.scheduler_timeout_s (5 s here; 30 s by default), and the run fails (exit 1)
+    with one line naming the scheduler and the setting, its summary written; nothing hangs."""
+    run_dir = tmp_path / "run"
+    chief = subprocess.Popen([PY, "-m", "dtrain.cli", "run", "pipelines/digits_async.yaml", "--scheduler",
+                              plain.address, "--run-dir", str(run_dir), "--quiet", "--set", "training.steps=10000000",
+                              "--set", "cluster.scheduler_timeout_s=5", "--set", "summary.every_steps=10",
+                              "--set", "cluster.jobs={ps: 1, worker: 2}"],  # (ps-1 was stopped by an earlier test)
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    assert plain.scheduler is not None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert chief.poll() is None and time.monotonic() < deadline, chief.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.kill(plain.scheduler.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            _, err = chief.communicate(timeout=5 + 90)
+            elapsed = time.monotonic() - stopped
+        finally:
+            os.kill(plain.scheduler.pid, signal.SIGCONT)
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+            chief.communicate()
+    assert chief.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("dtrain: ")]
+    assert len(errors) == 1 and "does not answer" in errors[0] and "cluster.scheduler_timeout_s" in errors[0], err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "does not answer" in summary["error"], summary
+    assert 5 <= elapsed < 5 + 45, f"the run ended {elapsed:.0f} s after the scheduler stopped"
 
 
 def test_plain_cluster_stops_leaving_no_process(plain):

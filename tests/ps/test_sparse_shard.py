@@ -103,7 +103,7 @@ def test_tables_that_batch_serve_their_rows_through_one_group():
         return s, replies, bad, await s.stats()
 
     s, replies, bad, stats = asyncio.run(main())
-    assert [g.names for g in s.table_groups] == [list(names)]
+    assert [g.names for g in s.tables.groups] == [list(names)]
     for push in pushes:
         for name, (ids, grads, _) in push.items():
             alone[name].add_grad(ids, grads)

@@ -59,3 +59,24 @@ def test_data_plane_handles_open_after_the_model_and_the_data(monkeypatch):
     with pytest.raises(Opened):
         run_replica(spec, plan, 0, open_handles, owns_replies=True)
     assert events == ["data loaded", "connect"]
+
+
+def test_a_replica_waiting_for_a_ps_stops_within_a_second_once_abandoned():
+    """A replica blocked on a ps reply (a sync barrier, up to call_timeout_s + barrier_timeout_s)
+    asks ``abandoned`` every second of the wait: once its chief is gone it stops (Abandoned), not
+    after the timeout."""
+    import time
+    from concurrent.futures import Future
+
+    spec = dtrain.load(PIPELINES / "digits_sync.yaml")
+    plan = compile_plan(spec)
+    gone_at = time.monotonic() + 0.5
+
+    class Silent:  # a ps that never answers
+        def pull(self, *args, **kwargs):
+            return Future()
+
+    t0 = time.monotonic()
+    with pytest.raises(replica_mod.Abandoned):
+        run_replica(spec, plan, 0, [Silent() for _ in plan.shards], abandoned=lambda: time.monotonic() > gone_at)
+    assert time.monotonic() - t0 < 10  # (the timeout: 120 s)
