@@ -74,7 +74,7 @@ def child_stream(p: dict[str, Any]) -> dict[str, Any]:
     with open(p["plan"], "rb") as f:
         spec, plan = pickle.load(f)
     idle = _peak_mb()
-    from dtrain.data.stream import OutOfRange
+    from dtrain.errors import OutOfRange
 
     t0 = time.perf_counter()
     batches = StreamBatches(spec, plan, 0, torch.device("cpu"))

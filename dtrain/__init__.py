@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .errors import Aborted, OutOfRange, RunError, TransientError, Unavailable
 from .spec.device import DeviceSpec
-from .spec.errors import Aborted, OutOfRange, RunError, SpecError, TransientError, Unavailable
+from .spec.errors import SpecError
 from .spec.loading import load, loads
 from .spec.pipeline import PipelineSpec
 

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .spec.errors import RunDirError, RunError, SpecError, Terminated
+from .errors import RunDirError, RunError, Terminated
+from .spec.errors import SpecError
 
 if TYPE_CHECKING:  # rich is imported when the bar first shows
     from rich.progress import Progress, TaskID

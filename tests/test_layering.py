@@ -51,6 +51,8 @@ ALLOWED = {  # plane -> the dtrain planes it may import
     "chief": {"chief", "worker", "ps", "dataplane", "plan", "spec", "model", "data", "deploy", "graph",
               "observe"},
 }
+# Top-level leaf modules every plane may import (they import nothing of dtrain): the runtime's errors.
+LEAVES = {"errors"}
 ALL = [(plane, path) for plane in ALLOWED for path in modules(plane)]
 
 
@@ -68,8 +70,13 @@ def test_math_and_spec_never_import_dask(plane, path):
 @pytest.mark.parametrize(("plane", "path"), ALL,
                          ids=lambda v: v if isinstance(v, str) else f"{v.parent.name}/{v.name}")
 def test_planes_import_only_what_they_may(plane, path):
-    extra = planes(imported(path)) - ALLOWED[plane]
+    extra = planes(imported(path)) - ALLOWED[plane] - LEAVES
     assert not extra, f"{path.relative_to(PKG)} ({plane}) imports the {sorted(extra)} plane(s)"
+
+
+def test_the_leaves_import_nothing_of_dtrain():
+    for leaf in LEAVES:
+        assert not {n for n in imported(PKG / f"{leaf}.py") if n.split(".")[0] == "dtrain"}, leaf
 
 
 def test_worker_and_ps_never_import_the_chief():

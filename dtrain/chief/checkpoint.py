@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
+from dtrain.errors import RunError
 from dtrain.ps.deltas import merge
 from dtrain.ps.part_writer import digest, read_part_file
 from dtrain.ps.part_writer import save as save_part
-from dtrain.spec.errors import RunError
 
 from .files import atomic_write, fsync_dir
 

@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dtrain.errors import RunError
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.plan.compiler import Plan
 from dtrain.spec.elastic import ElasticJob, elastic_of
-from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 
 from .context import RunContext, RunState

@@ -22,7 +22,7 @@ from dtrain.worker.tables import evaluate_gathered
 
 from . import data_report
 from .context import RunContext, RunState
-from .shards import ShardGroup
+from .ps_shards import ShardGroup
 
 
 class Evaluator:

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtrain.errors import RunDirError
 from dtrain.plan.compiler import compile
 from dtrain.plan.layout import ShardLayout
 from dtrain.plan.tables import table_config
 from dtrain.ps.groups import table_part
-from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import checkpoint as ckpt_io

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.errors import OutOfRange
 from dtrain.plan.compiler import Plan
-from dtrain.spec.errors import OutOfRange
 from dtrain.spec.pipeline import PipelineSpec
 
 from .context import RunContext, RunState

@@ -1,7 +1,7 @@
 """In-graph replication: the coordinator builds one Dask graph per step (the graph path).
 
 In-graph sync on the socket data plane (the default) runs on towers instead
-(``dtrain.chief.ingraph_towers``: no task per step, gradients over the data plane); this graph
+(``dtrain.chief.ingraph_tower_driver``: no task per step, gradients over the data plane); this graph
 path runs in-graph sync with ``training.transport: dask`` or with ``replicas_to_aggregate`` below
 the replica count, and is the base of both other drivers (:func:`dtrain.chief.drivers.new_driver` chooses).
 

@@ -38,20 +38,20 @@ from distributed import Future
 
 from dtrain.chief import checkpoint as ckpt_io
 from dtrain.deploy.cluster import wait_for_tasks
-from dtrain.spec.errors import RunError, TransientError
+from dtrain.errors import RunError, TransientError
 
 from .context import RunContext, RunState
 from .hooks import Hook
+from .ps_shards import ShardGroup
 from .replicas import ReplicaSet
 from .saver import Saver
-from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 
 
 def is_transient(exc: BaseException | None) -> bool:
     """Whether ``exc`` is one the session recovers from (TF's AbortedError and UnavailableError):
-    a :class:`~dtrain.spec.errors.TransientError` (dtrain.Aborted, dtrain.Unavailable), a sync
+    a :class:`~dtrain.errors.TransientError` (dtrain.Aborted, dtrain.Unavailable), a sync
     barrier that timed out, a timeout, or a connection refused or closed (on Dask's comms, or the
     socket data plane's :class:`~dtrain.dataplane.protocol.DataPlaneUnavailable`). Everything else
     (a replica's own error, a hook's RuntimeError, a full disk, non-finite parameters, a data-plane

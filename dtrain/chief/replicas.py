@@ -36,7 +36,7 @@ from .calls import describe_failure
 from .context import RunContext, RunState
 from .drivers import new_driver
 from .ingraph import InGraphDriver
-from .shards import ShardGroup, task_host
+from .ps_shards import ShardGroup, task_host
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,16 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dtrain.errors import RunDirError
 from dtrain.plan.compiler import Plan
-from dtrain.spec.errors import RunDirError
 from dtrain.spec.pipeline import PipelineSpec
 
 from .files import atomic_write, fsync_dir  # noqa: F401 (fsync_dir: re-exported)
+
+if TYPE_CHECKING:
+    from dtrain.deploy.cluster import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ def early_summary(spec: PipelineSpec, status: str, error: str, wall_s: float) ->
 
 def describe_exit(exc: BaseException) -> tuple[str, str]:
     """(status, error) of a run ended by ``exc``."""
-    from dtrain.spec.errors import RunError, Terminated
+    from dtrain.errors import RunError, Terminated
 
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", (str(exc) or "terminated (SIGTERM)") if isinstance(exc, Terminated) else "interrupted"
@@ -148,7 +151,7 @@ def describe_exit(exc: BaseException) -> tuple[str, str]:
     return "failed", f"{type(exc).__name__}: {exc}"
 
 
-def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: str, refresh: bool = True) -> None:
+def write_cluster_info(run_dir: Path, conn: Connection, generation: int, assignment: str, refresh: bool = True) -> None:
     """``cluster.json``: scheduler, dashboard, how tasks found their workers (``assign``: named or
     auto), and each task's worker address and process id (for operators, and for fault tests
     that kill a task's process by pid). Without ``refresh`` only new workers are asked their
@@ -164,6 +167,8 @@ def write_cluster_info(run_dir: Path, conn: Any, generation: int, assignment: st
         except Exception as exc:  # informational only
             logger.debug("could not read worker pids: %s", exc)
     workers = {task: {"address": addr, "pid": pids.get(addr)} for task, addr in sorted(conn.tasks.items())}
+    scheduler = conn.client.scheduler
+    assert scheduler is not None  # a connected client
     write_json(run_dir / "cluster.json", {
-        "scheduler": conn.client.scheduler.address, "dashboard": conn.dashboard_link,
+        "scheduler": scheduler.address, "dashboard": conn.dashboard_link,
         "generation": generation, "assign": assignment, "tasks": workers})

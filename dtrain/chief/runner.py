@@ -20,7 +20,8 @@ from distributed import Client
 
 from dtrain.deploy import forkserver, phases
 from dtrain.deploy.cluster import connect, dask_config
-from dtrain.spec.errors import ConnectError, Problem, RunDirError, SpecError
+from dtrain.errors import ConnectError, RunDirError
+from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.pipeline import PipelineSpec, embedded_only_problems
 
 from . import signals

@@ -30,7 +30,7 @@ from . import checkpoint as ckpt_io
 from . import data_report
 from .context import RunContext, RunState
 from .hooks import Hook
-from .shards import ShardGroup, checkpoint_layout
+from .ps_shards import ShardGroup, checkpoint_layout
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The monitored training session: the chief's loop.
 
-:class:`Session` initialises the variables (seeded) in a :class:`~dtrain.chief.shards.ShardGroup`
+:class:`Session` initialises the variables (seeded) in a :class:`~dtrain.chief.ps_shards.ShardGroup`
 (one ParameterShard actor per shard, pinned to its ps task's worker), restores them from the
 newest checkpoint on ``--resume``, submits one long-running replica future per worker task
 (pinned by address, never stolen), then follows progress by polling ps task 0 a few times a
@@ -10,7 +10,7 @@ run directory (docs/cli.md, "Run directory"). The tensor math lives in the ps an
 
 The session is built from named roles (docs/architecture.md, "The chief"): the run's fixed
 :class:`~dtrain.chief.context.RunContext` and its declared :class:`~dtrain.chief.context.RunState`,
-the :class:`~dtrain.chief.shards.ShardGroup`, the :class:`~dtrain.chief.replicas.ReplicaSet`, the
+the :class:`~dtrain.chief.ps_shards.ShardGroup`, the :class:`~dtrain.chief.replicas.ReplicaSet`, the
 :class:`~dtrain.chief.saver.Saver`, the :class:`~dtrain.chief.evaluation.Evaluator`, and two deciders,
 :class:`~dtrain.chief.recovery.Recovery` and :class:`~dtrain.chief.elastic.Elastic`, whose decisions
 (restart from a checkpoint, resubmit replicas, re-form the replica set) only the session carries
@@ -32,10 +32,10 @@ import torch
 
 from dtrain.deploy import phases
 from dtrain.deploy.cluster import Connection
+from dtrain.errors import RunError, Terminated
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import ShardLayout
-from dtrain.spec.errors import RunError, Terminated
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import checkpoint as ckpt_io
@@ -54,11 +54,11 @@ from .hooks import (
 )
 from .inputs import DataInput
 from .metrics import JsonlSink, TensorBoardSink
+from .ps_shards import ShardGroup
 from .recovery import Decision, Loss, Recovery, Restart
 from .replicas import ReplicaSet
 from .rundir import Result, save_torch, write_cluster_info, write_json
 from .saver import Saver
-from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 

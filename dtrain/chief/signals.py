@@ -2,7 +2,7 @@
 ``dtrain.deploy.preload``).
 
 - ``dtrain run`` (:func:`handled`): SIGINT raises KeyboardInterrupt (exit 130); SIGTERM and
-  SIGHUP (a dropped SSH session) raise :class:`~dtrain.spec.errors.Terminated` (exit 143). The
+  SIGHUP (a dropped SSH session) raise :class:`~dtrain.errors.Terminated` (exit 143). The
   session then writes a provisional ``summary.json``, checkpoints consistently and cleans up.
 - During that cleanup (:func:`deferred`, used by the session and ``dtrain.run`` in the main
   thread, whoever installed the handlers) a further signal is counted and logged, not raised: a
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dtrain.spec.errors import Terminated
+from dtrain.errors import Terminated
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 checkpoint (repartitioned onto another ps count or partition, converted to another storage
 dtype), reading a part in chunks, gathering rows by id, the whole table for ``model.pt``, and the
 tables' figures for ``summary.json``. Functions of the shard actors' handles and the plan
-(``dtrain.chief.shards.ShardGroup`` passes its current ones)."""
+(``dtrain.chief.ps_shards.ShardGroup`` passes its current ones)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from dtrain.chief.checkpoint import Checkpoint
+from dtrain.errors import RunError
 from dtrain.model.ids import home_part
 from dtrain.model.tables import div_starts
 from dtrain.plan.compiler import Plan
 from dtrain.plan.tables import merge_dynamic, reshard_table, restore_problem, to_storage
 from dtrain.ps.rows import unpack_state
-from dtrain.spec.errors import RunError
 
 from .calls import call, calls, transfer_timeout
 

@@ -23,9 +23,9 @@ from dtrain.worker import replica as replica_counters
 from dtrain.worker.tasks import REPLICA_TOPIC
 
 from .context import RunContext, RunState
+from .ps_shards import ShardGroup
 from .recovery import Recovery
 from .saver import Saver
-from .shards import ShardGroup
 
 logger = logging.getLogger(__name__)
 

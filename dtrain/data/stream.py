@@ -1,7 +1,8 @@
 """A replica's stream of batches from its shards: reader threads, a shuffle window, prefetch.
 
 TensorFlow fed workers with reader threads, a ``RandomShuffleQueue`` (``min_after_dequeue``) and an
-``OutOfRange`` error at the end of the epochs; this is the same with exact, resumable positions:
+``OutOfRange`` error at the end of the epochs; this is the same with exact, resumable positions (the
+end raises :class:`dtrain.OutOfRange`, the error a hook raises to stop training):
 
 - every epoch the replica's shards are read in a seeded order (``[seed, replica, epoch]``), by
   ``readers`` background threads that read ahead of the one being consumed;
@@ -34,13 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from dtrain.errors import OutOfRange  # the replica has read its shards ``epochs`` times
+
 from .shards import BadShardError, Shard
 
 logger = logging.getLogger(__name__)
-
-
-class OutOfRange(Exception):  # noqa: N818 - TensorFlow's name
-    """The replica has read its shards ``epochs`` times (TensorFlow's OutOfRangeError)."""
 
 
 def shard_order(n: int, seed: int, replica: int, epoch: int, shuffle: bool = True) -> np.ndarray:

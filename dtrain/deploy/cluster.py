@@ -31,11 +31,11 @@ from dtrain.deploy.env import (  # noqa: F401 (MALLOC_*: re-exported)
     MALLOC_MMAP_THRESHOLD,
     MALLOC_TRIM_THRESHOLD,
 )
+from dtrain.errors import ConnectError, RunError
 from dtrain.observe.scheduler import TelemetryPlugin
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
-from dtrain.spec.errors import ConnectError, RunError
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)

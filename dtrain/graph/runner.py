@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from dtrain.errors import ConnectError, RunError
 from dtrain.graph.initializers import initialize
 from dtrain.graph.ops import OpError, apply_op, to_python, to_tensor
 from dtrain.plan.compiler import Plan
-from dtrain.spec.errors import ConnectError, RunError, SpecError
+from dtrain.spec.errors import SpecError
 from dtrain.spec.pipeline import PipelineSpec
 
 logger = logging.getLogger(__name__)

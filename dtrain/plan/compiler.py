@@ -14,12 +14,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dtrain.data.shards import Manifest
+from dtrain.spec.base import MAX_STEPS
 from dtrain.spec.device import DeviceSpec, is_clear, merge_device
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
 from dtrain.spec.errors import Problem, SpecError
 from dtrain.spec.graph import graph_jobs, initial_value
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.spec.sections import MAX_STEPS, worker_device_spec
+from dtrain.spec.sections import worker_device_spec
 
 from .assign import assign_workers, resolve_workers  # noqa: F401 (resolve_workers: re-exported)
 from .inputs import DataPlan, data_json, format_data, plan_data

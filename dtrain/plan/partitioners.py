@@ -25,6 +25,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from dtrain.spec.partitioner import PartitionerSpec
+
 from .placement import VariableRequest, names_variable
 
 DEFAULT_MIN_SLICE_SIZE = 256 * 1024
@@ -74,7 +76,7 @@ def variable_axis_size(shape: Sequence[int], itemsize: int, max_shard_bytes: int
     return out
 
 
-def partitions_for(config: Any, shape: Sequence[int], itemsize: int) -> list[int]:
+def partitions_for(config: PartitionerSpec | dict[str, Any], shape: Sequence[int], itemsize: int) -> list[int]:
     """The partition vector of ``placement.partitioner`` (a spec model or a dict with its keys)."""
     c = config if isinstance(config, dict) else config.model_dump()
     if c["type"] == "fixed_size":
@@ -130,11 +132,11 @@ def _splittable(shape: Sequence[int], axis: int) -> bool:
     return len(shape) > axis and math.prod(shape) >= 2
 
 
-def _selected(config: Any, name: str) -> bool:
+def _selected(config: PartitionerSpec, name: str) -> bool:
     return not config.variables or any(names_variable(key, name) for key in config.variables)
 
 
-def partition_of(config: Any, name: str, shape: Sequence[int], itemsize: int) -> list[VariableRequest] | None:
+def partition_of(config: PartitionerSpec | None, name: str, shape: Sequence[int], itemsize: int) -> list[VariableRequest] | None:
     """The parts of a dense variable under ``placement.partitioner`` (None: it stays whole): a
     variable the partitioner selects, with the partitioner's axis and at least two elements, whose
     partition vector splits it into two or more parts."""
@@ -146,7 +148,7 @@ def partition_of(config: Any, name: str, shape: Sequence[int], itemsize: int) ->
     return slice_variable(name, shape, itemsize, partitions)
 
 
-def check_partitioner(config: Any, layout: Sequence[tuple[str, tuple[int, ...], int]], pinned: set[str]) -> None:
+def check_partitioner(config: PartitionerSpec | None, layout: Sequence[tuple[str, tuple[int, ...], int]], pinned: set[str]) -> None:
     """SpecError for ``placement.partitioner.variables`` entries that name no variable, or name one
     that cannot be split: pinned (variable_devices), a single element, or without the axis."""
     if config is None or not config.variables:

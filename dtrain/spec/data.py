@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .sections import Strict  # (sections imports this module once Strict is defined)
+from .base import Strict
 
 STREAM_KEYS = ("readers", "prefetch", "shuffle_buffer", "skip_bad_files")
 """Keys that apply to a sharded source only (a glob, a directory, a URL: docs/data.md)."""

@@ -1,11 +1,8 @@
-"""Error types shared by the loader, the compiler, the CLI and the runtime.
+"""The pipeline file's errors, shared by the loader, the compiler and the CLI: ``Problem`` (one
+problem, ``FILE:LINE: path: message``) and ``SpecError`` (an invalid pipeline, exit 2).
 
-Vocabulary (used everywhere in dtrain):
-
-- *task*: one member of a job, ``/job:ps/task:0``; served by one Dask worker named ``ps-0``.
-- *shard*: the variables one ps task holds, as one flat buffer.
-- *replica*: one training loop, pinned to one worker task.
-- *global step*: one update applied to the ps (counted on ps task 0).
+The runtime's errors (``RunError``, ``ConnectError``, ``Aborted``, ``Unavailable``, ``OutOfRange``,
+...) live in :mod:`dtrain.errors`.
 """
 
 from __future__ import annotations
@@ -52,48 +49,6 @@ class CrossFieldErrors(ValueError):
         super().__init__("; ".join(f"{_dotted(loc)}: {msg}" if loc else msg for loc, msg in problems))
 
 
-class RunError(RuntimeError):
-    """A run that failed after it started (missing tasks, a replica's error, recoveries used up).
-
-    The CLI prints it and exits 1.
-    """
-
-
-class TransientError(RuntimeError):
-    """An error the session recovers from, TensorFlow's "preemption errors" (AbortedError,
-    UnavailableError): every shard restarts from the newest checkpoint (or from the initial
-    parameters at step 0 when there is none) and every replica restarts, counted against
-    ``training.max_recoveries``; once those are used up the run fails (RunError, exit 1). Any
-    other error fails the run at once. dtrain raises it for a ps call that got no answer; a hook
-    may raise :class:`Aborted` or :class:`Unavailable` itself."""
-
-
-class Aborted(TransientError):
-    """TF's AbortedError: an operation was aborted; the session recovers (:class:`TransientError`)."""
-
-
-class Unavailable(TransientError):
-    """TF's UnavailableError: a ps or worker did not answer; the session recovers (:class:`TransientError`)."""
-
-
-class OutOfRange(Exception):  # noqa: N818 - TensorFlow's name (OutOfRangeError), as Aborted/Unavailable
-    """TF's OutOfRangeError, for hooks: raised by a hook (as is StopIteration), it ends training
-    cleanly, like ``ctx.request_stop()``: the final checkpoint, evaluation and model.pt are written,
-    status completed. (A replica at the end of ``data.epochs`` has its own, data.stream.OutOfRange.)"""
-
-
-class ConnectError(RunError):
-    """The cluster could not be reached (no scheduler at the address, a refused TLS handshake, a
-    scheduler file that cannot be read): the run never started, so nothing is written (exit 1)."""
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (it holds checkpoints and --resume was not given).
-
-    The CLI prints it and exits 2: nothing was started and nothing written.
-    """
-
-
 def _dotted(loc: Iterable[str | int]) -> str:
     out = ""
     for part in loc:
@@ -106,7 +61,3 @@ def _dotted(loc: Iterable[str | int]) -> str:
 
 dotted = _dotted
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so the session checkpoints and writes its summary
-    before the CLI exits 143 (a KeyboardInterrupt subclass: every interrupt path handles it)."""

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from .base import NAME, Strict
 from .errors import CrossFieldErrors
-from .sections import NAME, Strict
 
 MAX_IDS_PER_FEATURE = 1024
 """The largest ``max_ids`` a categorical feature may declare (each example's ids are packed into

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .sections import MAX_SEED, NAME, Strict, check_device_string
+from .base import MAX_SEED, NAME, Strict, check_device_string
 
 if TYPE_CHECKING:  # the pipeline imports this module
     from .pipeline import PipelineSpec

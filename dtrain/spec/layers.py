@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .base import Strict, check_device_string
 from .errors import CrossFieldErrors
 from .features import DlrmSpec, FeaturesSpec, TableSpec
-from .sections import Strict, check_device_string
 
 TABLE_LAYERS = ("embedding", "embedding_bag")  # sparse embedding tables: the first layer, integer ids
 

@@ -11,10 +11,11 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import ErrorDetails
 
+from .base import BOUND_NAMES, did_you_mean, quoted
 from .layers import Layer
 from .partitioner import PartitionerSpec
 from .pipeline import PipelineSpec
-from .sections import BOUND_NAMES, OptimizerSpec, did_you_mean, quoted
+from .sections import OptimizerSpec
 
 Loc = tuple[str | int, ...]  # a pydantic error's location
 

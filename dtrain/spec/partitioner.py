@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from .sections import Strict  # (sections imports this module once Strict is defined)
+from .base import Strict
 
 _AXIS = "The axis to split along (0: rows). A variable with no such axis is kept whole."
 _VARIABLES = ("Which dense variables to partition: names (torch's named_parameters()) or prefixes ending in '.'; "

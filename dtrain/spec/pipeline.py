@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
+from .base import MAX_EMBEDDED_TASKS, MAX_STEPS, NAME, Strict, did_you_mean
 from .data import STREAM_KEYS, DataSpec
 from .device import DeviceSpec, is_clear
 from .elastic import check_elastic, elastic_of
@@ -23,18 +24,7 @@ from .graph import OpSpec, VariableSpec, graph_problems
 from .imports import missing_module
 from .layers import TABLE_LAYERS, EmbeddingLayer, ModelSpec
 from .observe import ObserveSpec
-from .sections import (
-    MAX_EMBEDDED_TASKS,
-    MAX_STEPS,
-    NAME,
-    ClusterSpec,
-    OptimizerSpec,
-    PlacementSpec,
-    SgdOptimizer,
-    Strict,
-    TrainingSpec,
-    did_you_mean,
-)
+from .sections import ClusterSpec, OptimizerSpec, PlacementSpec, SgdOptimizer, TrainingSpec
 from .session import BUILTIN_HOOKS, CheckpointSpec, EvalSpec, HookSpec, SummarySpec
 from .stages import stage_problems, stage_tasks
 from .tokens import check_tokens

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .base import MAX_STEPS, WEEK_S, Strict, did_you_mean, quoted
 from .errors import CrossFieldErrors
-from .sections import MAX_STEPS, WEEK_S, Strict, did_you_mean, quoted
 
 # ------------------------------------------------------------------------ checkpoint/summary/eval
 

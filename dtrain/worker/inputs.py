@@ -8,7 +8,7 @@ Two sources behind one interface (``next()`` -> (x, y) tensors, ``position``, ``
 - :class:`StreamBatches`: the replica's own shards of a sharded dataset
   (:class:`~dtrain.data.stream.ShardStream`: reader threads, shuffle window, prefetch).
 
-With ``data.epochs`` either raises :class:`~dtrain.data.stream.OutOfRange` once the replica has
+With ``data.epochs`` either raises :class:`~dtrain.errors.OutOfRange` once the replica has
 read its data that many times. Nothing here imports Dask: the reader of a Dask collection's
 partitions comes from ``dtrain.worker.tasks``.
 """
@@ -24,7 +24,8 @@ import torch
 from dtrain.data.sampling import ShardIterator
 from dtrain.data.shards import Shard, read_shard
 from dtrain.data.stats import make_transform
-from dtrain.data.stream import OutOfRange, ShardStream, StreamLayout
+from dtrain.data.stream import ShardStream, StreamLayout
+from dtrain.errors import OutOfRange
 from dtrain.plan.compiler import Plan
 from dtrain.spec.pipeline import PipelineSpec
 

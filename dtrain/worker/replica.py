@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dtrain.data.sources import Dataset, load_dataset, to_tensors
-from dtrain.data.stream import OutOfRange
+from dtrain.errors import OutOfRange, Unavailable  # Unavailable: a transient error, the session recovers
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.metrics import AucHistogram
@@ -32,7 +32,6 @@ from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import BoundModel, ShardLayout
 from dtrain.plan.tables import TablePlan
 from dtrain.spec.device import DeviceSpec
-from dtrain.spec.errors import Unavailable  # a transient error: the session recovers
 from dtrain.spec.layers import EmbeddingLayer
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.buckets import GradBuckets

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +36,15 @@ from dtrain.plan.compiler import Plan
 from dtrain.plan.layout import BoundModel, ShardLayout, part_of
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
-from dtrain.worker.replica import ReplicaError, ReplicaStats, _train, dataset_for, microbatched, torch_device
+from dtrain.worker.replica import (
+    ReplicaError,
+    ReplicaStats,
+    ShardHandle,
+    _train,
+    dataset_for,
+    microbatched,
+    torch_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +174,7 @@ class StageModel:
         if self.stopped:
             return None
         if self.position == 0:
-            from dtrain.data.stream import OutOfRange
+            from dtrain.errors import OutOfRange
 
             try:
                 self._peeked = self.batches.next()
@@ -278,7 +287,8 @@ def _grad_of(inp: torch.Tensor) -> torch.Tensor:
     return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
 
-def run_stage(spec: PipelineSpec, plan: Plan, index: int, position: int, shards: Any, up: StageLink | None,
+def run_stage(spec: PipelineSpec, plan: Plan, index: int, position: int,
+              shards: list[ShardHandle] | Callable[[], list[ShardHandle]], up: StageLink | None,
               down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
               owns_replies: bool = False) -> ReplicaStats:
     """Run stage ``position`` of replica ``index`` until the pipeline stops (the first stage: the

@@ -13,7 +13,7 @@ event loop, so no actor call crosses the network), ``replica_gradients`` pinned 
 ``r`` (its model, buffers and data iterator cached in the process across steps), ``release``;
 for in-graph async (``dtrain.chief.ingraph_async``) ``tower_gradients`` and ``tower_push`` (the
 shard applies one tower's gradient at once, ``WorkerShard.push_counted``). In-graph sync on the
-socket data plane runs none of these per step: its towers live in ``ingraph_tower``.
+socket data plane runs none of these per step: its towers live in ``ingraph_tower_actor``.
 """
 
 from __future__ import annotations

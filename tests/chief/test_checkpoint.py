@@ -17,8 +17,8 @@ import torch
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
+from dtrain.errors import RunDirError
 from dtrain.plan.layout import ShardLayout
-from dtrain.spec.errors import RunDirError
 from tests.helpers.pipelines import pipeline_yaml
 
 LOGGER = "dtrain.chief.checkpoint"

@@ -16,7 +16,8 @@ import torch
 import dtrain
 from dtrain.chief import checkpoint as ckpt
 from dtrain.chief.hooks import LoggingHook, StepContext, StepCounterHook, StopAtStepHook, build_hooks
-from dtrain.spec.errors import RunError, SpecError
+from dtrain.errors import RunError
+from dtrain.spec.errors import SpecError
 from dtrain.spec.session import HookSpec
 from tests.helpers import hooks as helper_hooks
 from tests.helpers.pipelines import pipeline_yaml

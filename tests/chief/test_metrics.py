@@ -16,7 +16,7 @@ import dtrain
 from dtrain.chief.hooks import StepContext
 from dtrain.chief.metrics import TensorBoardSink, check_summary
 from dtrain.chief.report import read_metrics
-from dtrain.spec.errors import RunError
+from dtrain.errors import RunError
 from tests.helpers.pipelines import pipeline_yaml
 
 

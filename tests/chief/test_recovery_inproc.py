@@ -16,7 +16,7 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 
 import dtrain
 from dtrain.deploy.cluster import HOUSEKEEPING
-from dtrain.spec.errors import RunError
+from dtrain.errors import RunError
 from tests.helpers.hooks import read_calls
 from tests.helpers.pipelines import pipeline_yaml
 from tests.helpers.waiting import wait_until
@@ -128,7 +128,7 @@ def test_a_task_lost_again_during_a_recovery_is_another_recovery(cluster, tmp_pa
     worker closes as the actors are created, and the creation runs against it, as Dask has it):
     the chief recovers again, within max_recoveries (a creation that failed part-way once made
     the chief's loss check raise instead)."""
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
 
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
@@ -188,7 +188,7 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
     leave the lost one out instead of raising out of the chief's loop before recovery runs."""
     import torch
 
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
     from dtrain.deploy.cluster import connect
 
     cluster, client = cluster

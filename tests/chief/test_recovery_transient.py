@@ -18,8 +18,8 @@ from distributed.comm.core import CommClosedError
 import dtrain
 from dtrain.chief.recovery import is_transient
 from dtrain.dataplane.protocol import DataPlaneError, DataPlaneUnavailable
+from dtrain.errors import RunError
 from dtrain.ps.shard import BarrierTimeout
-from dtrain.spec.errors import RunError
 from tests.helpers.errors import seen
 from tests.helpers.paths import ROOT
 from tests.helpers.pipelines import pipeline_yaml

@@ -12,7 +12,7 @@ import torch
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
-from dtrain.spec.errors import RunDirError, RunError
+from dtrain.errors import RunDirError, RunError
 from tests.helpers.paths import PIPELINES
 from tests.helpers.pipelines import pipeline_yaml, tiny
 

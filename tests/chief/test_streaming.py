@@ -14,8 +14,8 @@ import pytest
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
+from dtrain.errors import RunError
 from dtrain.plan.inputs import assign_shards
-from dtrain.spec.errors import RunError
 from tests.helpers import shards
 from tests.helpers.paths import PIPELINES
 

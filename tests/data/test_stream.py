@@ -11,7 +11,8 @@ import pytest
 
 from dtrain.data.shards import BadShardError, read_manifest, read_shard
 from dtrain.data.stats import finish, moments
-from dtrain.data.stream import OutOfRange, ShardStream, StreamLayout, shard_order
+from dtrain.data.stream import ShardStream, StreamLayout, shard_order
+from dtrain.errors import OutOfRange
 from dtrain.plan.inputs import assign_shards
 from tests.helpers import shards
 

@@ -87,7 +87,7 @@ def test_tls_cluster_gets_a_tls_data_plane_with_each_workers_own_certificate(tmp
 
     import torch
 
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
     from dtrain.dataplane.protocol import MAGIC, client_ssl_context
     from dtrain.worker.tasks import tls_pems
 
@@ -146,7 +146,7 @@ def test_cluster_tls_false_gives_a_plain_tcp_cluster_and_data_plane():
 
     import torch
 
-    from dtrain.chief.shards import ShardGroup
+    from dtrain.chief.ps_shards import ShardGroup
     from dtrain.dataplane.protocol import MAGIC
     from dtrain.deploy.cluster import ConnectError
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import dtrain
+from dtrain.errors import RunError
 from dtrain.graph.initializers import initialize
-from dtrain.spec.errors import RunError
 from tests.helpers.paths import ROOT
 
 

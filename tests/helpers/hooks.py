@@ -56,7 +56,7 @@ class HalfPushOnLoss(Hook):
     worker closed in-process leaves its task's thread running: fenced off the data plane), and it
     lets a checkpoint hold the replica may have reached go (the chief is busy with this hook).
     A hook sees no ps actor (its :class:`RunView` is read-only): this one finds them on the
-    cluster by their keys, ``dtrain-ps-<shard>-g<generation>-<token>`` (chief/shards.py)."""
+    cluster by their keys, ``dtrain-ps-<shard>-g<generation>-<token>`` (chief/ps_shards.py)."""
 
     def begin(self, run: RunView) -> None:
         self.run, self.done = run, False

@@ -13,7 +13,7 @@ import torch
 import dtrain
 from dtrain.chief.drivers import new_driver
 from dtrain.chief.ingraph import InGraphDriver
-from dtrain.chief.shards import ShardGroup
+from dtrain.chief.ps_shards import ShardGroup
 from dtrain.deploy.cluster import Connection, wait_for_tasks
 from dtrain.plan.layout import ShardLayout
 from tests.helpers.pipelines import OPTIMIZERS, mlp, pipeline_yaml

@@ -11,8 +11,8 @@ import pytest
 
 import dtrain
 from dtrain.cli import main
+from dtrain.spec.base import MAX_STEPS
 from dtrain.spec.errors import SpecError
-from dtrain.spec.sections import MAX_STEPS
 
 MODEL = "model:\n  input_shape: [4]\n  layers:\n    - {type: linear, out: 3}\n"
 

@@ -11,7 +11,7 @@ import torch
 
 import dtrain
 from dtrain.chief import checkpoint as ckpt
-from dtrain.chief import shards
+from dtrain.chief import ps_shards
 from dtrain.chief import tables as chief_tables
 from dtrain.model.tables import Table
 from tests.helpers.reference import max_abs_diff, single_process
@@ -214,7 +214,7 @@ def test_evaluation_reads_only_the_rows_its_batches_touch(inproc_client, tmp_pat
     model.pt (and the final evaluation, on that whole model) reads the whole table, once."""
     gathered: list[int] = []
     whole: list[str] = []
-    real_gather, real_pull = shards.ShardGroup.gather_rows, shards.ShardGroup.pull_table
+    real_gather, real_pull = ps_shards.ShardGroup.gather_rows, ps_shards.ShardGroup.pull_table
 
     def gather_rows(self, name, ids):
         if not whole or whole[-1] != "inside":
@@ -228,8 +228,8 @@ def test_evaluation_reads_only_the_rows_its_batches_touch(inproc_client, tmp_pat
         finally:
             whole[-1] = name
 
-    monkeypatch.setattr(shards.ShardGroup, "gather_rows", gather_rows)
-    monkeypatch.setattr(shards.ShardGroup, "pull_table", pull_table)
+    monkeypatch.setattr(ps_shards.ShardGroup, "gather_rows", gather_rows)
+    monkeypatch.setattr(ps_shards.ShardGroup, "pull_table", pull_table)
     spec = table_spec(ids_file, 2, 2, "sgd", steps=30, eval_every=25)  # (summaries every 25 steps)
     result = dtrain.run(spec, client=inproc_client, run_dir=tmp_path / "run")
     assert result.summary["eval"]["accuracy"] > 0

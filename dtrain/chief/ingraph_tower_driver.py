@@ -3,7 +3,7 @@
 :class:`TowerDriver` is what ``training.replication: in_graph`` with ``mode: sync`` runs on the
 socket data plane (``training.transport: socket``, the default) when every replica is in every
 step (``Plan.lockstep``). Like TensorFlow's client, the driver builds the graph once: a tower actor
-per worker task (``dtrain.worker.ingraph_tower.Tower``) and each shard's data plane, opened with
+per worker task (``dtrain.worker.ingraph_tower_actor.Tower``) and each shard's data plane, opened with
 this driver's secret. Then the coordinator decides each global step ``v`` and runs it: it sends
 every tower the step (an actor call straight to the worker: no task, no scheduler), the towers
 compute their slices of the step's batch and push over the data plane, each shard applies the
@@ -48,7 +48,7 @@ from distributed import wait
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
+from dtrain.worker.ingraph_tower_actor import Tower, close_plane, open_plane
 
 from .ingraph import POLL_S, InGraphDriver, _Aborted, _StepError
 

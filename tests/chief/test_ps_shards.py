@@ -14,10 +14,10 @@ import torch
 
 import dtrain
 from dtrain.chief.checkpoint import Checkpoint
-from dtrain.chief.shards import ShardGroup, checkpoint_layout
+from dtrain.chief.ps_shards import ShardGroup, checkpoint_layout
+from dtrain.errors import RunError
 from dtrain.ps.part_writer import read_part_file
 from dtrain.ps.shard import ParameterShard
-from dtrain.spec.errors import RunError
 
 SPEC = """
 name: shards

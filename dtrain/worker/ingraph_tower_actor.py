@@ -2,7 +2,7 @@
 
 TensorFlow's in-graph replication builds one graph in the client, with a tower per worker and
 the aggregation on the ps, and ``session.run`` executes it once per step. Here the chief's driver
-(``dtrain.chief.ingraph_towers``) builds that graph once per driver: a :class:`Tower` actor pinned
+(``dtrain.chief.ingraph_tower_driver``) builds that graph once per driver: a :class:`Tower` actor pinned
 to each worker task (its model, persistent buffers, data order and data-plane connections live
 across steps) and, on each ps worker, the shard's socket data plane (:func:`open_plane`). Each
 step the coordinator then runs it: it sends every tower the step (``Tower.step(version)``: a

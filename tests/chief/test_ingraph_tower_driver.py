@@ -1,4 +1,4 @@
-"""In-graph sync replication over towers (dtrain.chief.ingraph_towers, dtrain.worker.ingraph_tower)
+"""In-graph sync replication over towers (dtrain.chief.ingraph_tower_driver, dtrain.worker.ingraph_tower_actor)
 on the in-process cluster: the graph built once, each step run by the coordinator over the data
 plane; and the graph path (one Dask graph per step) where towers do not apply."""
 
@@ -9,8 +9,8 @@ from distributed import get_task_stream
 
 import dtrain
 from dtrain.chief.ingraph import InGraphDriver
-from dtrain.chief.ingraph_towers import TowerDriver
-from dtrain.worker.ingraph_tower import Tower, close_plane, open_plane
+from dtrain.chief.ingraph_tower_driver import TowerDriver
+from dtrain.worker.ingraph_tower_actor import Tower, close_plane, open_plane
 from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
 from tests.helpers.reference import max_abs_diff, single_process
 from tests.helpers.waiting import wait_until

@@ -27,6 +27,7 @@ from distributed import Future
 
 from dtrain.chief.checkpoint import Checkpoint, part_chain
 from dtrain.deploy.cluster import Connection
+from dtrain.errors import RunError
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan, parameter_layout
 from dtrain.plan.layout import ShardLayout, reshard
@@ -36,7 +37,6 @@ from dtrain.plan.tables import (
 )
 from dtrain.ps.part_writer import part_name, read_part_file, written_report
 from dtrain.ps.rows import pack_state
-from dtrain.spec.errors import RunError
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.tasks import WorkerShard
 
