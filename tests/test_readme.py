@@ -59,7 +59,7 @@ def test_readme_states_the_trust_model():
     assert "`dtrain plan` and `dtrain run` import and call them" in section
     assert "authenticated once, at its handshake" in section
     assert "no integrity or confidentiality" in section
-    assert "Security.temporary()" in section and "without `--host` listens on every interface" in section
+    assert "Security.temporary()" in section and "without `--host` it listens on every interface" in section
 
 
 def test_the_recommendation_guides_pipeline_validates_and_plans():
