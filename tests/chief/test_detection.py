@@ -13,37 +13,23 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.paths import ROOT
+from tests.helpers.runs import logged_step, task_pids
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
 
 BOUND_S = 2.0  # "seen within a fraction of a second" (docs/session.md, Failure model), with a margin
 
 
-def last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return -1
-    return max((json.loads(x).get("step", -1) for x in path.read_text().splitlines() if x.strip()), default=-1)
-
-
-def task_pids(run_dir: Path) -> dict[str, int]:
-    try:
-        return {k: int(v["pid"]) for k, v in json.loads((run_dir / "cluster.json").read_text())["tasks"].items()}
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
 def wait(cond, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
+    def alive() -> None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+
+    wait_until(cond, timeout, what, every=0.02, check=alive)
 
 
 def test_a_killed_ps_and_a_killed_worker_are_seen_within_2_s(tmp_path):
@@ -57,14 +43,14 @@ def test_a_killed_ps_and_a_killed_worker_are_seen_within_2_s(tmp_path):
     kills: list[tuple[str, float]] = []
     try:
         for task in ("/job:ps/task:1", "/job:worker/task:0"):
-            target = max(last_step(run_dir), 0) + 30
-            wait(lambda t=target: last_step(run_dir) >= t, proc, f"step {target}")
+            target = (logged_step(run_dir) or 0) + 30
+            wait(lambda t=target: (logged_step(run_dir) or 0) >= t, proc, f"step {target}")
             pid = task_pids(run_dir)[task]
             kills.append((task, time.time()))
             os.kill(pid, signal.SIGKILL)
             wait(lambda t=task, p=pid: task_pids(run_dir).get(t, p) != p, proc, f"{task} not restarted")
-        target = last_step(run_dir) + 30
-        wait(lambda: last_step(run_dir) >= target, proc, "no training after the recoveries")
+        target = (logged_step(run_dir) or 0) + 30
+        wait(lambda: (logged_step(run_dir) or 0) >= target, proc, "no training after the recoveries")
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

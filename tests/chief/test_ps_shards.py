@@ -18,6 +18,7 @@ from dtrain.chief.ps_shards import ShardGroup, checkpoint_layout
 from dtrain.errors import RunError
 from dtrain.ps.part_writer import read_part_file
 from dtrain.ps.shard import ParameterShard
+from tests.helpers.waiting import wait_until
 
 SPEC = """
 name: shards
@@ -53,16 +54,6 @@ def group_of(client, spec: dtrain.PipelineSpec):
             client.cancel(group.futures, force=True)
 
 
-def wait_for(condition, timeout: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(inproc_client, tmp_path):
     """A replica has pushed step 0 to shard 1 (applied: step 1) but not yet to shard 0 when the
     interrupt comes: the checkpoint must wait for that push and stop both shards at step 1, each
@@ -80,7 +71,7 @@ def test_an_interrupt_snapshot_holds_every_shard_at_one_step_before_stopping(inp
         chief = threading.Thread(target=interrupt)
         chief.start()
         # The chief holds every shard at step 1 and waits for shard 0 to get there.
-        assert wait_for(lambda: shards[0].hold_at == 1 or not chief.is_alive())
+        wait_until(lambda: shards[0].hold_at == 1 or not chief.is_alive(), 30, "the chief holding shard 0", every=0.01)
         assert chief.is_alive() and shards[0].step == 0
         assert group.handles[0].push_sync(grads[0], 0, 0, 0.5, 8, 1).result(5)[1] == 1
         chief.join(30)
@@ -104,7 +95,7 @@ def test_level_completes_a_half_pushed_step_with_the_other_replicas_gradients(in
         waiting = group.handles[0].push_sync(grads[0], 1, 0, 0.5, 8, 1)
         group.handles[1].push_sync(grads[1], 1, 0, None, 0, 1)
         assert group.handles[1].push_sync(grads[1], 0, 0, None, 0, 1).result(5)[1] == 1
-        assert wait_for(lambda: shards[0].meter.pushes == 1)  # replica 1's push is in on shard 0
+        wait_until(lambda: shards[0].meter.pushes == 1, 30, "replica 1's push on shard 0", every=0.01)
         assert group.steps() == [0, 1]
         assert group.level([0], wait_s=1.0) == [1, 1]
         assert waiting.result(5)[1] == 1

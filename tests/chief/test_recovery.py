@@ -5,13 +5,8 @@ in-graph recovery from a lost worker, and resume after the `dtrain run` process 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -19,48 +14,9 @@ import torch
 
 from dtrain.chief import checkpoint as dtrain_checkpoint
 from tests.helpers.paths import ROOT
+from tests.helpers.runs import finish, kill_pid, start_run, task_pid, wait_for_step
 
 pytestmark = pytest.mark.processes
-
-
-def start_run(pipeline: str, run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", pipeline, "--run-dir", str(run_dir),
-                             "--quiet", *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-
-
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> int:
-    """Poll metrics.jsonl until the global step reaches ``step``; return the step seen."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        path = run_dir / "metrics.jsonl"
-        if path.exists():
-            steps = [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
-            if steps and max(steps) >= step:
-                return max(steps)
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def task_pid(run_dir: Path, task: str) -> int:
-    info = json.loads((run_dir / "cluster.json").read_text())
-    return int(info["tasks"][task]["pid"])
-
-
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, out, err
-
-
-def kill_pid(pid: int) -> None:
-    assert psutil.pid_exists(pid)
-    os.kill(pid, signal.SIGKILL)
 
 
 def test_killed_run_resumes_to_the_same_parameters(tmp_path):

@@ -46,6 +46,14 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
     return logged_step(run_dir)  # type: ignore[return-value]
 
 
+def task_pids(run_dir: Path) -> dict[str, int]:
+    """Every task's pid from ``run_dir``'s cluster.json ({} before it is written)."""
+    try:
+        return {k: int(v["pid"]) for k, v in json.loads((run_dir / "cluster.json").read_text())["tasks"].items()}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def task_pid(run_dir: Path, task: str) -> int:
     info = json.loads((run_dir / "cluster.json").read_text())
     return int(info["tasks"][task]["pid"])
