@@ -192,6 +192,16 @@ class Host:
                         out.append(int(d))
         return out
 
+    def listening(self) -> set[int]:
+        """The TCP ports something listens on in this host (its own network namespace)."""
+        out = self.run(["cat", "/proc/net/tcp", "/proc/net/tcp6"]).stdout.splitlines()
+        ports = set()
+        for line in out:
+            f = line.split()
+            if len(f) > 3 and f[3] == "0A" and ":" in f[1]:  # state 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+        return ports
+
     def counters(self) -> dict[str, int]:
         """eth0's byte counters, as this host sees them (tx: sent by it; rx: received)."""
         out = self.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes",
