@@ -1,18 +1,18 @@
 #!/usr/bin/env python
 """What the fixed costs of a run grow like with its replicas, across the network lab: a tiny
 model (so that fixed per-step and per-tick costs dominate), 1 ps task and 1, 2, 4, 8 and 16
-replicas, async and sync (docs/lab.md, "Scaling").
+replicas, async, sync and elastic async (docs/lab.md, "Scaling").
 
 Usage (root; from the repository root)::
 
-    python benchmarks/lab_scaling.py                       # 1, 2, 4, 8, 16 replicas, async and sync
+    python benchmarks/lab_scaling.py                       # 1, 2, 4, 8, 16 replicas, async, sync, elastic
     python benchmarks/lab_scaling.py --replicas 1,4 --modes async --window 10
 
 Hosts: ``scheduler`` (``dask scheduler``), ``client`` (``dtrain run --scheduler``: the chief),
 ``ps0`` and ``worker0`` ... ``worker15``: one ``dtrain worker`` per lab host. The cluster grows
 with the rows: before the rows of N replicas the workers of tasks worker-0 ... worker-(N-1) are
 started (and kept), so a run with N replicas has a cluster of exactly N + 1 Dask workers, as a
-deployment sized for it would, and async and sync of one N run on the same cluster. Before each
+deployment sized for it would, and the modes of one N run on the same cluster. Before each
 N the idle cluster's CPU is measured too (``--idle`` seconds, no run): the scheduler's and the
 workers' baseline at that size (heartbeats).
 
@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", default="1,2,4,8,16", help="comma-separated replica counts")
-    ap.add_argument("--modes", default="async,sync", help="comma-separated: async, sync")
+    ap.add_argument("--modes", default="async,sync,elastic",
+                    help="comma-separated: async, sync, elastic (async, cluster.jobs.worker {min: 1, max: N})")
     ap.add_argument("--rate", default="10gbit", help="every link's rate (tc syntax)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--settle", type=float, default=6.0, help="seconds after the first record before the window")
@@ -74,12 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def spec_for(mode: str, replicas: int, batch: int, every: int, stop_file: Path) -> dict[str, Any]:
+    """``elastic``: async with ``cluster.jobs.worker: {min: 1, max: N}`` (the chief also polls
+    the scheduler's workers for joins and leaves)."""
+    workers: int | dict[str, int] = {"min": 1, "max": replicas} if mode == "elastic" else replicas
     return {"name": f"lab-scaling-{mode}-{replicas}",
-            "cluster": {"jobs": {"ps": 1, "worker": replicas}},
+            "cluster": {"jobs": {"ps": 1, "worker": workers}},
             "model": MODEL,
             "data": {"source": "synthetic", "num_samples": 4096, "num_classes": 4, "batch_size": batch},
             "optimizer": {"name": "sgd", "lr": 0.01},
-            "training": {"mode": mode, "steps": 10_000_000, "seed": 0, "torch_threads": 1},
+            "training": {"mode": "async" if mode == "elastic" else mode, "steps": 10_000_000, "seed": 0,
+                         "torch_threads": 1},
             "summary": {"every_steps": every, "tensorboard": False},
             "hooks": [{"type": "benchmarks.lab.hooks:StopFileHook", "args": {"path": str(stop_file)}}]}
 
