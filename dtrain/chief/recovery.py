@@ -252,8 +252,10 @@ class Recovery:
         plan, now = self.state.plan, self.ctx.conn.tasks
         gone = {t for t, a in before.items() if now.get(t) != a}
         shards = [sh.index for sh in plan.shards if sh.task in gone]
+        futures = self.replicas.futures
+        done = {i for i, f in enumerate(futures) if f is not None and f.status == "finished"}  # (nothing waits)
         replicas = [] if self.elastic else [r.index for r in plan.replicas if r.index not in lost_replicas
-                                            and gone & set(r.stage_tasks or (r.task,))]
+                                            and r.index not in done and gone & set(r.stage_tasks or (r.task,))]
         tasks = [plan.shards[i].task for i in shards] + [
             t for i in replicas for t in (plan.replicas[i].stage_tasks or (plan.replicas[i].task,)) if t in gone]
         return {"shards": shards, "replicas": replicas, "tasks": tasks}
