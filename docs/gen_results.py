@@ -1,6 +1,7 @@
-"""The performance page's latest-results tables, generated from the benchmarks' own outputs
+"""The latest-results tables of the docs, generated from the benchmarks' own outputs
 (``benchmarks/results/*.json``, written by each benchmark run) between the markers
-``<!-- results:NAME -->`` and ``<!-- /results -->`` in ``docs/performance.md``.
+``<!-- results:NAME -->`` and ``<!-- /results -->`` in ``docs/performance.md`` and
+``docs/lab.md`` (``PAGES``).
 
     python docs/gen_results.py           # rewrite the tables
     python docs/gen_results.py --check   # exit 1 when a table differs from its JSON (make docs, CI)
@@ -18,7 +19,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PAGE = ROOT / "docs" / "performance.md"
+PAGES = [ROOT / "docs" / "performance.md", ROOT / "docs" / "lab.md"]
 GIB = 2**30
 
 
@@ -82,7 +83,39 @@ def rec_bench(r: dict[str, Any]) -> list[str]:
     return head + out
 
 
-TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"table_scale": table_scale, "rec_bench": rec_bench}
+GROWS = ("ps_cpu_per_push_ms", "chief_cpu_per_s", "scheduler_cpu_per_s")
+
+
+def lab_scaling_rows(r: dict[str, Any]) -> list[str]:
+    """``benchmarks/lab_scaling.py``'s table (the benchmark prints it too)."""
+    lines = ["| mode | replicas | global steps/s | ps CPU per push (ms) | chief CPU/s | scheduler CPU/s (idle) | "
+             "workers CPU/s | growth over 1 replica: ps per push, chief, scheduler |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in sorted(r["results"], key=lambda x: (x["mode"], x["replicas"])):
+        if row["status"] != "ok":
+            lines.append(f"| {row['mode']} | {row['replicas']} | failed | | | | | |")
+            continue
+        g = row.get("growth") or {}
+        growth = ", ".join("-" if g.get(k) is None else f"{g[k]:.2f}x" for k in GROWS)
+        idle = row.get("idle_scheduler_cpu_per_s")
+        lines.append(f"| {row['mode']} | {row['replicas']} | {row['steps_per_s']:,.1f} | "
+                     f"{row['ps_cpu_per_push_ms']:.3f} | {row['chief_cpu_per_s']:.3f} | "
+                     f"{row['scheduler_cpu_per_s']:.3f}{f' ({idle:.3f})' if idle is not None else ''} | "
+                     f"{row['workers_cpu_per_s']:.2f} | {growth} (replicas {row.get('replica_growth', 1):g}x) |")
+    return lines
+
+
+def lab_scaling(r: dict[str, Any]) -> list[str]:
+    """``benchmarks/lab_scaling.py``: fixed costs against the replica count, across the lab."""
+    s = r["settings"]
+    head = [f"`python benchmarks/lab_scaling.py --replicas {','.join(map(str, s['replicas']))} --modes "
+            f"{','.join(s['modes'])} --window {s['window_s']:g}` ({s['spread']}; links {s['rate']}; batch "
+            f"{s['batch']}):", ""]
+    return head + lab_scaling_rows(r)
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"table_scale": table_scale, "rec_bench": rec_bench,
+                                                            "lab_scaling": lab_scaling}
 MARK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 
 
@@ -99,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail when the page differs from the results")
     args = ap.parse_args(argv)
-    text = PAGE.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            print(f"{PAGE} is not what docs/gen_results.py writes from benchmarks/results/: run it", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(new)
-    print(f"wrote {PAGE}")
-    return 0
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = render(text)
+        if new == text:
+            continue
+        if args.check:
+            stale.append(page)
+        else:
+            page.write_text(new)
+            print(f"wrote {page}")
+    for page in stale:
+        print(f"{page} is not what docs/gen_results.py writes from benchmarks/results/: run it", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

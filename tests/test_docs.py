@@ -166,12 +166,14 @@ def test_the_architecture_page_names_every_module():
 
 
 def test_results_tables_are_generated_from_the_benchmarks_outputs():
-    """docs/performance.md's latest-results tables are what docs/gen_results.py renders from
+    """docs/performance.md's and docs/lab.md's latest-results tables are what docs/gen_results.py renders from
     benchmarks/results/*.json (a hand-edited figure, or a result file without its table, fails)."""
     spec = importlib.util.spec_from_file_location("gen_results", DOCS / "gen_results.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    text = (DOCS / "performance.md").read_text()
-    assert text == gen.render(text), "docs/performance.md is stale: run python docs/gen_results.py"
+    texts = {page.name: page.read_text() for page in gen.PAGES}
+    for name, text in texts.items():
+        assert text == gen.render(text), f"docs/{name} is stale: run python docs/gen_results.py"
     for name in gen.TABLES:
-        assert f"<!-- results:{name} -->" in text and (ROOT / "benchmarks" / "results" / f"{name}.json").exists()
+        assert any(f"<!-- results:{name} -->" in text for text in texts.values()), name
+        assert (ROOT / "benchmarks" / "results" / f"{name}.json").exists(), name

@@ -99,6 +99,14 @@ class LabCluster:
 
     def workers(self) -> dict[str, Any]:
         """The scheduler's view, asked from the client host: {name: {address, resources}}."""
+        return dict(self.ask("w = c.scheduler_info(n_workers=-1)['workers']\n"
+                             "out = {str(v['name']): {'address': a, 'resources': v['resources']} "
+                             "for a, v in w.items()}"))
+
+    def ask(self, body: str, host: str = "client", timeout: float = 60) -> Any:
+        """Run ``body`` (Python, with a connected ``Client`` as ``c``, ending in ``out = ...``) on
+        ``host`` and return ``out`` (JSON). Ask from another host than ``client`` when that one is
+        cut off (``lab.partition("client")``)."""
         sec = "None"
         if self.tls:
             c = self.certs
@@ -106,11 +114,14 @@ class LabCluster:
                    f"tls_client_key={str(c / 'cluster-key.pem')!r}, require_encryption=True)")
         code = ("import json\nfrom distributed import Client\nfrom distributed.security import Security\n"
                 f"with Client({self.address!r}, security={sec}, timeout=30, set_as_default=False) as c:\n"
-                "    w = c.scheduler_info(n_workers=-1)['workers']\n"
-                "    print(json.dumps({str(v['name']): {'address': a, 'resources': v['resources']} "
-                "for a, v in w.items()}))\n")
-        out = self.lab["client"].run([PY, "-c", code], cwd=str(ROOT), env=env(), timeout=60)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+                + "".join(f"    {line}\n" for line in body.splitlines())
+                + "print(json.dumps(out, default=str))\n")
+        proc = self.lab[host].run([PY, "-c", code], cwd=str(ROOT), env=env(), timeout=timeout)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def events(self, topic: str, host: str = "client") -> list[tuple[float, Any]]:
+        """The scheduler's events of ``topic``: [(time, message)], oldest first."""
+        return [(float(t), m) for t, m in self.ask(f"out = c.get_events({topic!r})", host)]
 
     def wait_for(self, names: set[str], timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -126,10 +137,10 @@ class LabCluster:
             time.sleep(0.5)
 
     # ------------------------------------------------------------------ running
-    def run(self, spec: dict[str, Any], run_dir: Path, sets: Sequence[str] = (), name: str = "run"
-            ) -> subprocess.Popen:
-        """Start ``dtrain run SPEC --scheduler ADDRESS`` on the client host (returns the process;
-        its output goes to ``workdir/NAME.log``)."""
+    def run(self, spec: dict[str, Any], run_dir: Path, sets: Sequence[str] = (), name: str = "run",
+            resume: bool = False) -> subprocess.Popen:
+        """Start ``dtrain run SPEC --scheduler ADDRESS`` (with ``--resume``) on the client host
+        (returns the process; its output goes to ``workdir/NAME.log``)."""
         spec = dict(spec)
         cluster = dict(spec.get("cluster") or {})
         if self.tls:
@@ -140,7 +151,7 @@ class LabCluster:
 
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
         argv = [PY, "-m", "dtrain.cli", "run", str(path), "--scheduler", self.address, "--run-dir", str(run_dir),
-                "--quiet", *(a for kv in sets for a in ("--set", kv))]
+                "--quiet", *(["--resume"] if resume else []), *(a for kv in sets for a in ("--set", kv))]
         return self._popen(self.lab["client"], name, argv)
 
     def run_to_end(self, spec: dict[str, Any], run_dir: Path, sets: Sequence[str] = (), timeout: float = 300.0,

@@ -166,14 +166,18 @@ class Host:
 
     @staticmethod
     def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
-        """SIGTERM to the process group, SIGKILL after ``grace_s``; the exit code (None if unknown)."""
+        """SIGTERM to the process group, SIGKILL to what of it still runs after ``grace_s``; the
+        exit code (None if unknown). The group's leader is ``nsenter``, which dies of the SIGTERM at
+        once: the command it runs (a Dask nanny and its worker, which remove their scratch
+        directories as they close) is waited for until no process of the group runs."""
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if proc.poll() is not None:
+            if proc.poll() is not None and not _group_running(proc.pid):
                 break
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(wait)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and (proc.poll() is None or _group_running(proc.pid)):
+                time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # what the group's leader left behind
         return proc.poll()
@@ -191,6 +195,16 @@ class Host:
                     if os.readlink(f"/proc/{d}/ns/pid") == ns:
                         out.append(int(d))
         return out
+
+    def listening(self) -> set[int]:
+        """The TCP ports something listens on in this host (its own network namespace)."""
+        out = self.run(["cat", "/proc/net/tcp", "/proc/net/tcp6"]).stdout.splitlines()
+        ports = set()
+        for line in out:
+            f = line.split()
+            if len(f) > 3 and f[3] == "0A" and ":" in f[1]:  # state 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+        return ports
 
     def counters(self) -> dict[str, int]:
         """eth0's byte counters, as this host sees them (tx: sent by it; rx: received)."""
@@ -367,6 +381,21 @@ class Lab:
                 left.append(f"{host.name}: init pid {host.init_pid}")
             left += [f"{host.name}: pid {p.pid}" for p in host.procs if _alive(p.pid)]
         return left
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie does not: the orphans of a host
+    are reaped by nobody, its PID 1 being ``sleep``)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+                return True
+    return False
 
 
 def _alive(pid: int) -> bool:

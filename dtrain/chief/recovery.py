@@ -208,7 +208,27 @@ class Recovery:
         else:
             stale += self._end_generation()
         self.ctx.client.cancel(stale, force=True)
+        before = dict(self.ctx.conn.tasks)
         wait_for_tasks(self.ctx.conn, spec, spec.cluster.wait_s)
+        if not restart:
+            # wait_for_tasks points every task at its worker now: a task whose worker was restarted
+            # (a new address) since the loss was seen was lost too, though no later check can tell
+            # any more; its replica's task, pinned to the old address, would wait for it forever.
+            moved = self._moved(before, lost_replicas)
+            if moved["shards"]:
+                restart = True
+                self.ctx.client.cancel(self._end_generation() + self.replicas.stale(True, []), force=True)
+            elif moved["replicas"]:
+                lost_replicas = [*lost_replicas, *moved["replicas"]]
+                self.ctx.client.cancel(self.replicas.stale(False, moved["replicas"]), force=True)
+                if spec.training.mode == "sync":
+                    self.shards.excuse(moved["replicas"])
+            if moved["tasks"]:
+                logger.warning("lost %s too while recovering (restarted at another address)", ", ".join(moved["tasks"]))
+                record["lost"] = [*lost, *moved["tasks"]]
+                for h in self.hooks:
+                    for task in moved["tasks"]:
+                        h.on_task_lost(task)
         if not restart and spec.training.mode == "sync" and len(set(steps := self.shards.level(lost_replicas))) > 1:
             # The lost replicas left a step half-pushed that no other replica's gradients complete (a
             # lone replica's; a pipeline stage's, whose shards only it pushes to): replacements would
@@ -227,6 +247,20 @@ class Recovery:
                            "add a checkpoint section to lose at most its interval")
         record["restored_step"] = latest.step if latest is not None else 0
         return Restart(latest, record)
+
+    def _moved(self, before: dict[str, str], lost_replicas: list[int]) -> dict[str, Any]:
+        """The shards and the replicas (other than ``lost_replicas``) whose task's worker address
+        changed from ``before`` (and those tasks): lost while the recovery waited for its workers."""
+        plan, now = self.state.plan, self.ctx.conn.tasks
+        gone = {t for t, a in before.items() if now.get(t) != a}
+        shards = [sh.index for sh in plan.shards if sh.task in gone]
+        futures = self.replicas.futures
+        done = {i for i, f in enumerate(futures) if f is not None and f.status == "finished"}  # (nothing waits)
+        replicas = [] if self.elastic else [r.index for r in plan.replicas if r.index not in lost_replicas
+                                            and r.index not in done and gone & set(r.stage_tasks or (r.task,))]
+        tasks = [plan.shards[i].task for i in shards] + [
+            t for i in replicas for t in (plan.replicas[i].stage_tasks or (plan.replicas[i].task,)) if t in gone]
+        return {"shards": shards, "replicas": replicas, "tasks": tasks}
 
     def recovered(self, decision: Decision) -> None:
         """The session carried ``decision`` out: the log says how long the recovery took."""

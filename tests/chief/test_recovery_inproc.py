@@ -210,3 +210,36 @@ def test_calls_to_every_shard_survive_a_lost_one(cluster):
             group.stop_renewing()
             group.close_data_plane()  # as the session does at the end (the lost shard's is closed by lose)
             client.cancel(group.futures, force=True)
+
+
+def test_a_worker_restarted_while_the_chief_waits_for_another_is_lost_too(cluster, tmp_path, monkeypatch):
+    """worker-1 is lost; while the recovery waits for its worker, worker-0 is restarted too (at a
+    new address, as a nanny restarts a worker that missed its heartbeats under load). The recovery
+    points every task at its worker now, so no later check can see worker-0's loss: its replica
+    is resubmitted with worker-1's (it used to wait, pinned to the old address, for ever, and the
+    run with it: the lab's 16-replica scaling benchmark hung so)."""
+    from dtrain.chief import recovery
+
+    cluster, client = cluster
+    calls = tmp_path / "calls.jsonl"
+    spec = dtrain.loads(PIPELINE.format(mode="async", steps=600, recoveries=2, calls=calls), base_dir=".")
+    real_wait = recovery.wait_for_tasks
+    waits = []
+
+    def wait_for_tasks(conn, spec, timeout):
+        waits.append(dict(conn.tasks))
+        if len(waits) == 1:
+            lose(cluster, "worker-0", come_back=True)
+        return real_wait(conn, spec, timeout)
+
+    monkeypatch.setattr(recovery, "wait_for_tasks", wait_for_tasks)
+    thread, out = run_in_thread(spec, client, tmp_path / "run")
+    wait_for_step(tmp_path / "run", 100, thread)
+    lose(cluster, "worker-1", come_back=True)
+    thread.join(120)
+    assert not thread.is_alive(), "the run waits for a replica pinned to a worker that is gone"
+    assert "error" not in out, out.get("error")
+    s = out["result"].summary
+    assert s["status"] == "completed" and s["global_step"] >= 600 and s["recoveries"] == 1, s
+    assert s["recovery_log"][0]["lost"] == ["/job:worker/task:1", "/job:worker/task:0"], s["recovery_log"]
+    assert [v for e, v in read_calls(calls) if e == "on_task_lost"] == ["/job:worker/task:1", "/job:worker/task:0"]
