@@ -222,7 +222,7 @@ def test_a_worker_restarted_while_the_chief_waits_for_another_is_lost_too(cluste
 
     cluster, client = cluster
     calls = tmp_path / "calls.jsonl"
-    spec = dtrain.loads(PIPELINE.format(mode="async", steps=600, recoveries=2, calls=calls), base_dir=".")
+    spec = dtrain.loads(recovery_pipeline("async", 600, 2, calls), base_dir=".")
     real_wait = recovery.wait_for_tasks
     waits = []
 
