@@ -372,6 +372,7 @@ class Session:
         latest: dict[str, Any] = {"learning_rate": lr}  # known before the first summary record
         last_liveness = 0.0
         while True:
+            signals.reraise_lost()  # (a signal whose exception a finaliser dropped)
             now = time.monotonic()
             if now - last_liveness >= 0.25:
                 last_liveness = now

@@ -40,24 +40,45 @@ def _main_thread() -> bool:
 
 
 _count = 0  # signals this run got: raised by handled()'s handler, then counted by deferred()'s
+_raised: int | None = None  # the last signal handled()'s handler raised (reraise_lost())
+
+
+def _exception(signum: int) -> BaseException:
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt()
+    return Terminated(f"terminated ({signal.Signals(signum).name})")
 
 
 def _raise(signum: int, frame: Any) -> None:
-    global _count
+    global _count, _raised
     _count += 1
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated(f"terminated ({signal.Signals(signum).name})")
+    _raised = signum
+    raise _exception(signum)
+
+
+def reraise_lost() -> None:
+    """Raise again a signal's exception that never reached the run. Python runs a signal handler
+    at its next bytecode, whatever runs then: an exception raised inside a ``__del__`` method, a
+    weakref callback or a finaliser (which a large import or a cluster's start run often) is
+    printed as "Exception ignored in ..." and dropped, and the run would go on as if the signal
+    never came. The session calls this at every poll: the exception of a signal that did reach
+    the run took it out of that loop for good (its cleanup runs under :func:`deferred`)."""
+    global _raised
+    if _raised is not None and _main_thread() and signal.getsignal(signal.SIGINT) is _raise:
+        signum, _raised = _raised, None
+        logger.warning("%s came while Python was running a finaliser, which dropped its exception: "
+                       "stopping now", signal.Signals(signum).name)
+        raise _exception(signum)
 
 
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP raised as exceptions in the main thread for the duration."""
-    global _count
+    global _count, _raised
     if not _main_thread():
         yield
         return
-    _count = 0
+    _count, _raised = 0, None
     with _installed(_raise):
         yield
 
