@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import dtrain
+from dtrain.spec.pipeline import embedded_only_problems
 from tests.helpers.paths import ROOT
 
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
@@ -43,8 +44,10 @@ def overrides_for(path) -> list[str]:
 def test_pipeline_runs(path, inproc_client, tmp_path):
     spec = dtrain.load(path, overrides=overrides_for(path))
     plan = dtrain.compile(spec)
-    # cluster.adaptive scales the embedded cluster (a cluster of one's own is refused): an in-process one
-    client = None if spec.cluster.adaptive is not None else inproc_client
+    # cluster.adaptive scales the embedded cluster, and a pipeline that sizes it (cluster.memory_limit,
+    # ...) is refused on a cluster of one's own: those run on an in-process embedded cluster
+    own = spec.cluster.adaptive is not None or bool(embedded_only_problems(spec, where="client="))
+    client = None if own else inproc_client
     result = dtrain.run(spec, client=client, run_dir=tmp_path / "run", processes=False)
     if spec.is_graph:
         assert set(result.fetched) == set(spec.fetch)

@@ -238,7 +238,7 @@ def dtrain_spec_dict(p: dict[str, Any]) -> dict[str, Any]:
         training["overlap"] = p["overlap"]
     return {
         "name": f"bench-{p['name']}",
-        "cluster": {"jobs": {"ps": p["ps"], "worker": p["workers"]}, "dashboard": False},
+        "cluster": {"jobs": {"ps": p["ps"], "worker": p["workers"]}},
         "model": {"input_shape": [p["model"]["input"]], "layers": layers, "loss": "cross_entropy"},
         "placement": {"variables": p["placement"]},
         "data": {"source": "synthetic", "num_samples": p["num_samples"], "num_classes": p["model"]["classes"],

@@ -117,7 +117,7 @@ def child_sparse_ddp(p: dict[str, Any]) -> dict[str, Any]:
 def spec_dict(rows: int, data: str, p: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": f"bench-sparse-{rows}",
-        "cluster": {"jobs": {"ps": 2, "worker": 2}, "dashboard": False},
+        "cluster": {"jobs": {"ps": 2, "worker": 2}},
         "model": {"input_shape": [FIELDS], "loss": "bce_with_logits", "layers": [
             {"type": "embedding", "num_embeddings": rows, "dim": DIM}, {"type": "flatten"},
             {"type": "linear", "out": HIDDEN}, {"type": "relu"}, {"type": "linear", "out": 1}]},
