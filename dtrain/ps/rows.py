@@ -234,6 +234,20 @@ class TablePart:
             if self._changed is not None:
                 self._changed[need] = True
 
+    def draw_all(self) -> None:
+        """Draw every row not drawn yet, at once (per_id: the values :meth:`ensure` would draw),
+        without the change marks (a part that starts drawn)."""
+        if self._fresh is None or not len(self.rows):
+            return
+        local = torch.arange(len(self.rows))
+        ids = local * self.num_parts + self.part if self.strategy == "mod" else local + self.rows.start
+        rows = id_rows(self.seed, self.name, ids, self.dim, self.init_std)
+        if bool(self._fresh.all()):
+            self.weight.copy_(rows)
+        else:
+            self.weight[self._fresh] = rows[self._fresh].to(self.weight.dtype)
+        self._fresh.fill_(False)
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of global ``ids`` (checked by the caller with :meth:`check_ids`), a copy."""
         local = self._local(ids)

@@ -19,10 +19,9 @@ from .dynamic import DynamicTablePart
 from .groups import TableGroup, table_parts
 from .rows import TablePart
 
-DRAW_AT_START = 1 << 24
+DRAW_AT_START = 1 << 23
 """Values (rows x dim) of the parts initialised per id that a ps task draws when it starts (about
-0.2 s, 64 MiB of float32): every part of a model whose tables are small, a large model's small
-tables."""
+0.1 s): every part of a model whose tables are small, a large model's small tables."""
 
 Part = TablePart | DynamicTablePart
 Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
@@ -72,9 +71,7 @@ class ShardTables(Mapping[str, Part]):
             if size > budget:
                 break
             budget -= size
-            part.ensure(torch.arange(len(part.rows)))
-            if part.marks is not None:  # (a new part: the first checkpoint writes it whole anyway)
-                part.marks.current[part._mark_at:part._mark_at + len(part.rows)] = False
+            part.draw_all()
 
     def _batches(self, sparse: Sparse, slots: tuple[int, ...]) -> tuple[dict[TableGroup, _Batch], list[str]]:
         """The request's entries ``slots`` (0 ids, 1 gradients, 2 next ids) per group (members, the

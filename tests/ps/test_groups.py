@@ -221,3 +221,23 @@ def test_per_id_rows_are_drawn_on_first_use_and_untouched_rows_take_no_memory():
     assert int((~part._fresh).sum()) == 3  # rows 0, 38, 19999999 only
     small = TablePart("t.weight", 30, 4, 2, 0, "mod", 0.5, 3, OPTIMIZERS["sgd"], init="per_id")
     assert torch.equal(small.chunk(0, 15)["weight"], id_rows(3, "t.weight", torch.arange(0, 30, 2), 4, 0.5))
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("strategy", ["mod", "div"])
+def test_a_part_drawn_at_start_holds_what_first_use_draws(storage, strategy):
+    """``draw_all`` (a ps task's small parts, drawn as it starts) writes every row as ``ensure``
+    writes it on first use, bit for bit, and leaves rows already drawn (and updated) alone."""
+    def part():
+        return TablePart("t.weight", 1001, 4, 3, 1, strategy, 0.5, 3, OPTIMIZERS["sgd"], init="per_id",
+                         storage=storage)
+
+    lazy, eager = part(), part()
+    lazy.ensure(torch.arange(len(lazy.rows)))
+    eager.draw_all()
+    assert torch.equal(eager.weight, lazy.weight) and not bool(eager._fresh.any())
+    touched = part()
+    touched.ensure(torch.tensor([0, 5]))
+    touched.weight[0] = 7.0  # an updated row: never drawn again
+    touched.draw_all()
+    assert bool((touched.weight[0] == 7.0).all()) and torch.equal(touched.weight[1:], lazy.weight[1:])
