@@ -114,14 +114,14 @@ name: slow-start
 cluster: {{jobs: {{ps: 1, worker: 2}}}}
 model:
   module: tests.helpers.slowmodels:SlowStart
-  kwargs: {{delay_s: 6.0, slow_worker: {slow}}}
+  kwargs: {{delay_s: 3.0, slow_worker: {slow}}}
   input_shape: [64]
   loss: cross_entropy
 placement:
   layer_devices: {{first: /job:worker/task:0, act: /job:worker/task:0, head: /job:worker/task:1}}
 data: {{source: sklearn:digits, batch_size: 16}}
 optimizer: {{name: sgd, lr: 0.1}}
-training: {{mode: sync, steps: 10, seed: 5, microbatches: 2, call_timeout_s: 2, barrier_timeout_s: 2}}
+training: {{mode: sync, steps: 10, seed: 5, microbatches: 2, call_timeout_s: 1, barrier_timeout_s: 1}}
 summary: {{tensorboard: false}}
 """, base_dir=".")
     assert dtrain.compile(spec).stage_positions == 2

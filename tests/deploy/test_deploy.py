@@ -265,7 +265,7 @@ def _training_threads() -> tuple[list[str], int]:
     return names, busy
 
 
-LEASE_S = 25
+LEASE_S = 18
 
 
 @pytest.mark.timeout(600)
