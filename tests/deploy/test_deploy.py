@@ -25,6 +25,7 @@ from distributed import Client
 
 from dtrain.deploy.cluster import HOUSEKEEPING
 from tests.helpers.observe import fetch
+from tests.helpers.orphans import alive
 from tests.helpers.paths import ROOT
 
 PY = sys.executable
@@ -153,9 +154,9 @@ class ProcessCluster:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 pass
-        while time.monotonic() < deadline and _alive(family):
+        while time.monotonic() < deadline and alive(family):
             time.sleep(0.1)
-        for pid in _alive(family):
+        for pid in alive(family):
             os.kill(pid, signal.SIGKILL)
         for p in procs:
             if p.poll() is None:
@@ -169,19 +170,7 @@ class ProcessCluster:
         self._stop([p for p in self.workers.values() if p.poll() is None])
         if self.scheduler is not None:
             self._stop([self.scheduler])
-        return _alive(self.pids)
-
-
-def _alive(procs: dict[int, float]) -> list[int]:
-    out = []
-    for pid, t in procs.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == t and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+        return alive(self.pids)
 
 
 def dtrain(*args: str, timeout: float = 480) -> tuple[subprocess.CompletedProcess, float]:
@@ -569,7 +558,7 @@ def test_example_deploy_local_sh(tmp_path):
         stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if proc.poll() is None:  # the script hung: stop it and what it started
-            for pid in _alive({**_descendants(proc.pid), **seen}):
+            for pid in alive({**_descendants(proc.pid), **seen}):
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.communicate()
@@ -579,5 +568,5 @@ def test_example_deploy_local_sh(tmp_path):
     assert "completed at step" in stdout
     assert "started worker-1" in stderr and "stopped everything (exit 0)" in stderr
     assert len(seen) >= 5  # the scheduler and 4 worker (nanny) processes, at least
-    assert not _alive(seen), "the script left processes behind"
+    assert not alive(seen), "the script left processes behind"
     assert not list(tmp_path.glob("dtrain-deploy.*/*.log"))  # its logs are cleaned up

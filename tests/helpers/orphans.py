@@ -10,20 +10,27 @@ import time
 import psutil
 
 
+def alive(procs: dict[int, float]) -> list[int]:
+    """The pids of ``{pid: create_time}`` still running (not a zombie, not a later process given a
+    reused pid)."""
+    out = []
+    for pid, t in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == t and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def wait_gone(procs: dict[int, float], timeout: float) -> list[int]:
     """Wait up to ``timeout`` s for the processes ``{pid: create_time}`` to end; the pids left."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = []
-        for pid, t in procs.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == t and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() >= deadline:
-            return alive
+        left = alive(procs)
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.1)
 
 
