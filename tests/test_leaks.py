@@ -70,7 +70,8 @@ def test_the_leak_check_names_what_each_test_left_and_cleans_it_up(tmp_path):
     (tmp_path / "test_leaky.py").write_text(LEAKY)
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LEAK_OUT=str(out), DTRAIN_TEST_LEAK_GRACE_S="0.5")
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # a plain run, not a worker
+    env = dict(outer, PYTHONPATH=str(ROOT), LEAK_OUT=str(out), DTRAIN_TEST_LEAK_GRACE_S="0.5")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.helpers.leaks", "-p", "no:cacheprovider",
                            "-rA", "test_leaky.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     report = proc.stdout

@@ -52,6 +52,7 @@ _TOKEN = f"{os.getpid()}-{secrets.token_hex(4)}"
 _NEEDLE = f"{MARKER}={_TOKEN}:".encode()
 _ME = os.getpid()
 _HZ = os.sysconf("SC_CLK_TCK")
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ  # one of several workers of one suite (make test runs two)
 
 
 @dataclass
@@ -212,7 +213,8 @@ def _alive(pid: int, proc: _Proc) -> bool:
 def _shm_ours(name: str) -> bool:
     """A shm file is ours when its creator (the pid its name leads with) is this process, a process
     of the suite, or one that lived and ended within the test unseen (it cannot be told from another
-    run's then: on a machine shared with another dtrain suite this may, rarely, be theirs)."""
+    run's then: on a machine shared with another dtrain suite this may, rarely, be theirs). Under
+    pytest-xdist the other workers are such runs, and busy ones: there an unseen creator is not ours."""
     try:
         pid = int(name[len("dtrain-"):len("dtrain-") + 8], 16)
     except ValueError:
@@ -221,7 +223,7 @@ def _shm_ours(name: str) -> bool:
         return True
     if pid in _state.procs:
         return _state.procs[pid].ours
-    return _state.gone.get(pid, True)
+    return _state.gone.get(pid, not _XDIST)
 
 
 def _find(before: _Snapshot) -> tuple[dict[int, _Proc], set[str], set[str], set[str]]:

@@ -18,8 +18,15 @@ WHY_NOT = probe()
 FULL = os.environ.get("DTRAIN_LAB_FULL") == "1"
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if str(item.path).startswith(HERE + os.sep):
+            # One xdist worker runs every lab test (`make test` runs the suite on two): they share the
+            # package's lab cluster, and two labs at once would compete for the machine's namespaces.
+            item.add_marker(pytest.mark.xdist_group("lab"))
         if item.get_closest_marker("lab") is None:
             continue
         if WHY_NOT:
