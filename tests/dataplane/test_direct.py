@@ -251,4 +251,9 @@ def test_which_shards_push_directly(loop):  # noqa: F811
     finally:
         client.close()
         server.close()
+        # The given-up push waits in the stopped loop's queue: run it, so that it starts cancelled
+        # (closing the loop with it queued would drop its coroutine unawaited).
+        for _ in range(2):
+            stopped.run_until_complete(asyncio.sleep(0))
+        assert not asyncio.all_tasks(stopped)
         stopped.close()
