@@ -3,9 +3,9 @@
 Every dtrain-internal import counts, wherever it is written: at module level, inside a function
 (a lazy import still closes a circle at run time), and under ``if TYPE_CHECKING:`` (a circle
 that only the type checker sees is still two modules that know each other). A circle is a
-strongly connected component of that graph. The few circles not cut yet are listed in
-``KNOWN_CIRCLES`` with the reason; an entry that no longer matches a circle fails too, so the
-list only shrinks.
+strongly connected component of that graph. A circle not cut yet would be listed in
+``KNOWN_CIRCLES`` with the reason (none is now); an entry that no longer matches a circle fails
+too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -15,17 +15,9 @@ from pathlib import Path
 
 from tests.helpers.paths import PKG
 
-# Circles not cut yet: the modules of each, exactly, and why it stands.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({
-        "dtrain.spec.elastic", "dtrain.spec.graph", "dtrain.spec.messages", "dtrain.spec.pipeline",
-        "dtrain.spec.sections", "dtrain.spec.stages", "dtrain.spec.tokens",
-    }): "the cross-section rules in elastic.py, graph.py, stages.py and tokens.py take the PipelineSpec "
-        "(imported under TYPE_CHECKING) that pipeline.py assembles from their section models, and "
-        "elastic.parse_elastic (ClusterSpec's jobs) words its problems with messages.py, which walks from "
-        "PipelineSpec; cut by splitting each into its section models and its rules over the whole spec "
-        "(the sections' shared base, spec/base.py, already cut the rest: architecture review 2, item 6)",
-}
+# Circles not cut yet: the modules of each, exactly, and why it stands. None is left; the entry
+# stays for a circle that cannot be cut in the change that makes it (a new one is cut, not listed).
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -33,7 +33,8 @@ from typing import Any
 from dtrain.errors import RunError
 from dtrain.plan.assign import assign_workers, is_replica_task
 from dtrain.plan.compiler import Plan
-from dtrain.spec.elastic import ElasticJob, elastic_of
+from dtrain.spec.elastic import elastic_of
+from dtrain.spec.elastic_jobs import ElasticJob
 from dtrain.spec.pipeline import PipelineSpec
 
 from .context import RunContext, RunState

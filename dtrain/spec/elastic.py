@@ -12,74 +12,26 @@ sharded sources need a fixed set, so those combinations are refused with the fix
 ``cluster.adaptive: {min, max}`` lets Dask's adaptive scaling size the embedded cluster's replica
 workers between its bounds (``dtrain.deploy.adaptive``); on a cluster of the user's own, its own
 ``cluster.adapt()`` does that, and the replicas follow it.
+
+Here: the rules over the whole spec and the answers the plan and the deployment ask of it (the
+replicas' elastic bounds, the adaptive bounds), each taking a ``PipelineView`` (``view``). The
+section models, ``ElasticJob`` and ``AdaptiveSpec``, are in ``elastic_jobs``, below the sections
+that hold them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-if TYPE_CHECKING:  # the pipeline imports this module
-    from .pipeline import PipelineSpec
-
-MAX_ELASTIC = 256  # as MAX_TASKS_PER_JOB
+from .elastic_jobs import ElasticJob
+from .view import PipelineView
 
 
-class ElasticJob(BaseModel):
-    """A job whose tasks come and go: between ``min`` and ``max`` of them run at any time."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    min: int = Field(ge=1, le=MAX_ELASTIC, description="The fewest live replicas the run goes on with; it starts "
-                     "when this many workers serve the job, and fails after cluster.wait_s below it.")
-    max: int = Field(ge=1, le=MAX_ELASTIC, description="The most replicas at once: the job's task slots, each with "
-                     "its own part of the data; workers beyond it are left idle.")
-
-    @model_validator(mode="after")
-    def _order(self) -> ElasticJob:
-        if self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min}); write e.g. {{min: {self.max}, "
-                             f"max: {self.min}}}")
-        return self
-
-
-class AdaptiveSpec(BaseModel):
-    """Dask's adaptive scaling of the embedded cluster's replica workers."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    min: int | None = Field(None, ge=1, le=MAX_ELASTIC, description="The fewest replica workers kept (the ps "
-                            "workers come on top); the embedded cluster starts with these. Default: the replicas' "
-                            "job's min.")
-    max: int | None = Field(None, ge=1, le=MAX_ELASTIC, description="The most replica workers started: Dask adds "
-                            "workers up to it while replica slots have work, and retires idle ones. Default: the "
-                            "replicas' job's max.")
-    interval_s: float = Field(1.0, gt=0, le=60, description="How often Dask's Adaptive asks for a new target "
-                              "(its interval).")
-
-
-def parse_elastic(name: str, tasks: dict[str, Any], problems: list[tuple[tuple[str | int, ...], str]]) -> Any:
-    """``{min, max}`` as an ElasticJob, or its problems (one per key, in the spec's own words)."""
-    from .messages import error_message
-
-    try:
-        return ElasticJob.model_validate(tasks)
-    except ValidationError as exc:
-        for err in exc.errors():
-            loc = (name, *err["loc"]) if err["type"] != "value_error" else (name,)
-            problems.append((loc, error_message(err, ("cluster", "jobs", *loc)) if err["type"] != "value_error"
-                             else str(err["ctx"]["error"])))
-        return tasks
-
-
-def elastic_of(spec: PipelineSpec) -> ElasticJob | None:
+def elastic_of(spec: PipelineView) -> ElasticJob | None:
     """The replicas' job's elastic bounds, or None for a fixed count."""
     tasks = spec.cluster.jobs.get(spec.placement.worker_job)
     return tasks if isinstance(tasks, ElasticJob) else None
 
 
-def adaptive_bounds(spec: PipelineSpec) -> tuple[int, int] | None:
+def adaptive_bounds(spec: PipelineView) -> tuple[int, int] | None:
     """(min, max) replica workers of an adaptive embedded cluster, or None without ``cluster.adaptive``."""
     adaptive, elastic = spec.cluster.adaptive, elastic_of(spec)
     if adaptive is None or elastic is None:
@@ -87,7 +39,7 @@ def adaptive_bounds(spec: PipelineSpec) -> tuple[int, int] | None:
     return (adaptive.min or elastic.min, adaptive.max or elastic.max)
 
 
-def _check_adaptive(spec: PipelineSpec, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+def _check_adaptive(spec: PipelineView, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
     loc = ("cluster", "adaptive")
     elastic = elastic_of(spec)
     if elastic is None or spec.is_graph:
@@ -102,7 +54,7 @@ def _check_adaptive(spec: PipelineSpec, problems: list[tuple[tuple[str | int, ..
         problems.append((loc, problem))
 
 
-def bounds_problem(spec: PipelineSpec, lo: int, hi: int) -> str | None:
+def bounds_problem(spec: PipelineView, lo: int, hi: int) -> str | None:
     """Why ``lo`` to ``hi`` replica workers do not fit the elastic replicas' job, or None."""
     elastic = elastic_of(spec)
     assert elastic is not None
@@ -112,7 +64,7 @@ def bounds_problem(spec: PipelineSpec, lo: int, hi: int) -> str | None:
             f"({{min: {elastic.min}, max: {elastic.max}}}) with min <= max")
 
 
-def check_elastic(spec: PipelineSpec, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+def check_elastic(spec: PipelineView, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
     """The combinations elastic replicas do not support, one problem each (the fix named)."""
     for job, tasks in spec.cluster.jobs.items():
         if isinstance(tasks, ElasticJob) and (spec.is_graph or job != spec.placement.worker_job):

@@ -13,20 +13,26 @@ worker task 0's CPU.
 Values are float32 numbers or nested lists, or strings (``value: "Hello"``: ``identity`` and
 ``add``, which concatenates as TF's ``add`` does on strings); a variable may instead name an
 ``initializer`` (TF1's ``*_initializer`` with a ``shape``).
+
+Here: the section models, and the graph section's own rules (``graph_problems``), which take the
+lists they check and the cluster's job names as arguments, so this module imports no other
+section and never the pipeline that assembles it (``pipeline``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from .base import MAX_SEED, NAME, Strict, check_device_string
 
-if TYPE_CHECKING:  # the pipeline imports this module
-    from .pipeline import PipelineSpec
+Loc = tuple[str | int, ...]
+CheckDevice = Callable[[Loc, str | None, str], None]
+"""``check_device(loc, value, scope_job)``: the pipeline's check of a device pin against the cluster."""
 
 MAX_INIT_ELEMENTS = 2**24  # 64 MiB of float32: a graph node is one Dask task's value
 
@@ -124,22 +130,26 @@ def graph_jobs(jobs: list[str], ps_job: str, worker_job: str) -> tuple[str | Non
     return (ps_job if ps_job in jobs else None), (worker_job if worker_job in jobs else jobs[0])
 
 
-def graph_problems(spec: PipelineSpec, check_device: Any) -> list[tuple[tuple[str | int, ...], str]]:
+def graph_problems(variables: list[VariableSpec], ops: list[OpSpec], fetch: list[str], *, jobs: list[str],
+                   ps_job: str, worker_job: str, check_device: CheckDevice) -> list[tuple[Loc, str]]:
     """The graph section's rules: unique names, known inputs and fetches, arities, string ops, and
-    devices (``check_device(loc, value, scope_job)``: a pin without a job is in ``scope_job``)."""
-    ps_job, worker_job = graph_jobs(list(spec.cluster.jobs), spec.placement.ps_job, spec.placement.worker_job)
-    problems: list[tuple[tuple[str | int, ...], str]] = []
-    seen: dict[str, tuple[str | int, ...]] = {}
+    devices (``check_device(loc, value, scope_job)``: a pin without a job is in ``scope_job``).
+
+    Takes the sections it reads, the graph section's three lists and the cluster's job names with
+    ``placement``'s ps and worker jobs, rather than the pipeline that runs it (``pipeline``)."""
+    variable_job, op_job = graph_jobs(jobs, ps_job, worker_job)
+    problems: list[tuple[Loc, str]] = []
+    seen: dict[str, Loc] = {}
     strings: set[str] = set()  # the nodes whose value is a string
-    for i, var in enumerate(spec.variables):
+    for i, var in enumerate(variables):
         if var.name in seen:
             problems.append((("variables", i, "name"), f"duplicate name {var.name!r} "
                              f"(first at {'.'.join(map(str, seen[var.name]))})"))
         seen.setdefault(var.name, ("variables", i))
         if isinstance(var.value, str):
             strings.add(var.name)
-        check_device(("variables", i, "device"), var.device, ps_job or worker_job)
-    for i, op in enumerate(spec.graph):
+        check_device(("variables", i, "device"), var.device, variable_job or op_job)
+    for i, op in enumerate(ops):
         if op.name in seen:
             problems.append((("graph", i, "name"), f"duplicate name {op.name!r} "
                              f"(first at {'.'.join(map(str, seen[op.name]))})"))
@@ -162,8 +172,8 @@ def graph_problems(spec: PipelineSpec, check_device: Any) -> list[tuple[tuple[st
         elif text:
             strings.add(op.name)
         seen.setdefault(op.name, ("graph", i))
-        check_device(("graph", i, "device"), op.device, worker_job)
-    for i, name in enumerate(spec.fetch):
+        check_device(("graph", i, "device"), op.device, op_job)
+    for i, name in enumerate(fetch):
         if name not in seen:
             problems.append((("fetch", i), f"{name!r} is not a variable or op; known: {', '.join(seen) or 'none'}"))
     return problems

@@ -15,6 +15,7 @@ Problems come back sorted by line, one per line of output.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,11 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from .errors import CrossFieldErrors, Problem, SpecError, dotted
-from .messages import discriminated, error_message, union_messages
+from .layers import Layer
+from .messages import error_message, member_tags, union_messages
+from .partitioner import PartitionerSpec
 from .pipeline import PipelineSpec
+from .sections import OptimizerSpec
 
 __all__ = ["load", "loads", "locate", "validate"]
 
@@ -305,11 +309,11 @@ def _problems(exc: ValidationError, filename: str, data: Any, node: yaml.Node | 
         groups.setdefault(tuple(path), []).append((err, loc, dropped))
     for key, errs in groups.items():
         if len(errs) > 1 and all(dropped for _, _, dropped in errs):
-            for msg in union_messages(errs):
+            for msg in union_messages(errs, PipelineSpec):
                 problems.append(_locate(list(key), msg, filename, node, overrides))
             continue
         for err, loc, _ in errs:
-            message = error_message(err, loc)
+            message = error_message(err, loc, PipelineSpec)
             at = list(key)
             if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
                 at.append(str(err["ctx"]["discriminator"]).strip("'"))
@@ -339,6 +343,12 @@ def _locate(path: list[str | int], message: str, filename: str, node: yaml.Node 
     return Problem(message, path=dotted(path), file=filename, line=line, column=column)
 
 
+@functools.cache
+def _discriminated() -> frozenset[str]:
+    """Every layer type, optimizer and partitioner name: the tags pydantic puts into a union member's ``loc``."""
+    return member_tags(Layer, OptimizerSpec, PartitionerSpec)
+
+
 def _data_path(loc: tuple[str | int, ...], data: Any, keep_last: bool) -> tuple[list[str | int], bool]:
     """The path of a pydantic ``loc`` in the user's data, and whether parts were dropped.
 
@@ -352,7 +362,7 @@ def _data_path(loc: tuple[str | int, ...], data: Any, keep_last: bool) -> tuple[
     for i, part in enumerate(loc):
         last = i == len(loc) - 1
         if isinstance(cur, dict):
-            is_tag = (not last and isinstance(part, str) and part in discriminated()
+            is_tag = (not last and isinstance(part, str) and part in _discriminated()
                       and part in (cur.get("type"), cur.get("name")))
             if not is_tag and part in cur:
                 out.append(part)

@@ -1,9 +1,14 @@
 """pydantic's validation errors -> one message per problem, in the user's words: the bad
-value, the allowed values (with a "did you mean"), and the fix."""
+value, the allowed values (with a "did you mean"), and the fix.
+
+A message that names allowed keys, values or tags finds them by walking the error's location
+from a root model the caller passes in: ``PipelineSpec`` for a whole pipeline file (``loading``),
+a section model for a part of a section validated on its own (``elastic_jobs``). So this module
+knows no section: every section module may word its problems with it.
+"""
 
 from __future__ import annotations
 
-import functools
 import types
 import typing
 from typing import Any
@@ -12,10 +17,6 @@ from pydantic import BaseModel
 from pydantic_core import ErrorDetails
 
 from .base import BOUND_NAMES, did_you_mean, quoted
-from .layers import Layer
-from .partitioner import PartitionerSpec
-from .pipeline import PipelineSpec
-from .sections import OptimizerSpec
 
 Loc = tuple[str | int, ...]  # a pydantic error's location
 
@@ -38,11 +39,12 @@ _ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "
             "devices": "device", "ps_tasks": "jobs", "cluster_spec": "jobs"}
 
 
-def union_messages(errs: list[tuple[ErrorDetails, Loc, bool]]) -> list[str]:
+def union_messages(errs: list[tuple[ErrorDetails, Loc, bool]], root: type[BaseModel]) -> list[str]:
+    """One value's errors from several union branches (``int | list[str]``, ...): what was expected."""
     # A branch whose type matched but whose constraint failed says the most (ps: 0 -> ">= 1").
     specific = [e for e, _, _ in errs if e["type"] not in _EXPECTED]
     if specific:
-        return [error_message(e, ()) for e in specific]
+        return [error_message(e, (), root) for e in specific]
     expected: list[str] = []
     for e, _, _ in errs:
         what = _EXPECTED[e["type"]]
@@ -58,29 +60,30 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def error_message(err: ErrorDetails, loc: Loc) -> str:
+def error_message(err: ErrorDetails, loc: Loc, root: type[BaseModel]) -> str:
+    """The message of one error at ``loc``, a location within ``root`` (the model validated)."""
     kind = err["type"]
     ctx = err.get("ctx") or {}
     value = err.get("input")
     if kind == "extra_forbidden":
         key = str(loc[-1])
-        allowed = _allowed_keys(loc[:-1])
+        allowed = _allowed_keys(loc[:-1], root)
         alias = _ALIASES.get(key)
         hint = f"; did you mean {alias!r}?" if alias in allowed else did_you_mean(key, allowed)
         msg = f"unknown key {key!r}{hint}"
         return msg + (f" (allowed: {', '.join(allowed)})" if allowed else "")
     if kind == "missing" and loc and isinstance(loc[-1], int):
-        info = _field_at(loc[:-1])
+        info = _field_at(loc[:-1], root)
         args = typing.get_args(info.annotation) if info is not None else ()
         n = f"{len(args)} values" if args and Ellipsis not in args else "more values"
         return f"expected {n}, got only {loc[-1]}"
     if kind == "missing":
         key = str(loc[-1]) if loc else "?"
-        info = _field_at(loc)
+        info = _field_at(loc, root)
         what = f" ({info.description.rstrip('.')})" if info is not None and info.description else ""
         return f"missing required key {key!r}{what}"
     if kind == "literal_error":
-        choices = _literal_choices(loc) or [
+        choices = _literal_choices(loc, root) or [
             c.strip().strip("'") for c in str(ctx.get("expected", "")).replace(" or ", ", ").split(",")]
         return f"{_show(value)} is not one of {quoted(choices)}{did_you_mean(value, choices)}"
     if kind == "union_tag_invalid":
@@ -91,7 +94,7 @@ def error_message(err: ErrorDetails, loc: Loc) -> str:
         return f"unknown {what} {tag!r}{did_you_mean(tag, choices)} (known: {', '.join(choices)})"
     if kind == "union_tag_not_found":
         key = str(ctx.get("discriminator", "tag")).strip("'")
-        choices = _union_tags(loc)
+        choices = _union_tags(loc, root)
         what = "the layer type" if key == "type" else "the optimizer"
         what = "the partitioner type" if "partitioner" in loc else what
         return f"missing required key {key!r}: {what}, one of {', '.join(choices)}"
@@ -136,9 +139,9 @@ def _scientific(text: str) -> str | None:
 # ------------------------------------------------------------------- the models behind a location
 
 
-def _models_at(loc: Loc) -> list[Any]:
-    """Annotations found at ``loc`` walking from PipelineSpec (several for a union)."""
-    candidates: list[Any] = [PipelineSpec]
+def _models_at(loc: Loc, root: type[BaseModel]) -> list[Any]:
+    """Annotations found at ``loc`` walking from ``root`` (several for a union)."""
+    candidates: list[Any] = [root]
     for part in loc:
         nxt: list[Any] = []
         for c in _expand(candidates):
@@ -155,26 +158,26 @@ def _models_at(loc: Loc) -> list[Any]:
     return _expand(candidates)
 
 
-def _allowed_keys(loc: Loc) -> list[str]:
+def _allowed_keys(loc: Loc, root: type[BaseModel]) -> list[str]:
     """Field names of the model found at ``loc``, for 'did you mean'."""
     fields: list[str] = []
-    for c in _models_at(loc):
+    for c in _models_at(loc, root):
         if isinstance(c, type) and issubclass(c, BaseModel):
             fields.extend(f for f in c.model_fields if f not in fields)
     return fields
 
 
-def _field_at(loc: Loc) -> Any:
+def _field_at(loc: Loc, root: type[BaseModel]) -> Any:
     if not loc:
         return None
-    for c in _models_at(loc[:-1]):
+    for c in _models_at(loc[:-1], root):
         if isinstance(c, type) and issubclass(c, BaseModel) and str(loc[-1]) in c.model_fields:
             return c.model_fields[str(loc[-1])]
     return None
 
 
-def _literal_choices(loc: Loc) -> list[str]:
-    info = _field_at(loc)
+def _literal_choices(loc: Loc, root: type[BaseModel]) -> list[str]:
+    info = _field_at(loc, root)
     choices: list[str] = []
     for arg in _expand([info.annotation] if info is not None else []):
         if typing.get_origin(arg) is typing.Literal:
@@ -182,9 +185,9 @@ def _literal_choices(loc: Loc) -> list[str]:
     return choices
 
 
-def _union_tags(loc: Loc) -> list[str]:
+def _union_tags(loc: Loc, root: type[BaseModel]) -> list[str]:
     tags: list[str] = []
-    for c in _models_at(loc):
+    for c in _models_at(loc, root):
         if isinstance(c, type) and issubclass(c, BaseModel):
             tags.extend(t for t in _tags_of(c) if t not in tags)
     return tags
@@ -203,10 +206,10 @@ def _expand(items: list[Any]) -> list[Any]:
     return out
 
 
-@functools.cache
-def discriminated() -> frozenset[str]:
-    """Every layer type, optimizer and partitioner name: the tags pydantic puts into a union member's ``loc``."""
-    return frozenset(t for c in _expand([Layer, OptimizerSpec, PartitionerSpec]) for t in _tags_of(c))
+def member_tags(*unions: Any) -> frozenset[str]:
+    """The tags of discriminated unions' members (a layer's ``type``, an optimizer's ``name``): what
+    pydantic puts into the ``loc`` of an error in such a member."""
+    return frozenset(t for c in _expand(list(unions)) for t in _tags_of(c))
 
 
 def _tags_of(cls: type[BaseModel]) -> tuple[str, ...]:

@@ -1,9 +1,15 @@
-"""The pipeline file as strict pydantic models.
+"""The pipeline file as strict pydantic models: ``PipelineSpec``, assembled from the section models.
 
 Every model forbids unknown keys and documents every field (the descriptions become
-``dtrain schema``'s help). Rules that span sections live in ``PipelineSpec``'s after-validator
+``dtrain schema``'s help). Rules that span sections run in ``PipelineSpec``'s after-validator
 and report every problem at once, each with its own dotted path (``CrossFieldErrors``), so
 the loader can print one ``FILE:LINE: path: message`` line per problem.
+
+The rules kept in their own modules sit below this one, with the section models, and never
+import it: ``elastic``, ``stages`` and ``tokens`` read a ``PipelineView`` (``view``), the
+protocol of the sections they need, which ``PipelineSpec`` is; ``graph``'s rules take the
+graph section's lists and the job names. The section models (``sections``, ``elastic_jobs``,
+``layers``, ``data``, ``session``, ``graph``, ...) import no rule over the whole spec.
 """
 
 from __future__ import annotations
@@ -138,7 +144,9 @@ class PipelineSpec(Strict):
             if not self.graph and not self.variables:
                 problems.append(((), "the pipeline has neither a 'model' nor a 'graph'/'variables' section; "
                                      "add model: {input_shape: [...], layers: [...]} or a graph"))
-            problems.extend(graph_problems(self, check_device))
+            problems.extend(graph_problems(self.variables, self.graph, self.fetch, jobs=list(jobs),
+                                           ps_job=self.placement.ps_job, worker_job=self.placement.worker_job,
+                                           check_device=check_device))
             if self.training.moving_average is not None:
                 problems.append((("training", "moving_average"), "moving averages follow the optimizer's updates on "
                                  "the ps; a graph pipeline has none: remove it (or use a model pipeline)"))

@@ -1,6 +1,8 @@
 """The pipeline's sections besides the model: cluster, placement, optimizer and training (the
-data section is in ``data``, the session's sections in ``session``, a graph pipeline's in ``graph``). Rules within one
-section live here; rules across sections in ``PipelineSpec`` (``pipeline``).
+data section is in ``data``, the session's sections in ``session``, a graph pipeline's in ``graph``,
+the cluster's elastic jobs and adaptive scaling in ``elastic_jobs``). Rules within one section live
+here; rules across sections run in ``PipelineSpec`` (``pipeline``), some from modules of their own
+that read the sections through ``PipelineView`` (``view``).
 
 Every model is :class:`~dtrain.spec.base.Strict` (``base``): unknown keys are refused (with a "did
 you mean"), so are booleans where numbers are expected, and every field has a description
@@ -25,7 +27,7 @@ from .base import (
     check_device_type,
 )
 from .device import JOB_NAME_RULE, DeviceSpec
-from .elastic import AdaptiveSpec, ElasticJob, parse_elastic
+from .elastic_jobs import AdaptiveSpec, ElasticJob, parse_elastic
 from .errors import CrossFieldErrors
 from .partitioner import PartitionerSpec
 from .sizes import memory_limit_bytes

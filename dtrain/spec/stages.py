@@ -10,17 +10,15 @@ replica ``r``'s stage on position ``p`` runs on worker task ``r * T + p``.
 Here: the number of stage tasks, and what the spec alone can tell is wrong with the pins (a pin
 outside the worker job, positions without a stage, a task holding two stages of one replica,
 what pipelines cannot combine with). ``model.module``'s children are known only once it is
-built: the compiler checks those (``dtrain.plan.stages``).
+built: the compiler checks those (``dtrain.plan.stages``). Each rule reads a ``PipelineView``
+(``view``), the sections it needs, so the pipeline that runs the rules imports this module and
+not the other way round.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .device import DeviceSpec
-
-if TYPE_CHECKING:  # the pipeline imports this module
-    from .pipeline import PipelineSpec
+from .view import PipelineView
 
 Loc = tuple[str | int, ...]
 
@@ -35,7 +33,7 @@ def pinned_task(value: str | None, worker_job: str) -> int | None:
     return dev.task
 
 
-def _pins(spec: PipelineSpec) -> list[tuple[Loc, str | None]]:
+def _pins(spec: PipelineView) -> list[tuple[Loc, str | None]]:
     model = spec.model
     if model is None:
         return []
@@ -44,13 +42,13 @@ def _pins(spec: PipelineSpec) -> list[tuple[Loc, str | None]]:
     return [(("placement", "layer_devices", k), v) for k, v in spec.placement.layer_devices.items()]
 
 
-def stage_tasks(spec: PipelineSpec) -> int:
+def stage_tasks(spec: PipelineView) -> int:
     """T: one more than the highest worker task a layer pin names (1 without task pins)."""
     tasks = [pinned_task(v, spec.placement.worker_job) for _, v in _pins(spec)]
     return 1 + max((t for t in tasks if t is not None), default=0)
 
 
-def layer_tasks(spec: PipelineSpec) -> list[int]:
+def layer_tasks(spec: PipelineView) -> list[int]:
     """``model.layers``: each layer's stage position (an unpinned layer is on its replica's task 0)."""
     return [pinned_task(layer.device, spec.placement.worker_job) or 0 for layer in spec.required_model().layers or ()]
 
@@ -73,7 +71,7 @@ def missing_positions(tasks: list[int], count: int) -> list[int]:
     return [p for p in range(count) if p not in tasks]
 
 
-def stage_problems(spec: PipelineSpec) -> list[tuple[Loc, str]]:
+def stage_problems(spec: PipelineView) -> list[tuple[Loc, str]]:
     """What is wrong with the stage pins and what a pipeline of several stage tasks is combined with."""
     problems: list[tuple[Loc, str]] = []
     worker_job, ps_job = spec.placement.worker_job, spec.placement.ps_job

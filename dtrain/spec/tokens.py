@@ -6,23 +6,22 @@ replication with a fixed set of replicas whose variables live on one ps task. On
 TensorFlow takes every accumulator's gradients and enqueues the tokens in one update op beside
 the global step; dtrain's shards each count their own steps, so with several shards a token of
 one shard's step would not say that the others reached it.
+
+The rules read a ``PipelineView`` (``view``): ``PipelineSpec``'s validation (``pipeline``) runs
+them, so this module knows the sections, never the pipeline.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .device import DeviceSpec
 from .elastic import elastic_of
 from .stages import stage_tasks
-
-if TYPE_CHECKING:  # the pipeline imports this module
-    from .pipeline import PipelineSpec
+from .view import PipelineView
 
 Problems = list[tuple[tuple[str | int, ...], str]]
 
 
-def check_tokens(spec: PipelineSpec, problems: Problems) -> None:
+def check_tokens(spec: PipelineView, problems: Problems) -> None:
     """Append the problems of the token keys (none when they are unset)."""
     t = spec.training
     if t.init_tokens is not None and not t.sync_tokens:

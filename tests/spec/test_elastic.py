@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 import dtrain
-from dtrain.spec.elastic import ElasticJob, adaptive_bounds, elastic_of
+from dtrain.spec.elastic import adaptive_bounds, elastic_of
+from dtrain.spec.elastic_jobs import ElasticJob
 from dtrain.spec.errors import SpecError
 from dtrain.spec.loading import validate
 
