@@ -8,8 +8,8 @@ Pure torch: no Dask; the spec is read, never imported from.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -80,20 +80,74 @@ def build_custom(
 # --------------------------------------------------------------------------- from a spec
 
 
-def _model_section(spec: Any) -> Any:
-    model = getattr(spec, "model", None)
+class _Section(Protocol):
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+class ModelSection(Protocol):
+    """What the builders read of a pipeline's ``model`` section (``dtrain.spec``'s ``ModelSpec``;
+    the model plane never imports the spec, which imports it for shape inference)."""
+
+    @property
+    def input_shape(self) -> Sequence[int] | None: ...
+    @property
+    def layers(self) -> Sequence[_Section] | None: ...
+    @property
+    def module(self) -> str | None: ...
+    @property
+    def kwargs(self) -> Mapping[str, Any]: ...
+    @property
+    def features(self) -> _Section | None: ...
+    @property
+    def tables(self) -> Mapping[str, _Section] | None: ...
+    @property
+    def dlrm(self) -> _Section | None: ...
+
+
+class _Seeded(Protocol):
+    @property
+    def seed(self) -> int: ...
+
+
+class ModelPipeline(Protocol):
+    """What the builders read of a ``dtrain.PipelineSpec``: its ``model`` section (None: a graph
+    pipeline) and ``training.seed``."""
+
+    @property
+    def model(self) -> ModelSection | None: ...
+    @property
+    def training(self) -> _Seeded: ...
+
+
+def _model_section(spec: ModelPipeline) -> ModelSection:
+    model = spec.model
     if model is None:
         raise ValueError("this pipeline has no 'model' section (it is a graph pipeline)")
     return model
 
 
-def _recommendation(model: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+def _recommendation(model: ModelSection) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
     """A ``model`` section's features, tables and dlrm, as the builder's plain dicts."""
+    if model.features is None or model.tables is None or model.dlrm is None:  # (validation sees to it)
+        raise ValueError("model.dlrm needs model.features and model.tables")
     return (model.features.model_dump(), {name: t.model_dump() for name, t in model.tables.items()},
             model.dlrm.model_dump())
 
 
-def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None = None,
+def _layers(model: ModelSection) -> tuple[Sequence[int], list[dict[str, Any]]]:
+    """A ``model.layers`` section's input shape and layers, as the builder's plain values."""
+    if model.input_shape is None or model.layers is None:  # (validation sees to it)
+        raise ValueError("model.layers needs model.input_shape")
+    return model.input_shape, [layer.model_dump() for layer in model.layers]
+
+
+def _module(model: ModelSection) -> str:
+    if model.module is None:  # (validation sees to it)
+        raise ValueError("the model section names none of model.layers, model.module and model.dlrm")
+    return model.module
+
+
+def build_model(spec: ModelPipeline, device: str | torch.device = "cpu", seed: int | None = None,
                 gathered_tables: bool = False) -> nn.Module:
     """The pipeline's model (a ``dtrain.PipelineSpec``), initialised with ``training.seed`` unless
     ``seed`` is given. ``torch.load("runs/NAME/model.pt", weights_only=True)`` loads into it.
@@ -104,23 +158,22 @@ def build_model(spec: Any, device: str | torch.device = "cpu", seed: int | None 
     if model.dlrm is not None:
         return build_dlrm(*_recommendation(model), device, seed=seed, gathered_tables=gathered_tables)
     if model.layers is not None:
-        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], device, seed=seed,
-                            gathered_tables=gathered_tables)
-    module = build_custom(model.module, model.kwargs, device, seed=seed)
+        return build_layers(*_layers(model), device, seed=seed, gathered_tables=gathered_tables)
+    module = build_custom(_module(model), model.kwargs, device, seed=seed)
     swap_embeddings(module, seed=seed or 0, gathered=gathered_tables)  # its sparse embeddings: ps tables
     if model.features is not None:  # it takes packed records: dense and per-feature ids
         feed_features(module, model.features.model_dump())
     return module
 
 
-def build_model_skeleton(spec: Any) -> nn.Module:
+def build_model_skeleton(spec: ModelPipeline) -> nn.Module:
     """The model on torch's meta device: names and shapes of parameters, no storage."""
     model = _model_section(spec)
     if model.dlrm is not None:
         return build_dlrm(*_recommendation(model), "meta")
     if model.layers is not None:
-        return build_layers(model.input_shape, [layer.model_dump() for layer in model.layers], "meta")
-    module = build_custom(model.module, model.kwargs, "meta")
+        return build_layers(*_layers(model), "meta")
+    module = build_custom(_module(model), model.kwargs, "meta")
     swap_embeddings(module)
     if model.features is not None:  # (its features' tables checked: ValueError naming the feature)
         feed_features(module, model.features.model_dump())
