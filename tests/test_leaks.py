@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.helpers.paths import ROOT
 
 LEAKY = '''
-import os, socket, subprocess, tempfile
+import os, socket, subprocess, tempfile, threading
 from pathlib import Path
 
 OUT = Path(os.environ["LEAK_OUT"])
@@ -43,6 +43,14 @@ def test_leaks_a_shared_memory_file():
     name = f"dtrain-{os.getpid():08x}{os.urandom(16).hex()}"
     Path("/dev/shm", name).write_bytes(b"x")
     (OUT / "shm").write_text(name)
+
+
+def test_leaks_a_thread():
+    threading.Thread(target=threading.Event().wait, name="dtrain-leaky", daemon=True).start()
+
+
+def test_starts_the_page_thread():  # a scheduler's: only the session's end may see it
+    threading.Thread(target=threading.Event().wait, name="dtrain-dashboard_0", daemon=True).start()
 
 
 def test_leaks_a_temporary_directory():
@@ -84,13 +92,16 @@ def test_the_leak_check_names_what_each_test_left_and_cleans_it_up(tmp_path):
         "test_leaks_a_listening_socket": f"listening socket 127.0.0.1:{port}",
         "test_leaks_a_shared_memory_file": f"shared-memory file /dev/shm/{shm}",
         "test_leaks_a_temporary_directory": f"temporary directory {tmp}",
+        "test_leaks_a_thread": "thread dtrain-leaky of the test process (still running)",
     }
     for test, line in expected.items():
         section = report.split(f"ERROR at teardown of {test} ", 1)[-1].split("\n___", 1)[0]
         assert f"test_leaky.py::{test} left behind:" in section and line in section, (test, report[-4000:])
-    assert "PASSED test_leaky.py::test_cleans_up" in report and "ERROR test_leaky.py::test_cleans_up" not in report
+    for test in ("test_cleans_up", "test_starts_the_page_thread"):
+        assert f"PASSED test_leaky.py::{test}" in report and f"ERROR test_leaky.py::{test}" not in report, test
+    assert "thread dtrain-dashboard_0 of the test process" in report.split("left behind by the session:", 1)[-1]
     # The session's own check sees the socket again (it stays open: nothing may close another's descriptor).
     assert "left behind by the session:" in report and report.count(f"listening socket 127.0.0.1:{port} ") >= 2
-    assert "6 passed, 5 errors" in report, report[-1500:]
+    assert "8 passed, 6 errors" in report, report[-1500:]
     assert not alive(daemon) and not alive(child), "the leaked processes were not killed"
     assert not Path("/dev/shm", shm).exists() and not Path(tmp).exists()

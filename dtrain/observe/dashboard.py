@@ -284,6 +284,16 @@ def _pool() -> ThreadPoolExecutor:
         return _executor
 
 
+def release_pool() -> None:
+    """End the render thread (the scheduler plugin's close, once no plugin serves the page); a
+    later page starts another."""
+    global _executor
+    with _pool_lock:
+        executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=False)
+
+
 class PageHandler(web.RequestHandler):
     """``/dtrain``: the page for the runs ``source()`` returns (``[(run id, payload, series)]``)."""
 

@@ -73,6 +73,11 @@ class TelemetryPlugin(SchedulerPlugin):
     async def close(self) -> None:
         with _lock:
             _live.discard(self)
+            last = not _live
+        if last:  # the page's render thread goes with the last plugin that served it
+            from dtrain.observe.dashboard import release_pool
+
+            release_pool()
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != TOPIC:

@@ -46,6 +46,7 @@ def shards_for(client, spec: dtrain.PipelineSpec, tmp_path) -> Iterator[ShardGro
             yield group
         finally:
             group.request_stop()
+            group.stop_renewing()
             client.cancel(group.futures, force=True)
 
 

@@ -8,6 +8,10 @@ loads it anywhere else). After every test, nothing that test started may outlive
   Children forked from this process without an ``exec`` do not show the marker in
   ``/proc/<pid>/environ``; they are seen while they are its descendants.
 - **listening TCP sockets** of this process (in-process clusters, ps and stage servers);
+- **dtrain's threads** in this process (named ``dtrain-*``: a chief's lease renewer, a stream's
+  reader, a ps's listener, a stage link's sender), which cannot be killed: reported only. The
+  dashboard page's render thread lives as long as the scheduler that serves the page (the
+  session's in-process one): the session's end checks it;
 - **shared-memory files** ``/dev/shm/dtrain-<creator pid>...`` of this process or of a process of
   the suite;
 - **temporary files and directories**, forkserver directories (``pymp-*``) and TLS directories
@@ -48,6 +52,7 @@ HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # bookkeeping, a killed worker's purged by the next worker to start).
 CACHES = ("torchinductor_", "dask-scratch-space")
 SCRATCH = "dask-scratch-space"
+SCHEDULER_THREADS = ("dtrain-dashboard",)  # the /dtrain page's render thread: ends with the scheduler's plugin
 _TOKEN = f"{os.getpid()}-{secrets.token_hex(4)}"
 _NEEDLE = f"{MARKER}={_TOKEN}:".encode()
 _ME = os.getpid()
@@ -69,6 +74,7 @@ class _Snapshot:
     sockets: set[str]
     shm: set[str]
     tmp: set[str]
+    threads: set[int]
 
 
 @dataclass
@@ -196,7 +202,15 @@ def _ticks() -> int:
 
 
 def snapshot() -> _Snapshot:
-    return _Snapshot(_pids(), _ticks(), _sockets(), _shm(), _tmp())
+    return _Snapshot(_pids(), _ticks(), _sockets(), _shm(), _tmp(), {t.ident for t in _threads()})
+
+
+def _threads(session: bool = True) -> list[threading.Thread]:
+    """dtrain's own threads in this process (named ``dtrain-*``: a lease renewer, a stream's
+    reader, a ps's listener, a stage link's sender): each ends with what started it. Not
+    ``session``: the threads of a scheduler's page (``SCHEDULER_THREADS``) are left out."""
+    return [t for t in threading.enumerate() if t.name.startswith("dtrain-") and t.ident is not None
+            and (session or not t.name.startswith(SCHEDULER_THREADS))]
 
 
 def _helper(pid: int) -> bool:
@@ -226,24 +240,25 @@ def _shm_ours(name: str) -> bool:
     return _state.gone.get(pid, not _XDIST)
 
 
-def _find(before: _Snapshot) -> tuple[dict[int, _Proc], set[str], set[str], set[str]]:
+def _find(before: _Snapshot, session: bool) -> tuple[dict[int, _Proc], set[str], set[str], set[str], set[str]]:
     after = snapshot()
     # New: a pid not there before, or one reused since (it started after the snapshot).
     procs = {pid: p for pid, p in _state.procs.items()
              if p.ours and (pid not in before.pids or p.start > before.ticks) and not _helper(pid) and _alive(pid, p)}
     sockets = {s for s in after.sockets - before.sockets if _listening(s)}
     shm = {n for n in after.shm - before.shm if _shm_ours(n)}
-    return procs, sockets, shm, after.tmp - before.tmp
+    threads = {t.name for t in _threads(session) if t.ident not in before.threads}
+    return procs, sockets, shm, after.tmp - before.tmp, threads
 
 
-def check(before: _Snapshot, grace_s: float = GRACE_S) -> list[str]:
+def check(before: _Snapshot, grace_s: float = GRACE_S, session: bool = False) -> list[str]:
     """What the code run since ``before`` left behind (a process, a listening socket, a /dev/shm
     file, a temporary file), one line each after waiting ``grace_s`` for it to go; leaked processes
     are SIGKILLed and leaked files removed."""
     deadline = time.monotonic() + grace_s
     while True:
-        procs, sockets, shm, tmp = _find(before)
-        if not (procs or sockets or shm or tmp) or time.monotonic() >= deadline:
+        procs, sockets, shm, tmp, threads = _find(before, session)
+        if not (procs or sockets or shm or tmp or threads) or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     lines = []
@@ -261,6 +276,8 @@ def check(before: _Snapshot, grace_s: float = GRACE_S) -> list[str]:
     for entry in sorted(sockets):
         address = _listening(entry)
         lines.append(f"listening socket {address} (fd {entry.split(':', 1)[0]}) of the test process")
+    for name in sorted(threads):
+        lines.append(f"thread {name} of the test process (still running)")
     for name in sorted(shm):
         lines.append(f"shared-memory file {SHM / name}  [removed]")
         (SHM / name).unlink(missing_ok=True)
@@ -310,6 +327,6 @@ def _nothing_outlives_the_session():
     temporary file outlives it; fixtures of module and session scope included."""
     start = snapshot()
     yield
-    leaks = check(start)
+    leaks = check(start, session=True)
     assert not leaks, "left behind by the session:\n  " + "\n  ".join(leaks)
     assert threading.active_count() < 200
