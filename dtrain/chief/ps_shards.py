@@ -323,7 +323,7 @@ class ShardGroup:
         if self.spec.training.mode == "async":
             return [call(s.hold()) for s in self.handles]
         # (the steps, read without touching a hold: a shard may already be paused at a
-        # checkpoint step of its own, see ParameterShard._after_apply)
+        # checkpoint step of its own, see ShardCore.after_apply in ps/core.py)
         target = max(self.steps(timeout=30))
         steps: list[int] = []
         for _ in range(5):

@@ -19,22 +19,33 @@ Every reply is ``(params, step, stop, generation)``. ``params`` is a snapshot in
 preallocated buffers, never the live buffer (the live one changes while a reply is on the wire).
 Shard 0 holds the global step, the stop flag, the loss/throughput records and nan detection.
 
-Its table parts are an object it owns, ``dtrain.ps.sparse.ShardTables`` (every request's sparse
-work, called under the shard's lock). Its lease, stop and checkpoint-hold calls are the mixin
-``dtrain.ps.control.ShardControl``; the
-sync barrier (``push_sync``, ``excuse``, ``apply_mean``) is ``dtrain.ps.sync_push.SyncPush``, and
-the pushes a data-plane connection thread runs itself are ``push_direct`` (ps/fastpath.py) and
-``push_sync_direct`` (ps/sync_push.py). Its
-load (pushes, busy time, bytes, staleness) is counted in a ``ShardMeter`` (docs/observability.md).
+The shard is built of parts it owns, each an object with its own state that is given, when the
+shard creates it, the parts it works with; the shard's remote methods delegate to them:
+
+- ``waits``, :class:`~dtrain.ps.waits.ShardWaits` — the lock, the conditions waiters sleep on
+  (the event loop's and the connection threads'), the barrier timeout and the session's grace;
+- ``core``, :class:`~dtrain.ps.core.ShardCore` — the state every part shares: the parameters,
+  the optimizer, the table parts (:class:`~dtrain.ps.sparse.ShardTables`, every request's sparse
+  work, called under the lock), the step's source, the stop and error flags, the hold step, the
+  meter (load: pushes, busy time, bytes, staleness; docs/observability.md); the apply and the reply;
+- ``control``, :class:`~dtrain.ps.control.ShardControl` — the chief's lease, stop and
+  checkpoint-hold calls, and the holds every push obeys;
+- ``async_push``, :class:`~dtrain.ps.fastpath.AsyncPush` — ``push_pull``, and ``push_direct``
+  on a data-plane connection thread;
+- ``barrier``, :class:`~dtrain.ps.sync_push.SyncBarrier` — the sync barrier: ``push_sync``,
+  ``push_sync_direct`` on a connection thread, ``excuse``, ``apply_mean``; with ``gradients``,
+  the step's :class:`~dtrain.ps.sync_push.GradientSum`;
+- ``token_push``, :class:`~dtrain.ps.token_push.TokenPush` — ``push_sync`` under
+  ``training.sync_tokens`` (None without).
+
+The shard itself keeps the fencing of replaced replicas (``owners``), its part of each
+checkpoint (ps/part_writer.py) and its data-plane server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,129 +53,114 @@ import torch
 
 from dtrain.observe.meters import ShardMeter
 
-from .averages import make_average
 from .control import ShardControl
+from .core import ShardCore
 from .deltas import is_delta
-from .fastpath import DirectPush
-from .optim import make_optimizer
+from .fastpath import AsyncPush
 from .part_writer import BadPartError, PartWriter, check_part_file, cloned, drop_pages, read_part_file
-from .replication import Apply, AsyncPolicy, StalenessGate
 from .reshard import restore_part
 from .rows import pack_state, unpack_state
-from .sparse import Reply, ShardTables, Sparse, rows_bytes
-from .sync_push import BarrierTimeout, SyncPush, fence
-from .token_push import TokenPush, sync_for
+from .sparse import Reply, ShardTables, Sparse
+from .sync_push import GradientSum, SyncBarrier, fence
+from .token_push import TokenPush
+from .tokens import TokenSync
+from .waits import BarrierTimeout, ShardWaits
 
 __all__ = ["BarrierTimeout", "ParameterShard"]
 
 logger = logging.getLogger(__name__)
 
 
-class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
+class ParameterShard:
     """One ps task's variables and optimizer state (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], init: torch.Tensor):
-        self.index: int = config["index"]
-        self.mode: str = config["mode"]
-        self.steps: int = config["steps"]
-        self.generation: int = config.get("generation", 0)
-        self.holds_global_step: bool = config.get("holds_global_step", self.index == 0)
-        self.barrier_timeout_s: float = config.get("barrier_timeout_s", 60.0)
-        self.summary_every: int = config.get("summary_every", 100)
-        self.nan_guard: bool = config.get("nan_guard", False)
-        num_replicas = self.num_replicas = config.get("num_replicas", 1)
         # Fencing: replica index -> the attempt the session submitted last.
         self.owners: dict[int, int] = {}
         if config.get("torch_threads"):
             # The apply's intra-op threads (else torch takes every core of the ps's machine, which
             # its replicas are using; dtrain worker processes get no OMP_NUM_THREADS).
             torch.set_num_threads(config["torch_threads"])
-        # A plain tensor (no autograd) updated by a flat optimizer with torch.optim's semantics.
-        self.param = init.detach().to(torch.float32).clone()
-        self.optimizer = make_optimizer(self.param.numel(), config["optimizer"])
-        self.averages = make_average(config.get("moving_average"), self.param)  # None: no EMA (ps/averages.py)
-        # Sparse embedding tables: this task's rows of each, initialised here from the run's seed
-        # (never shipped); a push carries (ids, row gradients) and asks for the next batch's rows.
-        # A table with its own optimizer config uses it, the others the run's.
-        # Parts that agree on their layout and row optimizer share buffers (ps/groups.py).
-        self.incremental = bool(config.get("incremental"))  # checkpoint.incremental: tables track their changes
-        self.tables = ShardTables(config.get("tables", ()), config["optimizer"], track=self.incremental,
-                                  shard=self.index)
+        self.waits = ShardWaits(config.get("barrier_timeout_s", 60.0))
+        self.core = core = ShardCore(config, init, self.waits)
+        self.control = ShardControl(core, self.waits, config.get("lease_s"))
+        self.async_push = AsyncPush(core, self.waits, self.control)
         # A sync step's gradient sum (ps/sync_push.py); async applies each push alone (no buffer).
-        self.acc = torch.zeros_like(self.param) if self.mode == "sync" else torch.zeros(0)
-        self._first: torch.Tensor | None = None  # a sync step's first gradient, read where it lies (ps/sync_push.py)
-        self.sync = sync_for(config, num_replicas)  # the barrier, or TF's token queue (sync_tokens)
-        self.policy = AsyncPolicy(config.get("max_staleness"))
-        k = config.get("max_staleness")
-        self.gate = StalenessGate(num_replicas, k) if (k is not None and self.holds_global_step) else None
-        # Reply snapshots for the actor path, allocated on first use (the socket data plane passes
-        # its own ``out`` buffer: a shared-memory slot or a per-connection buffer).
-        self._ring_size = 2 * num_replicas + 4
-        self._ring: list[torch.Tensor] = []
-        self._ring_next = 0
-        self._cond: asyncio.Condition | None = None
-        self._waiting = 0  # waits on _cond in progress (a direct push wakes them: ps/fastpath.py)
-        # Held by a push applied on a data-plane connection thread (ps/fastpath.py, ps/sync_push.py)
-        # and by the event-loop methods around their reads and writes of the same state; direct
-        # sync pushes wait for their step on _tcond (notified by every apply).
-        self.lock = threading.Lock()
-        self._tcond = threading.Condition(self.lock)
-        self.stop = False
-        self.error: str | None = None
-        # Shard 0's bookkeeping: records closed at every summary_every global steps.
-        self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": time.time()}
-        self.samples_total = 0
-        self.records: list[dict[str, Any]] = []
-        self.local_steps: dict[int, int] = {}
-        self.last_apply_time = 0.0
-        self._grace_until = 0.0  # monotonic time until which barrier waits may exceed their timeout
-        # Checkpoint snapshots: applies pause once the step reaches hold_at, until release().
-        self.hold_at: int | None = None
-        # checkpoint.every_steps: pause by itself at every multiple (see _after_apply).
-        self.checkpoint_every: int | None = config.get("checkpoint_every")
-        # The chief's lease (module docstring): armed by the first renew(); None: no lease.
-        self.lease_s: float | None = config.get("lease_s")
-        self._lease: asyncio.TimerHandle | None = None
-        self._expiry: asyncio.Task | None = None
-        # Telemetry (observe.telemetry): pushes, applies, busy seconds, bytes, staleness.
-        self.meter: ShardMeter | None = ShardMeter(self.param.numel() * 4) if config.get("telemetry", True) else None
+        self.gradients = GradientSum(core.param, core.mode == "sync")
+        self.barrier = SyncBarrier(core, self.waits, self.control, self.gradients)
+        self.token_push = (TokenPush(core, self.waits, self.control, self.barrier, core.sync)
+                           if isinstance(core.sync, TokenSync) else None)
         # This task's part of each checkpoint, written by itself (ps/part_writer.py), and the
         # checkpoint its tables' changes are counted from (its last snapshot, or the one restored):
         # an incremental checkpoint's part holds the rows changed since (ps/deltas.py).
+        self.incremental = bool(config.get("incremental"))  # checkpoint.incremental: tables track their changes
         self.writer = PartWriter()
         self.checkpoint_base: int | None = None
         self._clearing: asyncio.Future[None] | None = None  # the previous snapshot's marks, cleared off the hold
 
-    # ------------------------------------------------------------------ helpers (not remote)
+    # ------------------------------------------------------------------ the state callers read
+    @property
+    def index(self) -> int:
+        return self.core.index
+
+    @property
+    def num_replicas(self) -> int:
+        return self.core.num_replicas
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The live parameters (the data plane's replicas may read them in place: shares_params)."""
+        return self.core.param
+
+    @property
+    def tables(self) -> ShardTables:
+        return self.core.tables
+
     @property
     def step(self) -> int:
-        return self.sync.step if self.mode == "sync" else self.policy.step
+        return self.core.step
+
+    @property
+    def stop(self) -> bool:
+        return self.core.stop
+
+    @property
+    def error(self) -> str | None:
+        return self.core.error
+
+    @property
+    def hold_at(self) -> int | None:
+        return self.core.hold_at
 
     @property
     def dropped_stale(self) -> int:
-        return self.sync.dropped_stale + self.policy.dropped_stale
+        return self.core.dropped_stale
 
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:  # created lazily so it binds to the worker's running loop
-            self._cond = asyncio.Condition()
-        return self._cond
+    @property
+    def meter(self) -> ShardMeter | None:
+        """The shard's ``ShardMeter`` (None: telemetry off)."""
+        return self.core.meter
 
-    def _snapshot(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            if len(self._ring) < self._ring_size:
-                self._ring.append(torch.empty_like(self.param))
-            out = self._ring[self._ring_next]
-            self._ring_next = (self._ring_next + 1) % self._ring_size
-        elif out is self.param:  # replicas read the parameters in place (shares_params): no copy
-            if self.meter is not None:
-                self.meter.bytes_out += self.meter.dense_bytes
-            return out
-        t0 = time.perf_counter()
-        out.copy_(self.param)
-        if self.meter is not None:
-            self.meter.busy_s += time.perf_counter() - t0
-            self.meter.bytes_out += self.meter.dense_bytes
-        return out
+    @property
+    def grace_until(self) -> float:
+        """Monotonic time until which waits may exceed their barrier timeout (the data-plane
+        server waits on requests that long)."""
+        return self.waits.grace_until
+
+    @property
+    def data_plane(self) -> Any:
+        """The data-plane server serving this shard (``open_data_plane``), or None."""
+        return self.control.data_plane
+
+    @property
+    def direct_pushes(self) -> bool:
+        """Whether async pushes may be applied on the connection thread (ps/fastpath.py)."""
+        return self.async_push.direct
+
+    @property
+    def direct_sync(self) -> bool:
+        """Whether sync pushes may run on the connection thread (ps/sync_push.py)."""
+        return self.barrier.direct
 
     @property
     def shares_params(self) -> bool:
@@ -174,114 +170,21 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         step is applied before every replica has pushed its gradient of the step before, so no
         replica reads while the ps writes; a replica that reads anyway (excused as lost, fenced
         off) pushes a stale gradient, which is dropped."""
-        sync = self.sync
-        return (self.direct_sync and not self.tables and getattr(sync, "fraction", 0) is None
-                and getattr(sync, "replicas_to_aggregate", 0) == self.num_replicas)
+        sync = self.core.sync
+        return (self.direct_sync and not self.core.tables and getattr(sync, "fraction", 0) is None
+                and getattr(sync, "replicas_to_aggregate", 0) == self.core.num_replicas)
 
     def adopt_params(self, buffer: torch.Tensor) -> None:
         """Move the parameters into ``buffer`` (shared memory) and keep them there."""
-        with self.lock:
-            buffer.copy_(self.param)
-            self.param = buffer
-
-    def _reply(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int, bool, int]:
-        return self._snapshot(out), self.step, self.stop or self.error is not None, self.generation
-
-    def _apply(self, grad: torch.Tensor, scale: float = 1.0) -> None:
-        """One update: the optimizer step, then the step's bookkeeping (records, stop at the end)."""
-        t0 = time.perf_counter()
-        self.optimizer.step(self.param, grad, scale)
-        if self.averages is not None:
-            self.averages.update(self.param, self.step)
-        self.tables.apply(scale)
-        if self.meter is not None:
-            self.meter.applies += 1
-            self.meter.busy_s += time.perf_counter() - t0
-        self.last_apply_time = time.time()
-        self._after_apply()
-        self._tcond.notify_all()  # direct sync pushes waiting for this step (the caller holds lock)
-
-    def _observe(self, replica: int, loss: float | None, samples: int, local_step: int) -> None:
-        if not self.holds_global_step:
-            return
-        self.samples_total += samples
-        self._interval["samples"] += samples
-        if loss is not None:
-            if not math.isfinite(loss):
-                if self.nan_guard and self.error is None:
-                    self.error = (f"nan_guard: replica {replica} reported a non-finite loss ({loss}) at global "
-                                  f"step {self.step}; the update was not applied")
-                return
-            self._interval["loss_sum"] += loss
-            self._interval["loss_n"] += 1
-        self.local_steps[replica] = local_step
-
-    def _after_apply(self) -> None:
-        step = self.step
-        if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.steps \
-                and self.hold_at is None and (self.mode == "sync" or self.holds_global_step):
-            # Pause at the checkpoint step until the chief has taken its snapshot and released
-            # it: checkpoints land on exact multiples of every_steps however fast the steps are
-            # (the chief polls every 0.1 s), so a lost ps costs at most every_steps steps. Sync:
-            # every shard (they move in lockstep); async: the shard counting the global step (the
-            # others' steps differ anyway: a push may be applied on one shard and dropped on another).
-            self.hold_at = step
-        if not self.holds_global_step:
-            return
-        if step % self.summary_every == 0 or step == self.steps:
-            now = time.time()
-            iv = self._interval
-            dt = max(now - iv["t0"], 1e-9)
-            self.records.append({
-                "step": step, "time": now,
-                "loss": iv["loss_sum"] / iv["loss_n"] if iv["loss_n"] else None,
-                "samples_per_sec": iv["samples"] / dt, "dropped_stale": self.dropped_stale,
-                "samples": self.samples_total,
-            })
-            self._interval = {"loss_sum": 0.0, "loss_n": 0, "samples": 0, "t0": now}
-        if step >= self.steps:
-            self.stop = True
-
-    def _still_held(self, version: int | None) -> bool:
-        """Re-checked under ``lock`` after ``_wait_unheld``: held, and not released by a stop or an
-        error (which end that wait too: the caller then answers at once, else it would spin)."""
-        return self._held(version) and not self.stop and self.error is None
-
-    def _held(self, version: int | None) -> bool:
-        if self.hold_at is None or self.step < self.hold_at:
-            return False
-        return version is None or version >= self.hold_at  # else it completes the step being waited for
+        with self.waits.lock:
+            buffer.copy_(self.core.param)
+            self.core.param = buffer
 
     async def _wait_unheld(self, version: int | None = None) -> None:
-        """Pause a push while a snapshot is being taken (applies must not move the parameters)."""
-        if not self._held(version):
-            return
-        cond = self._condition()
-        async with cond:
-            await self._wait(cond, lambda: not self._held(version) or self.stop or self.error is not None,
-                             f"a push on shard {self.index} waited for a checkpoint snapshot")
+        """Pause while a checkpoint snapshot holds the shard (``ShardControl.wait_unheld``)."""
+        await self.control.wait_unheld(version)
 
-    def _bad_grad(self, grad: torch.Tensor, replica: int) -> bool:
-        # (a finite sum means every value is finite, at a tenth of isfinite's cost; an overflowing
-        # sum of finite values falls through to the exact check)
-        if self.nan_guard and not math.isfinite(grad.sum()) and not bool(torch.isfinite(grad).all()):
-            self.error = self.error or (f"nan_guard: replica {replica} pushed a non-finite gradient at step "
-                                        f"{self.step} of shard {self.index}; the update was not applied")
-            return True
-        return False
-
-    # ------------------------------------------------------------------ remote methods
-    def _push_async(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
-                    local_step: int, sparse: Sparse | None = None) -> None:
-        """An async push's bookkeeping, then its apply unless it is too stale or bad (the caller
-        holds ``lock``: ``push_pull`` on the event loop, ``push_direct`` on a connection thread)."""
-        self._observe(replica, loss, samples, local_step)
-        if self.meter is not None:
-            self.meter.push(rows_bytes(sparse) if sparse else 0, self.step - version, loss)
-        if self.error is None and not self._bad_grad(grad, replica) and isinstance(self.policy.push(version), Apply):
-            self.tables.add(sparse)
-            self._apply(grad)
-
+    # ------------------------------------------------------------------ pushes and pulls
     async def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
                         samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
                         sparse: Sparse | None = None, attempt: int | None = None) -> Reply:
@@ -290,102 +193,97 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         has a fifth element, table name -> the rows of the next batch's ids. ``attempt``: the
         replica's submission (actor calls; FencedOff when the session replaced it: set_owner)."""
         fence(self.owners, replica, attempt)
-        while True:
-            await self._wait_unheld()
-            with self.lock:
-                if self._still_held(None):  # a direct push's step paused the shard meanwhile (ps/fastpath.py)
-                    continue
-                if self.stop or self.error is not None or self._bad_ids(sparse, replica):
-                    return self._sparse_reply(out, sparse)
-                self._push_async(grad, replica, version, loss, samples, local_step, sparse)
-                if self.gate is None:
-                    return self._sparse_reply(out, sparse)
-                break
-        if self.gate is not None:  # (no direct pushes with a gate: no lock below)
-            self.gate.report(replica, local_step)
-            cond = self._condition()
-            async with cond:
-                cond.notify_all()
-                if not self.gate.may_proceed(replica, local_step + 1):
-                    await self._wait(cond, lambda: self.stop or self.gate.may_proceed(replica, local_step + 1),
-                                     f"replica {replica} waited for slower replicas (max_staleness "
-                                     f"{self.gate.max_staleness})")
-        return self._sparse_reply(out, sparse)
+        return await self.async_push.push_pull(grad, replica, version, loss, samples, local_step, out, sparse)
+
+    def push_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
+                    loss: float | None, samples: int, local_step: int, out: torch.Tensor,
+                    sparse: Any = None) -> tuple | None:
+        """``push_pull`` on the calling data-plane connection thread, or None where it must run on
+        the event loop (``AsyncPush.push_direct``; :attr:`direct_pushes` is the caller's check)."""
+        return self.async_push.push_direct(loop, grad, replica, version, loss, samples, local_step, out, sparse)
+
+    async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
+                        samples: int = 0, local_step: int = 0, out: torch.Tensor | None = None,
+                        sparse: Sparse | None = None, attempt: int | None = None) -> Reply:
+        """Sync mode: accumulate for the current step; the quorum's last gradient applies the mean
+        (of the dense gradients, and of the row gradients: summed per id, divided by the count).
+        ``attempt``: the replica's submission (actor calls; FencedOff when it was replaced)."""
+        fence(self.owners, replica, attempt)
+        if self.token_push is not None:  # training.sync_tokens: TF's token queue (ps/token_push.py)
+            return await self.token_push.push(grad, replica, version, loss, samples, local_step, out, sparse)
+        return await self.barrier.push(grad, replica, version, loss, samples, local_step, out, sparse)
+
+    def push_sync_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
+                         loss: float | None, samples: int, local_step: int, out: torch.Tensor,
+                         sparse: Sparse | None = None) -> tuple | None:
+        """``push_sync`` on the calling data-plane connection thread, or None where it must run on
+        the event loop (``SyncBarrier.push_direct``; :attr:`direct_sync` is the caller's check)."""
+        return self.barrier.push_direct(loop, grad, replica, version, loss, samples, local_step, out, sparse)
+
+    async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
+        """Sync: lost ``replica`` will not push for step ``at_step``; ``how``: ``excuse``,
+        ``retire`` or ``rejoin`` (``SyncBarrier.excuse``). Returns the step."""
+        return await self.barrier.excuse(replica, at_step, how)
+
+    async def apply_mean(self, grad_sum: torch.Tensor, count: int, version: int, loss: float | None = None,
+                         samples: int = 0) -> int:
+        """In-graph replication: apply ``grad_sum / count`` as one sync step of ``version``
+        (``SyncBarrier.apply_mean``). Returns the shard's step afterwards."""
+        return await self.barrier.apply_mean(grad_sum, count, version, loss, samples)
 
     async def pull(self, min_step: int = 0, out: torch.Tensor | None = None, sparse: Sparse | None = None) -> Reply:
         """The current parameters, once this shard has applied ``min_step`` steps. ``out`` (here
         and in the pushes): write the reply's snapshot there instead of into the ring. ``sparse``:
         as for the pushes (only the ids to gather count)."""
-        if self.step < min_step and not self.stop:
-            cond = self._condition()
+        core = self.core
+        if core.step < min_step and not core.stop:
+            cond = self.waits.condition()
             async with cond:
-                await self._wait(cond, lambda: self.step >= min_step or self.stop or self.error is not None,
-                                 f"pull waited for shard {self.index} to reach step {min_step}")
-        with self.lock:
-            if sparse is not None and self._bad_ids({k: (None, None, v[2]) for k, v in sparse.items()}, -1):
-                return self._sparse_reply(out, {})
-            return self._sparse_reply(out, sparse)
-
-    def _bad_ids(self, sparse: Sparse | None, replica: int) -> bool:
-        """An id outside its table (or not on this task) fails the run, naming the table and the id;
-        nothing is read or written (a custom module may compute ids the data checks never saw)."""
-        why = self.tables.why_bad(sparse)
-        if why is None:
-            return False
-        self.error = self.error or f"replica {replica}: {why}"
-        return True
+                await self.waits.wait(cond, lambda: core.step >= min_step or core.stop or core.error is not None,
+                                      f"pull waited for shard {core.index} to reach step {min_step}")
+        with self.waits.lock:
+            if sparse is not None and core.bad_ids({k: (None, None, v[2]) for k, v in sparse.items()}, -1):
+                return core.sparse_reply(out, {})
+            return core.sparse_reply(out, sparse)
 
     async def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of table ``name`` (global ``ids`` held by this task): evaluation and ``model.pt``."""
-        with self.lock:  # (a fixed table draws rows on first use; a direct push may be applying)
-            return self.tables.lookup(name, ids)  # (a table without a vocabulary admits no id for an evaluation)
+        with self.waits.lock:  # (a fixed table draws rows on first use; a direct push may be applying)
+            return self.core.tables.lookup(name, ids)  # (a table without a vocabulary admits no id for an evaluation)
 
     async def read_part(self, name: str, start: int, stop: int) -> dict[str, Any]:
         """Local rows ``[start, stop)`` of this task's part of table ``name`` and their optimizer
         state (copies of that chunk only): a checkpoint reads a part in chunks, so the ps never
         holds a second copy of its table (the chief holds applies while it reads). Packed for Dask
         (bfloat16 rows as int16 bits: :func:`dtrain.ps.rows.unpack_state`)."""
-        with self.lock:
-            return pack_state(self.tables[name].chunk(start, stop))
+        with self.waits.lock:
+            return pack_state(self.core.tables[name].chunk(start, stop))
 
-    def _sparse_reply(self, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
-        if sparse is None:
-            return self._reply(out)
-        rows = {} if self.error is not None else self.tables.gather(sparse)
-        return (*self._reply(out), rows)
+    # ------------------------------------------------------------------ the chief's control calls
+    async def renew(self) -> int:
+        """The chief is alive: the lease runs on (``ShardControl.renew``)."""
+        return await self.control.renew()
 
+    async def stop_at(self, step: int) -> int:
+        """End training at global step ``step`` (a stop_at_step hook), as at ``training.steps``:
+        the update of that step is the last one applied."""
+        return await self.control.stop_at(step)
 
-    async def _wait(self, cond: asyncio.Condition, predicate: Any, what: str) -> None:
-        """Wait for ``predicate`` for barrier_timeout_s, or longer while a grace granted by the
-        session (:meth:`barrier_grace`: a lost replica is being restarted) has not run out."""
-        t0 = time.monotonic()
-        self._waiting += 1
-        try:
-            while True:
-                remaining = self._remaining(t0, what)
-                try:
-                    await asyncio.wait_for(cond.wait_for(predicate), remaining)
-                    return
-                except (asyncio.TimeoutError, TimeoutError):
-                    continue  # a grace may have been granted meanwhile: check again
-        finally:
-            self._waiting -= 1
+    async def request_stop(self) -> int:
+        """Ask every replica to stop at its next reply; releases waiting replicas."""
+        return await self.control.request_stop()
 
-    def _remaining(self, t0: float, what: str) -> float:
-        """Seconds a wait begun at ``t0`` (monotonic) may still last: barrier_timeout_s, or longer
-        while a session's grace runs; BarrierTimeout once none are left (this wait and the
-        connection threads' in ps/sync_push.py)."""
-        remaining = max(t0 + self.barrier_timeout_s, self._grace_until) - time.monotonic()
-        if remaining <= 0:
-            raise BarrierTimeout(f"{what} for {time.monotonic() - t0:.0f} s (training.barrier_timeout_s: "
-                                 f"{self.barrier_timeout_s:.0f}); a replica is probably lost")
-        return remaining
+    async def hold(self, at_step: int | None = None) -> int:
+        """Pause applies from ``at_step`` on (default: now); returns the current step."""
+        return await self.control.hold(at_step)
 
-    @property
-    def grace_until(self) -> float:
-        """Monotonic time until which waits may exceed their barrier timeout (the data-plane
-        server waits on requests that long)."""
-        return self._grace_until
+    async def wait_held(self) -> int:
+        """Return once the shard has reached its hold step (sync: the step the snapshot needs)."""
+        return await self.control.wait_held()
+
+    async def release(self) -> int:
+        """End a hold: waiting pushes go on."""
+        return await self.control.release()
 
     async def set_owner(self, replica: int, attempt: int) -> None:
         """The session's (re)submission ``attempt`` owns ``replica``: pushes from its other
@@ -394,86 +292,90 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         self.owners[replica] = attempt
 
     async def current_step(self) -> int:
-        return self.step
+        return self.core.step
 
     async def barrier_grace(self, seconds: float) -> None:
         """Let waits outlast their barrier timeout by ``seconds`` from now (a lost replica restarts)."""
-        self._grace_until = max(self._grace_until, time.monotonic() + seconds)
+        self.waits.grant_grace(seconds)
 
     async def stats(self) -> dict[str, Any]:
         """Progress for the session: drains the summary records collected since the last call."""
-        with self.lock:
-            records, self.records = self.records, []
-            return {"step": self.step, "stop": self.stop, "error": self.error, "records": records,
-                    "dropped_stale": self.dropped_stale, "samples": self.samples_total,
-                    "local_steps": dict(self.local_steps), "generation": self.generation,
-                    "last_apply_time": self.last_apply_time}
+        core = self.core
+        with self.waits.lock:
+            records = core.records.drain()
+            return {"step": core.step, "stop": core.stop, "error": core.error, "records": records,
+                    "dropped_stale": core.dropped_stale, "samples": core.records.samples_total,
+                    "local_steps": dict(core.records.local_steps), "generation": core.generation,
+                    "last_apply_time": core.last_apply_time}
 
     async def load(self) -> dict[str, Any] | None:
         """The shard's telemetry (``ShardMeter.snapshot`` and the pushes dropped); None when off."""
-        with self.lock:
-            if self.meter is None:
+        core = self.core
+        with self.waits.lock:
+            if core.meter is None:
                 return None
-            out = {**self.meter.snapshot(), "dropped": self.dropped_stale}
-            if self.tables:  # each table part's rows and counters (dtrain_table_* series)
-                out["tables"] = self.tables.stats()
+            out = {**core.meter.snapshot(), "dropped": core.dropped_stale}
+            if core.tables:  # each table part's rows and counters (dtrain_table_* series)
+                out["tables"] = core.tables.stats()
             return out
 
     async def table_stats(self) -> dict[str, dict[str, int]]:
         """Per table, this task's part: rows held, bytes, and for a table without a vocabulary the
         ids admitted, rows evicted and gradients rejected so far (summary.json's ``tables``)."""
-        with self.lock:
-            return self.tables.stats()
+        with self.waits.lock:
+            return self.core.tables.stats()
 
     async def get_params(self, averaged: bool = False) -> tuple[torch.Tensor, int]:
         """The parameters (``averaged``: their moving averages, when the shard keeps them)."""
-        with self.lock:
-            return (self.averages.state() if averaged and self.averages else self.param.clone()), self.step
+        core = self.core
+        with self.waits.lock:
+            return (core.averages.state() if averaged and core.averages else core.param.clone()), core.step
 
     async def get_state(self, tables: bool = True) -> dict[str, Any]:
         """Parameters, optimizer state and step, for a checkpoint (plain dict: no OrderedDict).
         ``tables``: with the table parts (copied whole; the chief's snapshots read them in chunks
         instead, :meth:`read_part`), packed for Dask (bfloat16 rows as int16 bits:
         ``dtrain.ps.rows.unpack_state``)."""
-        with self.lock:
-            out = {"params": self.param.clone(), "step": self.step, "optimizer_state": self.optimizer.state_dict(),
-                   "dropped_stale": self.dropped_stale, "samples": self.samples_total}
-            if self.averages is not None:
-                out["averages"] = self.averages.state()
-            if self.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
-                out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in self.tables.items()}
+        core = self.core
+        with self.waits.lock:
+            out = {"params": core.param.clone(), "step": core.step, "optimizer_state": core.optimizer.state_dict(),
+                   "dropped_stale": core.dropped_stale, "samples": core.records.samples_total}
+            if core.averages is not None:
+                out["averages"] = core.averages.state()
+            if core.tables and tables:  # copies: an in-process caller would otherwise keep live tensors
+                out["tables"] = {name: pack_state(part.state(copy=True)) for name, part in core.tables.items()}
         return out
 
     async def set_state(self, state: dict[str, Any], done: Any = None) -> int:
         """Restore from :meth:`get_state`'s output (a checkpoint; ``done``: ``TablePart.load_state``'s),
         or lay a delta part over the state restored (ps/deltas.py). The next checkpoint's part is
         full unless :meth:`load_part` names the checkpoint restored."""
-        with self.lock:
+        core = self.core
+        with self.waits.lock:
             self.checkpoint_base = None
             with torch.no_grad():
-                self.param.copy_(state["params"])
-            self.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
-            if self.averages is not None:
-                self.averages.load(state.get("averages"), self.param)
-            for name, part in self.tables.items():
+                core.param.copy_(state["params"])
+            core.optimizer.load_state_dict(dict(state.get("optimizer_state") or {}))
+            if core.averages is not None:
+                core.averages.load(state.get("averages"), core.param)
+            for name, part in core.tables.items():
                 if name in (state.get("tables") or {}):
                     table = unpack_state(state["tables"][name])
                     if table.get("delta"):
                         part.load_delta(table)
                     else:
                         part.load_state(table, done)
-            self.tables.clear()
+            core.tables.clear()
             step = int(state["step"])
-            self.sync.reset(step)
-            self.policy.reset(step)
-            if self.gate is not None:
-                self.gate.reset()
-            self.sync.dropped_stale = int(state.get("dropped_stale", 0))
-            self.samples_total = int(state.get("samples", 0))
-            self.acc.zero_()
-            self._first = None
-            self.stop = step >= self.steps
-            self._tcond.notify_all()
+            core.sync.reset(step)
+            core.policy.reset(step)
+            if core.gate is not None:
+                core.gate.reset()
+            core.sync.dropped_stale = int(state.get("dropped_stale", 0))
+            core.records.samples_total = int(state.get("samples", 0))
+            self.gradients.reset()
+            core.stop = step >= core.steps
+            self.waits.tcond.notify_all()
             return step
 
     # ------------------------------------------------------------------ checkpoint parts
@@ -482,14 +384,15 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         (small; the parameters may be in shared memory, which a forked writer sees change), the
         tables' live tensors (a forked writer sees them as they are now: copy-on-write); ``delta``:
         each table's rows changed since the last snapshot instead, picked out in the writer."""
-        dense = {"params": self.param.clone(), "step": self.step, "optimizer_state": cloned(self.optimizer.state_dict()),
-                 "dropped_stale": self.dropped_stale, "samples": self.samples_total,
-                 **({"averages": self.averages.state()} if self.averages is not None else {})}
-        if not self.tables:
+        core = self.core
+        dense = {"params": core.param.clone(), "step": core.step, "optimizer_state": cloned(core.optimizer.state_dict()),
+                 "dropped_stale": core.dropped_stale, "samples": core.records.samples_total,
+                 **({"averages": core.averages.state()} if core.averages is not None else {})}
+        if not core.tables:
             return dense
         if not delta:
-            return {**dense, "tables": {n: part.live_state() for n, part in self.tables.items()}}
-        tables = self.tables
+            return {**dense, "tables": {n: part.live_state() for n, part in core.tables.items()}}
+        tables = core.tables
         return lambda: {**dense, "tables": {n: part.delta_state() for n, part in tables.items()}}
 
     async def write_part(self, directory: str, name: str, tag: int | None = None, since: int | None = None
@@ -501,18 +404,19 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         if self._clearing is not None:  # (the marks the previous snapshot left: cleared long since)
             await self._clearing
             self._clearing = None
-        with self.lock:
-            if not bool(torch.isfinite(self.param).all()):
-                return {"error": f"the parameters of shard {self.index} became non-finite (NaN or inf) at step "
-                                 f"{self.step}"}
-            delta = self.incremental and bool(self.tables) and since is not None and since == self.checkpoint_base
+        core = self.core
+        with self.waits.lock:
+            if not bool(torch.isfinite(core.param).all()):
+                return {"error": f"the parameters of shard {core.index} became non-finite (NaN or inf) at step "
+                                 f"{core.step}"}
+            delta = self.incremental and bool(core.tables) and since is not None and since == self.checkpoint_base
             meta = {"kind": "delta", "base": since} if delta else {"kind": "full"}
-            out = self.writer.start(directory, name, self._part_state(delta), self.step, meta)
+            out = self.writer.start(directory, name, self._part_state(delta), core.step, meta)
             if "error" not in out:  # (the writer holds its snapshot: count the changes from here)
-                self.tables.snapshot_taken()
+                core.tables.snapshot_taken()
                 self.checkpoint_base = tag
                 if self.incremental:
-                    self._clearing = asyncio.get_running_loop().run_in_executor(None, self.tables.clear_spare_marks)
+                    self._clearing = asyncio.get_running_loop().run_in_executor(None, core.tables.clear_spare_marks)
             return out
 
     async def part_written(self, wait: bool = False) -> dict[str, Any] | None:
@@ -557,14 +461,14 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         loop = asyncio.get_running_loop()
         opened: dict[str, dict[str, Any]] = {}  # each file opened once (memory-mapped), whatever its tables
         for table in tables:
-            part = self.tables[table["name"]]
+            part = self.core.tables[table["name"]]
             chains = []
             for files in table["chains"]:
                 for path, nbytes, sha in files:
                     if path not in opened:
                         opened[path] = await loop.run_in_executor(None, read_part_file, path, nbytes, sha, False)
                 chains.append([unpack_state(opened[path]["tables"][table["name"]]) for path, _, _ in files])
-            with self.lock:
+            with self.waits.lock:
                 restore_part(part, chains, table["num_embeddings"], tuple(table["old"]), tuple(table["new"]),
                              int(table["part"]))
             del chains
@@ -582,26 +486,29 @@ class ParameterShard(ShardControl, TokenPush, SyncPush, DirectPush):
         from dtrain.dataplane.protocol import server_ssl_context
         from dtrain.dataplane.server import ShardServer
 
-        if getattr(self, "_server", None) is None:
+        server: Any = self.control.data_plane
+        if server is None:
             ctx = server_ssl_context(tls) if tls else None
-            self._server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
-                                       timeout=max(self.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype,
-                                       share_params=share_params)
-        return self._server.host, self._server.port
+            server = ShardServer(self, asyncio.get_running_loop(), secret, host=host, ssl_context=ctx,
+                                 timeout=max(self.waits.barrier_timeout_s, 60.0) + 60.0, wire_dtype=wire_dtype,
+                                 share_params=share_params)
+            self.control.data_plane = server  # (the lease closes it when it runs out)
+        return server.host, server.port
 
     async def close_data_plane(self) -> dict[str, int]:
         """Stop serving; returns how many replica connections it served, how many of them through
         shared memory, and how many of those read the parameters in place."""
-        server = getattr(self, "_server", None)
+        server: Any = self.control.data_plane
         if server is None:
             return {"connections": 0, "shared_memory": 0, "in_place": 0}
         server.close()
-        self._server = None
+        self.control.data_plane = None
         return {"connections": server.connections, "shared_memory": server.shared_connections,
                 "in_place": server.in_place_connections}
 
     def __del__(self) -> None:
-        for owned in (getattr(self, "_server", None), getattr(self, "writer", None)):
+        control = getattr(self, "control", None)
+        for owned in (control.data_plane if control is not None else None, getattr(self, "writer", None)):
             if owned is not None:
                 owned.close()
 

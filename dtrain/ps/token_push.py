@@ -1,72 +1,67 @@
 """The ps shard's sync push under ``training.sync_tokens``: TensorFlow's token queue
-(:class:`dtrain.ps.tokens.TokenSync` decides; this mixin of ``ParameterShard`` carries it out).
+(:class:`dtrain.ps.tokens.TokenSync` decides; ``TokenPush``, a part of ``ParameterShard``,
+carries it out).
 
 Unlike the default sync push (a barrier: it returns once the gradient's step is applied), a push
 here is TensorFlow's train_op: accumulate the gradient unless its local step is stale (or apply
-the mean when it completes the update), then dequeue one token — the only wait, while the queue
-is empty — and reply with the current parameters and the token's value as the step: the replica
-tags its next gradient with it (its ``local_step``). No Dask here; the data plane and the actor
-path both reach it through ``ParameterShard.push_sync``.
+the mean when it completes the update: the barrier's body, ``SyncBarrier.accumulate``), then
+dequeue one token — the only wait, while the queue is empty — and reply with the current
+parameters and the token's value as the step: the replica tags its next gradient with it (its
+``local_step``). No Dask here; the data plane and the actor path both reach it through
+``ParameterShard.push_sync``.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import torch
 
-from .replication import Apply, SyncAggregator
+from .control import ShardControl
+from .core import ShardCore
+from .replication import Apply
 from .sparse import Reply, Sparse
+from .sync_push import SyncBarrier
 from .tokens import TokenSync
-
-
-def sync_for(config: dict[str, Any], num_replicas: int) -> SyncAggregator | TokenSync:
-    """The shard's sync state machine: the token queue under ``sync_tokens``, else the barrier."""
-    to_aggregate = config.get("replicas_to_aggregate") or num_replicas
-    if config.get("sync_tokens"):
-        return TokenSync(to_aggregate, num_replicas, init_tokens=config.get("init_tokens"))
-    return SyncAggregator(to_aggregate, num_replicas, fraction=config.get("aggregate_fraction"))
+from .waits import ShardWaits
 
 
 class TokenPush:
-    """``push_sync`` with tokens (see the module docstring). Uses the shard's state and helpers."""
+    """``push_sync`` with tokens (see the module docstring)."""
 
-    sync: Any
-    acc: torch.Tensor
-    stop: bool
-    error: str | None
-    lock: Any
+    def __init__(self, core: ShardCore, waits: ShardWaits, control: ShardControl, barrier: SyncBarrier,
+                 tokens: TokenSync):
+        """``control``: the holds a push obeys; ``barrier``: whose body accumulates the gradient;
+        ``tokens``: the shard's step source (``core.sync``), its token queue."""
+        self.core = core
+        self.waits = waits
+        self.control = control
+        self.barrier = barrier
+        self.tokens = tokens
 
-    @property
-    def uses_tokens(self) -> bool:
-        return isinstance(self.sync, TokenSync)
-
-    async def _push_token(self, grad: torch.Tensor, replica: int, version: int, loss: float | None,
-                          samples: int, local_step: int, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
-        shard: Any = self
-        cond: asyncio.Condition = shard._condition()
+    async def push(self, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
+                   local_step: int, out: torch.Tensor | None, sparse: Sparse | None) -> Reply:
+        core, waits, control, tokens = self.core, self.waits, self.control, self.tokens
+        cond = waits.condition()
         while True:
-            await shard._wait_unheld(version)
+            await control.wait_unheld(version)
             async with cond:
-                with self.lock:
-                    if shard._still_held(version):  # a hold placed while this push waited for the condition
+                with waits.lock:
+                    if control.still_held(version):  # a hold placed while this push waited for the condition
                         continue
-                    if self.stop or self.error is not None or shard._bad_ids(sparse, replica):
+                    if core.stop or core.error is not None or core.bad_ids(sparse, replica):
                         decision = None
                     else:
-                        decision = shard._sync_accumulate(grad, replica, version, loss, samples, local_step, sparse)
+                        decision = self.barrier.accumulate(grad, replica, version, loss, samples, local_step, sparse)
                 if decision is None or isinstance(decision, Apply):  # applied (tokens_per_step new tokens), or failed
                     cond.notify_all()
-                if self.stop or self.error is not None:
-                    return shard._sparse_reply(out, sparse)
-                token = self.sync.take(replica)
+                if core.stop or core.error is not None:
+                    return core.sparse_reply(out, sparse)
+                token = tokens.take(replica)
                 if token is None:  # TF blocks on the dequeue; dtrain fails after barrier_timeout_s instead
-                    await shard._wait(cond, lambda: bool(self.sync.tokens) or self.stop or self.error is not None,
-                                      f"replica {replica} waited for a sync token after its gradient of local step "
-                                      f"{version} (global step {self.sync.step}; sync_tokens)")
-                    if self.stop or self.error is not None:
-                        return shard._sparse_reply(out, sparse)
-                    token = self.sync.take(replica)
-                reply = shard._sparse_reply(out, sparse)
+                    await waits.wait(cond, lambda: bool(tokens.tokens) or core.stop or core.error is not None,
+                                     f"replica {replica} waited for a sync token after its gradient of local step "
+                                     f"{version} (global step {tokens.step}; sync_tokens)")
+                    if core.stop or core.error is not None:
+                        return core.sparse_reply(out, sparse)
+                    token = tokens.take(replica)
+                reply = core.sparse_reply(out, sparse)
                 return (reply[0], token, *reply[2:])

@@ -217,15 +217,16 @@ def test_ps_state_bytes_counts_what_a_shard_allocates(optimizer, mode):
                                                "optimizer": optimizer}).optimizer
     config = {"index": 0, "mode": mode, "steps": 10, "optimizer": spec.model_dump()}  # as ShardGroup passes it
     shard = ParameterShard(config, torch.zeros(numel))
-    shard.optimizer.step(shard.param, torch.ones(numel))  # momentum's buffer is made by the first step
-    tensors = [v for obj in (shard, shard.optimizer) for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+    shard.core.optimizer.step(shard.param, torch.ones(numel))  # momentum's buffer is made by the first step
+    tensors = [v for obj in (shard.core, shard.gradients, shard.core.optimizer) for v in vars(obj).values()
+               if isinstance(v, torch.Tensor)]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     sync = mode == "sync"
     assert ps_state_bytes(numel * 4, spec, sync=sync) == allocated
     config["moving_average"] = {"decay": 0.99}  # training.moving_average: one more buffer
     averaged = ParameterShard(config, torch.zeros(numel))
-    assert averaged.averages is not None
-    assert ps_state_bytes(numel * 4, spec, averages=True, sync=sync) == allocated + averaged.averages.shadow.nbytes
+    assert averaged.core.averages is not None
+    assert ps_state_bytes(numel * 4, spec, averages=True, sync=sync) == allocated + averaged.core.averages.shadow.nbytes
 
 
 def test_compile_errors_get_their_file_and_line(tmp_path, capsys):
@@ -439,7 +440,7 @@ def test_ps_state_bytes_counts_a_shards_compact_tables(mode):
     shard = ParameterShard({"index": 0, "mode": mode, "steps": 10, "optimizer": spec.model_dump(),
                             "tables": [table_config(table, 0, seed=1)]}, torch.zeros(numel))
     part = shard.tables["emb.weight"]
-    tensors = [v for obj in (shard, shard.optimizer, part, part.optimizer) for v in vars(obj).values()
+    tensors = [v for obj in (shard.core, shard.gradients, shard.core.optimizer, part, part.optimizer) for v in vars(obj).values()
                if isinstance(v, torch.Tensor)]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert part.weight.dtype == torch.bfloat16

@@ -54,8 +54,8 @@ def lose(cluster: SpecCluster, name: str, come_back: bool) -> None:
     actors = list(worker.state.actors.values())
     cluster.sync(worker.close)
     for actor in actors:
-        if getattr(actor, "_server", None) is not None:
-            actor._server.close()
+        if getattr(actor, "data_plane", None) is not None:
+            actor.data_plane.close()
     if come_back:
         time.sleep(0.5)
         cluster.sync(cluster._correct_state)  # the spec still lists it: a new worker is started

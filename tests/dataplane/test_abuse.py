@@ -187,7 +187,7 @@ def test_bad_header_fields_get_an_error_reply(loop, op, flags, replica, expected
         assert error == 1 and expected in msg, msg
         assert closed_by_server(s)
         s.close()
-        assert shard.step == 0 and shard.local_steps == {}
+        assert shard.step == 0 and shard.core.records.local_steps == {}
         client = SocketShard(server.host, server.port, SECRET, replica=1, numel=10, timeout=5, shared_memory=False)
         assert client.push_pull(torch.ones(10), 1, 0, 0.1, 4, 1).result(5)[1] == 1  # the ps still serves
         client.close()
@@ -408,7 +408,7 @@ def test_a_replaced_attempt_cannot_push(loop, shm):  # noqa: F811
         on_loop(loop, shard.set_owner(0, 2))
         with pytest.raises(DataPlaneError, match="attempt 1 is fenced off: attempt 2 owns"):
             old.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)
-        assert shard.step == 0 and torch.equal(shard.param, torch.ones(10)) and shard.samples_total == 0
+        assert shard.step == 0 and torch.equal(shard.param, torch.ones(10)) and shard.core.records.samples_total == 0
         assert new.push_pull(torch.ones(10), 0, 0, 0.1, 4, 1).result(5)[1] == 1
     finally:
         old.close()

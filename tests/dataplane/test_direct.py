@@ -71,8 +71,8 @@ def test_pushes_run_on_the_connection_thread_and_apply_exactly(shm):  # noqa: F8
             params, step, stop, _ = client.push_pull(grad, 0, k, 0.25, 16, k + 1).result(timeout=5)
             expected.add_(grad, alpha=-0.5)
             assert step == k + 1 and not stop and torch.equal(params, expected)
-        assert torch.equal(shard.param, expected) and shard.samples_total == 20 * 16
-        assert shard.local_steps == {0: 20}
+        assert torch.equal(shard.param, expected) and shard.core.records.samples_total == 20 * 16
+        assert shard.core.records.local_steps == {0: 20}
     finally:
         client.close()
         server.close()
@@ -96,7 +96,7 @@ def test_a_checkpoint_hold_stops_direct_applies_until_release(loop, how):  # noq
         assert shard.hold_at == 3
         waiting = client.push_pull(g, 0, 3)
         # The push reaches the shard and waits on the event loop for the release (else: applied).
-        wait_until(lambda: shard._waiting == 1 or waiting.done(), 30.0, "the pull waiting", every=0.005)
+        wait_until(lambda: shard.waits.waiting == 1 or waiting.done(), 30.0, "the pull waiting", every=0.005)
         assert not waiting.done() and shard.step == 3
         state = on_loop(loop, shard.get_state())
         assert state["step"] == 3 and torch.equal(state["params"], torch.full((64,), 1 - 0.5 * 3))
@@ -115,13 +115,13 @@ def test_an_event_loop_push_rechecks_a_hold_set_by_a_direct_apply(loop):  # noqa
     sets that hold): once it has the lock it must wait for the release, not apply past the
     checkpoint step. Fails if push_pull does not re-check the hold under the lock."""
     shard = make_shard(n=8)
-    shard.lock = lock = ContendedLock(shard.lock)
+    shard.waits.lock = lock = ContendedLock(shard.waits.lock)
     with lock:
         pushed = asyncio.run_coroutine_threadsafe(shard.push_pull(torch.ones(8), 0, 0), loop)
         assert lock.contended.wait(30)  # the loop is now blocked on the lock, past _wait_unheld
-        shard.hold_at = shard.step
+        shard.core.hold_at = shard.step
     # It must now wait for the release on the event loop (without the re-check it applies at once).
-    wait_until(lambda: shard._waiting == 1 or pushed.done(), 30.0, "the push waiting", every=0.005)
+    wait_until(lambda: shard.waits.waiting == 1 or pushed.done(), 30.0, "the push waiting", every=0.005)
     assert not pushed.done() and shard.step == 0 and torch.equal(shard.param, torch.ones(8))
     on_loop(loop, shard.release())
     assert pushed.result(timeout=5)[1] == 1
@@ -135,12 +135,12 @@ def test_a_waiting_pull_wakes_after_a_direct_apply(loop):  # noqa: F811
     client = connect(server, 64)
     try:
         pulled = asyncio.run_coroutine_threadsafe(shard.pull(2), loop)
-        wait_until(lambda: shard._waiting != 0, 5, "the pull waiting", every=0.01)
-        assert not pulled.done() and shard._waiting == 1
+        wait_until(lambda: shard.waits.waiting != 0, 5, "the pull waiting", every=0.01)
+        assert not pulled.done() and shard.waits.waiting == 1
         for k in range(2):
             client.push_pull(torch.ones(64), 0, k).result(timeout=5)
         params, step, *_ = pulled.result(timeout=2)
-        assert step == 2 and torch.equal(params, torch.full((64,), 0.0)) and shard._waiting == 0
+        assert step == 2 and torch.equal(params, torch.full((64,), 0.0)) and shard.waits.waiting == 0
     finally:
         client.close()
         server.close()
@@ -247,7 +247,7 @@ def test_which_shards_push_directly(loop):  # noqa: F811
     try:  # a token push must wait for the loop: never answered by the connection thread
         with pytest.raises(DataPlaneError, match="no result from the ps"):
             client.push_sync(torch.ones(8), 0, 0).result(timeout=5)
-        assert shard.sync.step == 0
+        assert shard.core.sync.step == 0
     finally:
         client.close()
         server.close()

@@ -61,7 +61,7 @@ def test_the_barrier_runs_on_connection_threads_and_applies_the_exact_mean(shm):
                 params, step, stop, _ = f.result(timeout=5)
                 assert step == k + 1 and not stop
                 torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)
-        assert shard.samples_total == 15 * 3 * 8 and shard.meter.pushes == 45
+        assert shard.core.records.samples_total == 15 * 3 * 8 and shard.meter.pushes == 45
     finally:
         close(server, cs, stopped)
 

@@ -39,7 +39,7 @@ def test_push_pull_roundtrip_applies_the_gradient(loop, shm):
         params, step, stop, gen = client.push_pull(grad, 0, 0, 0.7, 32, 1).result(timeout=5)
         assert step == 1 and not stop
         assert torch.allclose(params, torch.zeros(1000))  # 1 - 0.5 * 2
-        assert shard.samples_total == 32
+        assert shard.core.records.samples_total == 32
         # the same numbers the actor path (the shard's coroutine on its event loop) computes
         other = make_shard()
         actor = asyncio.run_coroutine_threadsafe(other.push_pull(grad, 0, 0, 0.7, 32, 1), loop).result(5)

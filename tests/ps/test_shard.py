@@ -52,13 +52,13 @@ def test_replies_go_into_the_callers_buffer_else_a_lazy_ring():
         config = {"index": 0, "mode": "async", "steps": 100, "num_replicas": 2,
                   "optimizer": {"name": "sgd", "lr": 1.0}}
         shard = ParameterShard(config, torch.zeros(4))
-        assert shard._ring == []  # nothing allocated until an actor-path reply needs it
+        assert shard.core.ring == []  # nothing allocated until an actor-path reply needs it
         out = torch.empty(4)
         params, step, *_ = await shard.push_pull(torch.ones(4), 0, 0, out=out)
-        assert params is out and step == 1 and torch.equal(out, -torch.ones(4)) and shard._ring == []
+        assert params is out and step == 1 and torch.equal(out, -torch.ones(4)) and shard.core.ring == []
         a, *_ = await shard.pull()
         b, *_ = await shard.pull()
-        assert a.data_ptr() != b.data_ptr() and len(shard._ring) == 2  # snapshots, not the live buffer
+        assert a.data_ptr() != b.data_ptr() and len(shard.core.ring) == 2  # snapshots, not the live buffer
         assert a.data_ptr() != shard.param.data_ptr()
 
     asyncio.run(main())
@@ -73,9 +73,9 @@ def test_only_a_sync_shard_holds_a_gradient_accumulator():
                   "optimizer": {"name": "sgd", "lr": 1.0}}
         shard = ParameterShard(config, torch.zeros(1000))
         await shard.push_pull(torch.ones(1000), 0, 0, out=torch.empty(1000))
-        assert shard.acc.numel() == 0 and torch.equal(shard.param, -torch.ones(1000))
+        assert shard.gradients.acc.numel() == 0 and torch.equal(shard.param, -torch.ones(1000))
         sync = sync_shard(n=1000)
-        assert sync.acc.numel() == 1000
+        assert sync.gradients.acc.numel() == 1000
         both = await asyncio.gather(sync.push_sync(torch.ones(1000), 0, 0), sync.push_sync(torch.full((1000,), 3.0), 1, 0))
         assert all(step == 1 for _, step, *_ in both) and torch.equal(sync.param, torch.full((1000,), -2.0))
 
@@ -94,7 +94,7 @@ def test_excuse_releases_a_replica_waiting_for_a_lost_ones_gradient():
         assert not waiting.done()
         assert await shard.excuse(1, at_step=0) == 1
         params, step, *_ = await asyncio.wait_for(waiting, 2)
-        return params, step, shard.sync.excused
+        return params, step, shard.core.sync.excused
 
     params, step, excused = asyncio.run(main())
     assert step == 1 and torch.equal(params, torch.full((8,), -2.0)) and excused == set()

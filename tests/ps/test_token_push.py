@@ -90,7 +90,7 @@ def test_a_lone_replica_without_tokens_times_out_and_stop_releases_waiters():
             await shard.push_sync(grad(0), 0, 0)
         # The run's last update (steps: 1) stops the shard: a waiting replica gets the stop flag.
         shard = token_shard(2, 2, 0)
-        shard.steps = 1
+        shard.core.steps = 1
         w0 = asyncio.create_task(shard.push_sync(grad(0), 0, 0))
         await asyncio.sleep(0.05)
         _, step, stop, _ = await shard.push_sync(grad(1), 1, 0)
@@ -108,7 +108,7 @@ def test_a_restore_refills_the_init_tokens():
         await shard.push_sync(grad(0), 0, 0)
         state["step"] = 5
         assert await shard.set_state(state) == 5
-        assert list(shard.sync.tokens) == [5, 5] and shard.sync.count == 0
+        assert list(shard.core.sync.tokens) == [5, 5] and shard.core.sync.count == 0
         _, step, *_ = await shard.push_sync(grad(0), 0, 5)
         assert step == 5  # an init token of the restored step
 
@@ -121,7 +121,7 @@ def test_a_hold_placed_while_a_push_waits_for_the_lock_is_kept():
     apply landed during the hold, and the sync checkpoint was refused ("did not agree")."""
     async def main():
         shard = token_shard(2, 1, None)  # every gradient applies at once
-        cond = shard._condition()
+        cond = shard.waits.condition()
         await cond.acquire()  # (what another push or a waiter holds, as the push comes)
         push = asyncio.create_task(shard.push_sync(grad(0), 0, 0))
         await asyncio.sleep(0.05)  # past its hold check, waiting for the condition
