@@ -1,6 +1,7 @@
 """ParameterShard's push under training.sync_tokens on its own event loop (as on a ps worker): the
 checklist's rows S2-S4 and S5-S9 through the real shard, its optimizer and its replies (the reply's
-step is the token: the replica's next local step)."""
+step is the token: the replica's next local step); and TokenPush on its own (ps/token_push.py),
+on parts built by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import asyncio
 import pytest
 import torch
 
+from dtrain.ps.control import ShardControl
 from dtrain.ps.shard import BarrierTimeout, ParameterShard
+from dtrain.ps.sync_push import GradientSum, SyncBarrier
+from dtrain.ps.token_push import TokenPush
+from dtrain.ps.tokens import TokenSync
+from tests.helpers.ps_parts import core_of
 
 
 def token_shard(workers: int, to_aggregate: int, init_tokens: int | None, barrier_s: float = 5.0) -> ParameterShard:
@@ -135,5 +141,43 @@ def test_a_hold_placed_while_a_push_waits_for_the_lock_is_kept():
         await shard.release()
         await asyncio.wait_for(push, 5)
         assert shard.step == 1  # and it applies once released
+
+    asyncio.run(main())
+
+
+def token_push_of(workers: int, to_aggregate: int, init_tokens: int | None):
+    core, waits = core_of("sync", replicas=workers, replicas_to_aggregate=to_aggregate, sync_tokens=True,
+                          init_tokens=init_tokens)
+    control = ShardControl(core, waits)
+    barrier = SyncBarrier(core, waits, control, GradientSum(core.param, True))
+    assert isinstance(core.sync, TokenSync)
+    return core, TokenPush(core, waits, control, barrier, core.sync)
+
+
+def test_a_token_push_replies_with_the_token_it_took():
+    """Every gradient applies (1 to aggregate) and enqueues 2 tokens, behind the 2 init tokens of
+    step 0: fails if the reply's step is the shard's step instead of the token dequeued (the
+    replica's next local step, TensorFlow's), or if the gradient is not applied through the
+    barrier's body (mean over the update's gradients)."""
+    async def main():
+        core, push = token_push_of(2, 1, 2)
+        _, token, *_ = await push.push(torch.full((4,), 2.0), 0, 0, None, 0, 0, None, None)
+        assert token == 0 and core.step == 1 and torch.equal(core.param, torch.full((4,), -2.0))
+        assert list(core.sync.tokens) == [0, 1, 1]
+
+    asyncio.run(main())
+
+
+def test_a_token_push_waits_only_while_the_queue_is_empty():
+    """No init tokens: fails if a push returns without a token (its replica would run ahead of the
+    update), or if the update's tokens do not wake it (it would time out)."""
+    async def main():
+        core, push = token_push_of(2, 2, 0)
+        first = asyncio.create_task(push.push(torch.full((4,), 2.0), 0, 0, None, 0, 0, None, None))
+        await asyncio.sleep(0.05)
+        assert not first.done() and core.step == 0
+        _, token, *_ = await push.push(torch.full((4,), 4.0), 1, 0, None, 0, 0, None, None)
+        _, other, *_ = await asyncio.wait_for(first, 2)
+        assert token == other == 1 and torch.equal(core.param, torch.full((4,), -3.0))
 
     asyncio.run(main())
