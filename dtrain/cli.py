@@ -198,19 +198,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         # What `run` checks before it starts (the user's code imported, the data read): a plan
         # that `run` would refuse is refused here too, as a spec error (exit 2).
-        from .chief.inputs import file_input, sharded
+        # The plan is compiled once, by those checks (a graph pipeline's, which they do not
+        # compile, here), then put on the scheduler's workers when there is one.
         from .chief.preflight import check_before_start
-        from .plan.compiler import compile
+        from .plan.compiler import compile, on_workers
 
-        check_before_start(spec, embedded=spec.cluster.scheduler is None)
-        data = file_input(spec, with_stats=False) if sharded(spec) else None
-        workers = None
+        _, plan = check_before_start(spec, embedded=spec.cluster.scheduler is None)
+        if plan is None:
+            plan = compile(spec)
         if args.scheduler:
             from .deploy.cluster import connect
 
             with connect(spec, scheduler=args.scheduler, wait=False) as conn:
-                workers = conn.workers()
-        plan = compile(spec, workers, data=data)
+                plan = on_workers(plan, spec, conn.workers())
     except SpecError as exc:
         raise locate(exc, args.pipeline, args.overrides) from None
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.format())

@@ -1,13 +1,15 @@
 """What one run of the chief is and where it stands, declared in one place.
 
-:class:`RunContext` is what does not change during a run: the spec, the connection to the
-cluster (its client, the worker address of each task), the run directory, the run's token and
-id, a sharded dataset's input, the caller's progress callback. It is frozen: no role rebinds it.
+:class:`RunContext` is what does not change during a run: the spec, the plan compiled from it
+(once per run), the connection to the cluster (its client, the worker address of each task),
+the run directory, the run's token and id, a sharded dataset's input, the caller's progress
+callback. It is frozen: no role rebinds it.
 
-:class:`RunState` is what the run has reached: the plan on the cluster's workers now (compiled
-again after a recovery or an elastic join), the steps and samples polled from the ps, the
-summary records, each replica's place in its data, the replicas retired, why training stopped,
-the evaluations, the replicas' final stats, the secret the pipeline stages' links share. Every
+:class:`RunState` is what the run has reached: the plan on the cluster's workers now (the
+compiled plan, bound to them again after a recovery or an elastic join or leave: the workers
+changed, not the plan), the steps and samples polled from the ps, the summary records, each
+replica's place in its data, the replicas retired, why training stopped, the evaluations, the
+replicas' final stats, the secret the pipeline stages' links share. Every
 field is declared here; the session owns it and rebinds its fields, and each role
 (``chief/replicas.py``, ``saver.py``, ``recovery.py``, ...) receives it by name to read it (the
 few containers a role keeps up to date are named in the field's comment).
@@ -25,7 +27,7 @@ import torch
 from distributed import Client
 
 from dtrain.deploy.cluster import Connection
-from dtrain.plan.compiler import Plan, compile
+from dtrain.plan.compiler import Plan, on_workers, with_data
 from dtrain.spec.pipeline import PipelineSpec
 
 from .inputs import DataInput, with_stats
@@ -42,6 +44,9 @@ class RunContext:
     resume: bool = False
     data_input: DataInput | None = None  # a sharded dataset (files or a Dask collection): chief/inputs.py
     progress: Callable[[dict[str, Any]], None] | None = None
+    # The run's plan, compiled once, before any cluster started (chief/preflight.py), with a sharded
+    # dataset's assignment and statistics; on no workers yet (place_plan puts it on them).
+    compiled: Plan | None = None
 
     @property
     def client(self) -> Client:
@@ -53,12 +58,17 @@ class RunContext:
         Prometheus series and the replicas' reports tell runs apart by it, never by name alone."""
         return f"{self.spec.name}-{self.token}"
 
-    def compile_plan(self) -> Plan:
-        """The plan on the cluster's workers now (with a sharded dataset's assignment and statistics)."""
-        if self.data_input is None:
-            return compile(self.spec, self.conn.workers(), keep=self.conn.tasks)
-        return with_stats(compile(self.spec, self.conn.workers(), data=self.data_input.manifests,
-                                  keep=self.conn.tasks), self.data_input)
+    def place_plan(self) -> Plan:
+        """The run's compiled plan on the cluster's workers now (``dtrain.plan.compiler.on_workers``:
+        nothing is compiled again; the session calls it at start and whenever the workers change)."""
+        assert self.compiled is not None, "a run context without its compiled plan"
+        return on_workers(self.compiled, self.spec, self.conn.workers(), keep=self.conn.tasks)
+
+
+def run_plan(plan: Plan, data: DataInput | None) -> Plan:
+    """A compiled plan with a sharded dataset's assignment and statistics (``data``: what the run
+    trains on, its shards known before the cluster starts for files, on it for a Dask collection)."""
+    return plan if data is None else with_stats(with_data(plan, data.manifests), data)
 
 
 @dataclass

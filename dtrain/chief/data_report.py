@@ -13,8 +13,8 @@ from functools import lru_cache
 from typing import Any
 
 from dtrain.plan.compiler import Plan
+from dtrain.plan.job import stream_layout
 from dtrain.spec.pipeline import PipelineSpec
-from dtrain.worker.inputs import stream_layout
 
 from .context import RunState
 

@@ -19,8 +19,9 @@ A lost ps task is still a recovery from the latest checkpoint (``dtrain.chief.re
 
 :class:`Elastic` decides (STYLE.md item 3): :meth:`Elastic.poll` returns a :class:`Reform` (the
 slots to free, the workers that take free slots), and the session carries it out (cancels and
-fences the leaving replicas, recompiles the plan, submits the joining ones), telling the elastic
-state of each leave and join (:meth:`Elastic.left`, :meth:`Elastic.joined`) for its counts and log.
+fences the leaving replicas, puts the run's plan on the workers there are now, submits the
+joining ones), telling the elastic state of each leave and join (:meth:`Elastic.left`,
+:meth:`Elastic.joined`) for its counts and log.
 """
 
 from __future__ import annotations

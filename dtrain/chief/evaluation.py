@@ -61,7 +61,7 @@ class Evaluator:
             def run(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
                 return evaluate_on(model, x, y, loss, auc=auc)
         if plan.data is not None:  # streamed from the evaluation shards, one at a time
-            result = evaluate_stream(plan, run, data_report.chief_reader(plan, self.ctx.client))
+            result = evaluate_stream(plan.data, run, data_report.chief_reader(plan, self.ctx.client))
         else:
             data = dataset_for(spec)
             result = run(torch.as_tensor(data.x_test), torch.as_tensor(data.y_test))

@@ -122,7 +122,7 @@ class RunView:
 
     @property
     def plan(self) -> Plan:
-        """The plan the run follows now (frozen; compiled again after a recovery or a join)."""
+        """The plan the run follows now (frozen; on the workers again after a recovery or a join)."""
         return self._state.plan
 
     @property

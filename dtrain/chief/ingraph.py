@@ -51,6 +51,7 @@ from dask.typing import Key
 from distributed import Client, Future, wait
 
 from dtrain.plan.compiler import Plan
+from dtrain.plan.job import replica_job
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.replica import ReplicaStats
 from dtrain.worker.tasks import read_shard, reduce_apply, release, replica_gradients, shard_state
@@ -104,7 +105,7 @@ class InGraphDriver:
         self._stats = [ReplicaStats(r.index) for r in plan.replicas]
         self._held: dict[Any, list[Future]] = {}
         self._pending: deque[tuple[int, list[Future], dict[Key, str]]] = deque()
-        self._config: list[Future] = []  # (spec, plan), scattered to each replica's worker
+        self._config: list[Future] = []  # each replica's job (dtrain.plan.job), scattered to its worker
         self._aborted = False
         self._lock = threading.Lock()
 
@@ -173,7 +174,7 @@ class InGraphDriver:
             labels[reads[-1].key] = f"the read of shard {s}"
         grads = []
         for r, addr in enumerate(self.replica_addresses):
-            grads.append(c.submit(replica_gradients, config[r], self.token, r, *reads,
+            grads.append(c.submit(replica_gradients, config[r], self.token, *reads,
                                   key=self._key(version, f"grad{r}"), **self._pin(addr)))
             labels[grads[-1].key] = f"replica {r}'s gradient task"
         applies = []
@@ -234,12 +235,13 @@ class InGraphDriver:
             self._finished = True
 
     def _begin(self) -> tuple[int, bool]:
-        """Read shard 0's (step, stopped) and send the spec and plan to each replica's worker once
-        (every gradient task refers to them by key)."""
+        """Read shard 0's (step, stopped) and send each replica's job to its worker once (every
+        gradient task refers to it by key)."""
         c = self.client
         start, stopped = self._read_start()
-        for addr in self.replica_addresses:
-            self._config.extend(c.scatter([(self.spec, self.plan)], workers=[addr], hash=False, direct=True))
+        for r, addr in enumerate(self.replica_addresses):
+            self._config.extend(c.scatter([replica_job(self.spec, self.plan, r)], workers=[addr], hash=False,
+                                          direct=True))
         return start, stopped
 
     def _read_start(self) -> tuple[int, bool]:

@@ -84,7 +84,7 @@ class AsyncInGraphDriver(InGraphDriver):
             reads.append(c.submit(read_shard, key, self.timeout, fresh=True, key=self._key(v, f"read{s}-t{r}"),
                                   **self._pin(addr)))
             labels[reads[-1].key] = f"tower {r}'s read of shard {s}"
-        grad = c.submit(tower_gradients, self._config[r], self.token, r, k, *reads, key=self._key(v, f"grad{r}"),
+        grad = c.submit(tower_gradients, self._config[r], self.token, k, *reads, key=self._key(v, f"grad{r}"),
                         **self._pin(self.replica_addresses[r]))
         labels[grad.key] = f"tower {r}'s gradient task"
         pushes = []

@@ -47,6 +47,7 @@ from distributed import wait
 
 from dtrain.plan.assign import task_host
 from dtrain.plan.compiler import Plan
+from dtrain.plan.job import replica_job
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.ingraph_tower_actor import Tower, close_plane, open_plane
 
@@ -96,8 +97,8 @@ class TowerDriver(InGraphDriver):
         data_plane = {"endpoints": [tuple(f.result()) for f in planes], "secret": secret, "tls": tls,
                       "wire_dtype": "float32", "shared_memory": t.shared_memory}
         self._tower_futures = [
-            c.submit(Tower, self.spec, self.plan, r, data_plane, start, key=self._key(-1, f"tower{r}"), actor=True,
-                     **self._pin(addr)) for r, addr in enumerate(self.replica_addresses)]
+            c.submit(Tower, replica_job(self.spec, self.plan, r), data_plane, start, key=self._key(-1, f"tower{r}"),
+                     actor=True, **self._pin(addr)) for r, addr in enumerate(self.replica_addresses)]
         self._wait(self._tower_futures, "starting the towers", {f.key: f"tower {r}"
                                                                 for r, f in enumerate(self._tower_futures)})
         self._towers = [f.result() for f in self._tower_futures]

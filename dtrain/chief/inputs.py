@@ -83,7 +83,7 @@ def record_layout_of(spec: PipelineSpec) -> Any:
 def _as_ids(manifest: Manifest, spec: PipelineSpec) -> Manifest:
     """Integer features are ids when the model takes ids (an embedding table first), numbers
     otherwise (as for a file held in memory); float features for a model that takes ids: ShardError."""
-    from dtrain.worker.replica import id_rows_of
+    from dtrain.plan.job import id_rows_of
 
     takes_ids = id_rows_of(spec) is not None
     if takes_ids and not manifest.ids:
@@ -168,7 +168,7 @@ def collection_input(spec: PipelineSpec, client: Any, data: Any) -> DataInput:
     """Partitions of ``data`` as shards: one pass on the cluster for their rows and moments."""
     import dask
 
-    from dtrain.worker.replica import id_rows_of
+    from dtrain.plan.job import id_rows_of
 
     d = spec.data
     parts, features = _partitions(data, d.target)

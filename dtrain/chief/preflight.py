@@ -13,7 +13,9 @@ cluster starts, the chief does both, so that a pipeline that cannot run fails wi
   module, a forward on the meta device with the data's shape), the labels against the model's
   outputs (labels {0, 1000000} are 1000001 classes, not 2);
 - the plan compiles (variable pins), and on the embedded cluster each ps task's parameters and
-  optimizer state fit its worker's ``cluster.memory_limit``.
+  optimizer state fit its worker's ``cluster.memory_limit``. That plan is the run's: ``dtrain
+  run`` and ``dtrain plan`` compile nothing more, they put it on the cluster's workers
+  (:class:`Preflight`).
 
 Problems carry dotted paths but no file: the CLI gives them their lines
 (:func:`dtrain.spec.loading.locate`).
@@ -22,7 +24,7 @@ Problems carry dotted paths but no file: the CLI gives them their lines
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtrain.plan.compiler import Plan
 from dtrain.spec.errors import Problem, SpecError
@@ -38,12 +40,22 @@ PS_BUFFERS = 1
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 3, "adagrad": 2}  # adam: +1 with amsgrad
 
 
-def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool = False) -> list[Hook]:
-    """Run every check (see the module docstring) and return the built hooks; SpecError listing
-    every problem otherwise. ``embedded``: the run starts its own cluster (memory limits apply).
-    ``collection``: the data is a Dask collection, checked once on the cluster (:func:`collection_data`)."""
+class Preflight(NamedTuple):
+    """What the checks built: the hooks, and the plan compiled from the spec (with a sharded set of
+    files' assignment; on no workers yet; None for a graph pipeline, compiled where it runs)."""
+
+    hooks: list[Hook]
+    plan: Plan | None
+
+
+def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool = False) -> Preflight:
+    """Run every check (see the module docstring) and return the built hooks and the compiled
+    plan; SpecError listing every problem otherwise. ``embedded``: the run starts its own cluster
+    (memory limits apply). ``collection``: the data is a Dask collection, checked once on the
+    cluster (:func:`collection_data`), and assigned to the replicas there."""
     problems: list[Problem] = []
     hooks: list[Hook] = []
+    plan: Plan | None = None
     try:
         hooks = build_hooks(spec.hooks)
     except SpecError as exc:
@@ -55,7 +67,7 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool =
     if spec.is_graph:
         if problems:
             raise SpecError(problems)
-        return hooks
+        return Preflight(hooks, None)
     skeleton = _skeleton(spec, problems)
     if skeleton is not None and spec.model is not None and spec.model.module is not None:
         _module_tables(spec, skeleton, problems)
@@ -86,7 +98,7 @@ def check_before_start(spec: PipelineSpec, *, embedded: bool, collection: bool =
                 _sequential(spec, problems)
     if problems:
         raise SpecError(problems)
-    return hooks
+    return Preflight(hooks, plan)
 
 
 def collection_data(spec: PipelineSpec, client: Any, data: Any) -> Any:

@@ -209,7 +209,7 @@ class Recovery:
             stale += self._end_generation()
         self.ctx.client.cancel(stale, force=True)
         before = dict(self.ctx.conn.tasks)
-        wait_for_tasks(self.ctx.conn, spec, spec.cluster.wait_s)
+        wait_for_tasks(self.ctx.conn, spec, spec.cluster.wait_s, plan=self.state.plan)
         if not restart:
             # wait_for_tasks points every task at its worker now: a task whose worker was restarted
             # (a new address) since the loss was seen was lost too, though no later check can tell

@@ -27,8 +27,8 @@ from distributed import Future
 from distributed import wait as wait_futures
 
 from dtrain.plan.compiler import ReplicaPlan
+from dtrain.plan.job import link_shape, replica_job, stage_job
 from dtrain.worker.stage_tasks import open_stage_listener, stage_task
-from dtrain.worker.stages import link_shape
 from dtrain.worker.tasks import replica_task
 
 from . import data_report
@@ -75,7 +75,7 @@ class ReplicaSet:
                 self.futures[r.index] = self._submit_stages(r, refs, self._start_local_step(r.index))
                 continue
             self.futures[r.index] = ctx.client.submit(
-                replica_task, ctx.spec, plan, r.index, refs, self._start_local_step(r.index),
+                replica_task, replica_job(ctx.spec, plan, r.index), refs, self._start_local_step(r.index),
                 self.shards.data_plane, self._local_rank(r.index), attempt=self.submits, run_id=ctx.run_id,
                 workers=[addr],
                 allow_other_workers=False, pure=False,
@@ -96,8 +96,9 @@ class ReplicaSet:
                  "endpoints": {p: tuple(f.result(timeout=ctx.spec.cluster.wait_s)) for p, f in opening.items()}}
         futures = []
         for p in range(plan.stage_positions):
+            job = stage_job(ctx.spec, plan, replica.index, p)
             futures.append(ctx.client.submit(
-                stage_task, ctx.spec, plan, replica.index, p, refs, start, self.shards.data_plane, links, attempt,
+                stage_task, job, refs, start, self.shards.data_plane, links, attempt,
                 workers=[ctx.conn.tasks[replica.stage_tasks[p]]], allow_other_workers=False, pure=False,
                 key=f"dtrain-stage-{base}-p{p}"))
         self.stage_futures[replica.index] = futures[1:]

@@ -82,18 +82,21 @@ def _run(spec: PipelineSpec, client: Client | None, run_dir: Path, scheduler: st
     embedded = client is None and scheduler is None and spec.cluster.scheduler is None
     if embedded and processes:  # the worker processes' parent imports torch while the checks below run
         forkserver.warm(spec, dask_config(spec))
-    hooks = check_before_start(spec, embedded=embedded, collection=data is not None)
+    # The plan compiled here is the run's only compile: the session puts it on the workers (again
+    # whenever they change), connecting waits for the tasks it uses.
+    hooks, plan = check_before_start(spec, embedded=embedded, collection=data is not None)
     phases.mark("pre-flight: the user's code, the data, the plan")
     data_input = file_input(spec) if data is None and sharded(spec) else None  # cached by the preflight
     t0 = time.time()
     with RunDirLock(run_dir), contextlib.ExitStack() as stack:
         session: Session | None = None
         try:
-            conn = stack.enter_context(connect(spec, client=client, scheduler=scheduler, processes=processes))
+            conn = stack.enter_context(connect(spec, client=client, scheduler=scheduler, processes=processes,
+                                               plan=plan))
             if data is not None:  # a Dask collection: one pass on the cluster for its rows and statistics
                 data_input = collection_data(spec, conn.client, data)
             session = Session(spec, conn, run_dir, resume=resume, progress=_first_step(progress), hooks=hooks,
-                              data=data_input)
+                              data=data_input, plan=plan)
             # Actor handles find their client through the "current client" (this is not made the
             # process-wide default client, which belongs to the user).
             with conn.client.as_current():

@@ -35,12 +35,13 @@ from dtrain.deploy.cluster import Connection
 from dtrain.errors import RunError, Terminated
 from dtrain.model.build import build_model
 from dtrain.plan.compiler import Plan
+from dtrain.plan.compiler import compile as compile_plan
 from dtrain.plan.layout import ShardLayout
 from dtrain.spec.pipeline import PipelineSpec
 
 from . import checkpoint as ckpt_io
 from . import data_report, elastic, evaluation, signals, telemetry
-from .context import RunContext, RunState
+from .context import RunContext, RunState, run_plan
 from .elastic import FENCED, Reform
 from .hooks import (
     Hook,
@@ -70,10 +71,13 @@ class Session:
 
     def __init__(self, spec: PipelineSpec, conn: Connection, run_dir: Path, resume: bool = False,
                  progress: Callable[[dict[str, Any]], None] | None = None, hooks: list[Hook] | None = None,
-                 data: DataInput | None = None):
+                 data: DataInput | None = None, plan: Plan | None = None):
+        # ``plan``: the spec's plan, compiled (dtrain.run's pre-flight compiles it); compiled here
+        # otherwise. Either way the only compile of the run: it is bound to the workers (place_plan).
+        compiled = plan if plan is not None else compile_plan(spec)
         self.ctx = RunContext(spec, conn, run_dir, token=uuid.uuid4().hex[:8], resume=resume, data_input=data,
-                              progress=progress)
-        plan = self.ctx.compile_plan()
+                              progress=progress, compiled=run_plan(compiled, data))
+        plan = self.ctx.place_plan()
         if elastic.required_missing(spec, plan):
             raise RunError("no worker for task(s) " + ", ".join(elastic.required_missing(spec, plan)))
         self.state = RunState(plan)
@@ -139,7 +143,7 @@ class Session:
     def _replan(self, refresh: bool = True) -> None:
         """The plan on the cluster's workers now (after a recovery or a join), and the run
         directory's cluster.json with it."""
-        self.state.plan = self.shards.plan = self.ctx.compile_plan()
+        self.state.plan = self.shards.plan = self.ctx.place_plan()
         self._write_cluster_info(refresh)
 
     def _recover(self, loss: Loss | None) -> bool:
@@ -166,7 +170,7 @@ class Session:
             if decision.checkpoint is None:  # the initial parameters, at step 0
                 self.state.global_step = 0
                 self.state.local_steps = {}
-            self.state.plan = self.shards.plan = self.ctx.compile_plan()
+            self.state.plan = self.shards.plan = self.ctx.place_plan()
             self.start_generation(decision.checkpoint)
         else:
             self._replan()

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
@@ -34,9 +34,11 @@ from dtrain.deploy.env import (  # noqa: F401 (MALLOC_*: re-exported)
 from dtrain.errors import ConnectError, RunError
 from dtrain.observe.scheduler import TelemetryPlugin
 from dtrain.plan.assign import assign_workers, is_replica_task
-from dtrain.spec.device import DeviceSpec
 from dtrain.spec.elastic import adaptive_bounds, elastic_of
 from dtrain.spec.pipeline import PipelineSpec
+
+if TYPE_CHECKING:
+    from dtrain.plan.compiler import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +189,12 @@ class Connection:
                 self.cluster.close(timeout=20)
 
 
-def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict[str, str]:
-    """Block until a worker serves every task; RunError naming the missing tasks otherwise."""
+def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float, plan: Plan | None = None) -> dict[str, str]:
+    """Block until a worker serves every task the plan uses (``plan``: the spec's, compiled
+    here when not given); RunError naming the missing tasks otherwise."""
     from dtrain.plan.compiler import compile
 
-    plan = compile(spec)
-    used = {s.task for s in plan.shards} | {t for r in plan.replicas for t in (r.stage_tasks or (r.task,))}
-    used |= {DeviceSpec.from_string(o.device).task_key() for o in plan.ops}
+    used = (plan if plan is not None else compile(spec)).used_tasks
     deadline = time.monotonic() + timeout
     while True:
         assignment = assign_workers(spec, conn.workers(), keep=conn.tasks)
@@ -232,10 +233,11 @@ def wait_for_tasks(conn: Connection, spec: PipelineSpec, timeout: float) -> dict
 
 @contextlib.contextmanager
 def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | None = None,
-            processes: bool = True, wait: bool = True) -> Iterator[Connection]:
+            processes: bool = True, wait: bool = True, plan: Plan | None = None) -> Iterator[Connection]:
     """The cluster for a run: the given client's, a running scheduler's, or an embedded one.
-    ``wait``: block until a worker serves every task (``wait_for_tasks``); without it, connect
-    only (``dtrain plan --scheduler`` reads the workers there are).
+    ``wait``: block until a worker serves every task ``plan`` uses (the run's compiled plan;
+    ``wait_for_tasks`` compiles the spec's when not given); without it, connect only (``dtrain
+    plan --scheduler`` reads the workers there are).
 
     Whatever dtrain starts here it also stops, whether the run ends, fails or is interrupted.
     """
@@ -304,7 +306,7 @@ def connect(spec: PipelineSpec, client: Client | None = None, scheduler: str | N
                 plugin.register(conn.client)  # the cluster's own scaling keeps the ps and replicas (plugin.py)
                 if spec.observe.telemetry:  # dtrain_* series on /metrics, the dashboard's /dtrain page
                     plugin.register(conn.client, TelemetryPlugin(), "no dtrain_* series on its /metrics, no /dtrain page")
-                wait_for_tasks(conn, spec, spec.cluster.wait_s)
+                wait_for_tasks(conn, spec, spec.cluster.wait_s, plan)
                 phases.mark("connected: a worker for every task")
             yield conn
         finally:

@@ -131,12 +131,13 @@ def _evaluate(spec: PipelineSpec, client: Any, scheduler: str | None, processes:
     from distributed import wait
 
     from dtrain.deploy.cluster import connect
-    from dtrain.plan.compiler import compile
+    from dtrain.plan.compiler import compile, on_workers
 
     # Graph nodes are small: a result that takes longer than this waits on a lost worker.
     timeout = spec.training.call_timeout_s + spec.cluster.wait_s
-    with connect(spec, client=client, scheduler=scheduler, processes=processes) as conn:
-        plan = compile(spec, conn.workers())
+    compiled = compile(spec)  # once: connecting waits for the tasks it uses, then it goes on their workers
+    with connect(spec, client=client, scheduler=scheduler, processes=processes, plan=compiled) as conn:
+        plan = on_workers(compiled, spec, conn.workers())
         if plan.missing_tasks:
             raise RunError("no worker for task(s) " + ", ".join(plan.missing_tasks))
         futures = build_graph(plan, conn.client, soft=spec.placement.soft)

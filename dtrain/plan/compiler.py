@@ -59,7 +59,7 @@ class ShardPlan:
     index: int
     task: str  # "/job:ps/task:0"
     worker: str  # the Dask worker name serving the task ("ps-0") or its listed address
-    address: str | None  # resolved worker address (None until compiled against a cluster)
+    address: str | None  # resolved worker address (None until put on a cluster's workers: on_workers)
     numel: int
     bytes: int
     holds_global_step: bool
@@ -140,6 +140,13 @@ class Plan:
         """``data``, which the plan of a sharded dataset has (asking another plan is a bug)."""
         assert self.data is not None, "the plan has no sharded dataset"
         return self.data
+
+    @property
+    def used_tasks(self) -> set[str]:
+        """The tasks the plan runs something on: its ps shards', its replicas' (each stage task of
+        a pipeline replica) and its graph nodes'."""
+        return {s.task for s in self.shards} | {t for r in self.replicas for t in (r.stage_tasks or (r.task,))} \
+            | {_task_key(DeviceSpec.from_string(o.device)) for o in self.ops}
 
     @property
     def lockstep(self) -> bool:
@@ -227,21 +234,42 @@ def compile(spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | Non
             data: tuple[Manifest, Manifest | None] | None = None, keep: Mapping[str, str] | None = None) -> Plan:
     """Turn a validated spec into a Plan. Pure: the same inputs always give the same Plan.
     ``data``: a sharded dataset's (training, evaluation) manifests (``dtrain.data.shards``, read by
-    the caller): the plan assigns the training shards to the replicas. ``keep``: an earlier
-    automatic assignment of tasks to workers, kept where its workers live (plan/assign.py)."""
-    assignment = assign_workers(spec, workers, keep)
-    addresses, missing = assignment.addresses, assignment.missing
-    if spec.is_graph:
-        plan = _compile_graph(spec, addresses, missing)
-    else:
-        plan = _compile_training(spec, addresses, missing)
+    the caller): the plan assigns the training shards to the replicas (:func:`with_data`).
+    ``workers`` and ``keep``: the cluster's workers, and an earlier automatic assignment of tasks
+    to them kept where its workers live (:func:`on_workers`). A run compiles once and binds that
+    plan to the workers there are (again whenever they change); ``compile(spec, workers)`` is the
+    two in one."""
+    plan = _compile_graph(spec) if spec.is_graph else _compile_training(spec)
     bounds = elastic_of(spec)  # (validation allows it on the replicas' job of a training pipeline only)
-    plan = replace(plan, assignment=assignment.mode, shared_tasks=assignment.shared,
-                   replicas_min=bounds.min if bounds is not None else None, adaptive=adaptive_bounds(spec),
+    plan = replace(plan, replicas_min=bounds.min if bounds is not None else None, adaptive=adaptive_bounds(spec),
                    aggregate_fraction=spec.aggregate_fraction() if bounds is not None and plan.mode == "sync" else None)
     if data is not None:
-        plan = replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
-    return plan
+        plan = with_data(plan, data)
+    return on_workers(plan, spec, workers, keep)
+
+
+def with_data(plan: Plan, data: tuple[Manifest, Manifest | None]) -> Plan:
+    """``plan`` with a sharded dataset's assignment: the training shards of ``data`` (its training
+    and evaluation manifests) over the replicas (plan/inputs.py). Pure, cheap: nothing is built."""
+    return replace(plan, data=plan_data(data[0], [r.task for r in plan.replicas], data[1]))
+
+
+def on_workers(plan: Plan, spec: PipelineSpec, workers: Iterable[Any] | Mapping[str, Any] | None,
+               keep: Mapping[str, str] | None = None) -> Plan:
+    """``plan`` (compiled from ``spec``) on the cluster's ``workers``: the address of the worker
+    serving each task (plan/assign.py; ``keep``: an earlier automatic assignment, kept where its
+    workers live), the tasks the plan uses that have none, and how they were assigned. Pure and
+    cheap: nothing is built, so a run binds its one compiled plan again whenever its workers change
+    (a recovery, an elastic join or leave). ``workers`` None: no addresses (``dtrain plan``)."""
+    assignment = assign_workers(spec, workers, keep)
+    addresses, used = assignment.addresses, plan.used_tasks
+    return replace(
+        plan,
+        shards=tuple(replace(s, address=addresses.get(s.task)) for s in plan.shards),
+        replicas=tuple(replace(r, address=addresses.get(r.task)) for r in plan.replicas),
+        ops=tuple(replace(o, address=addresses.get(_task_key(DeviceSpec.from_string(o.device)))) for o in plan.ops),
+        missing_tasks=tuple(k for k in assignment.missing if k in used),
+        assignment=assignment.mode, shared_tasks=assignment.shared)
 
 
 def _task_key(dev: DeviceSpec) -> str:
@@ -270,7 +298,7 @@ def _layout_and_tables(spec: PipelineSpec) -> tuple[list[tuple[str, tuple[int, .
     return [entry for entry in param_layout(skeleton) if entry[0] not in names], tables
 
 
-def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
+def _compile_training(spec: PipelineSpec) -> Plan:
     ps_job, worker_job = spec.placement.ps_job, spec.placement.worker_job
     num_ps = spec.cluster.num_tasks(ps_job)
     requests: list[VariableRequest] = []
@@ -321,7 +349,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
     for i, (task_key, pos) in enumerate(shard_keys):
         dev = DeviceSpec.from_string(task_key)
         table_bytes = sum(p.bytes for t in tables for p in t.parts if p.shard == i)
-        shards.append(ShardPlan(i, task_key, _worker_of(spec, dev.job, dev.task), addresses.get(task_key),
+        shards.append(ShardPlan(i, task_key, _worker_of(spec, dev.job, dev.task), None,
                                 fill[task_key, pos], fill[task_key, pos] * FLOAT32_BYTES, i == 0, table_bytes, pos))
     ps_bytes: dict[str, int] = {}
     for s in shards:
@@ -339,7 +367,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         if staging is not None:  # the device of the replica's first stage
             dev = base.make_merged_spec(DeviceSpec.from_string(staging.stages[0].device).replace(job=None, task=None))
         task_key = f"/job:{worker_job}/task:{r * stride}"
-        replicas.append(ReplicaPlan(r, task_key, _worker_of(spec, worker_job, r * stride), addresses.get(task_key),
+        replicas.append(ReplicaPlan(r, task_key, _worker_of(spec, worker_job, r * stride), None,
                                     dev.to_string(), staging.tasks_of(r, worker_job) if staging is not None else ()))
 
     layers = []
@@ -354,7 +382,6 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
             dev = replica0.make_merged_spec(DeviceSpec.from_string(layer.device)) if layer.device else replica0
             layers.append(LayerPlan(i, layer.type, layer.name or f"{layer.type}_{i}", dev.to_string(), tuple(shape)))
 
-    used = {s.task for s in shards} | {t for r in replicas for t in (r.stage_tasks or (r.task,))}
     if spec.training.sync_tokens and (tables or len(shards) > 1):  # model.module's tables: known only here
         raise SpecError([Problem("sync_tokens needs every variable in one shard and no sparse tables (the token "
                                  "queue and the update are one step of one ps task): remove sync_tokens",
@@ -363,8 +390,7 @@ def _compile_training(spec: PipelineSpec, addresses: dict[str, str | None], miss
         name=spec.name, mode=spec.training.mode, replication=spec.training.replication, steps=spec.last_step(),
         replicas_to_aggregate=spec.replicas_to_aggregate(), variables=tuple(variables), shards=tuple(shards),
         replicas=tuple(replicas), layers=tuple(layers), tables=tables, ps_bytes=ps_bytes,
-        missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash(),
-        epochs=spec.data.epochs, stages=staging.stages if staging is not None else (),
+        pipeline_hash=spec.pipeline_hash(), epochs=spec.data.epochs, stages=staging.stages if staging is not None else (),
         stage_positions=staging.positions if staging is not None else 1, microbatches=spec.training.microbatches,
         sync_tokens=spec.training.sync_tokens,
     )
@@ -414,7 +440,7 @@ def _check_pins(pins: Mapping[str, str], names: list[str], tables: Sequence[str]
         raise SpecError(problems)
 
 
-def _compile_graph(spec: PipelineSpec, addresses: dict[str, str | None], missing: list[str]) -> Plan:
+def _compile_graph(spec: PipelineSpec) -> Plan:
     # Scopes as in the TF guide's replica_device_setter block (spec/graph.py): the default op device,
     # worker task 0's CPU, is the outer scope of every node; variables first pass the setter, which
     # places nothing without a ps job (ps_tasks=0); `none` clears both (tf.device(None)).
@@ -428,15 +454,12 @@ def _compile_graph(spec: PipelineSpec, addresses: dict[str, str | None], missing
     ops: list[OpPlan] = []
     for var in spec.variables:
         dev = default.make_merged_spec(placed[var.name]) if var.name in placed else default
-        key = _task_key(dev)
-        ops.append(OpPlan(var.name, "variable", (), dev.to_string(), _worker_of(spec, dev.job, dev.task),
-                          addresses.get(key), initial_value(var, spec.training.seed)))
+        ops.append(OpPlan(var.name, "variable", (), dev.to_string(), _worker_of(spec, dev.job, dev.task), None,
+                          initial_value(var, spec.training.seed)))
     for op in spec.graph:
         dev = merge_device(default, op.device) if op.device and not is_clear(op.device) else default
-        key = _task_key(dev)
         ops.append(OpPlan(op.name, op.op, tuple(op.inputs), dev.to_string(), _worker_of(spec, dev.job, dev.task),
-                          addresses.get(key)))
-    used = {_task_key(DeviceSpec.from_string(o.device)) for o in ops}
+                          None))
     return Plan(name=spec.name, mode=spec.training.mode, replication=spec.training.replication,
                 steps=spec.training.steps, replicas_to_aggregate=1, ops=tuple(ops), fetch=tuple(spec.fetch),
-                missing_tasks=tuple(k for k in missing if k in used), pipeline_hash=spec.pipeline_hash())
+                pipeline_hash=spec.pipeline_hash())

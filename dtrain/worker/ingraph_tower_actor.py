@@ -35,8 +35,7 @@ from typing import Any
 from distributed import get_worker
 from distributed.utils import sync
 
-from dtrain.plan.compiler import Plan
-from dtrain.spec.pipeline import PipelineSpec
+from dtrain.plan.job import ReplicaJob
 
 from .buckets import GradBuckets
 from .inputs import MemoryBatches
@@ -45,18 +44,18 @@ from .tasks import _local_shard, socket_handles
 
 
 class Tower:
-    """Replica ``index``'s tower (a Dask actor on its worker task): see the module docstring.
+    """Replica ``job.index``'s tower (a Dask actor on its worker task): see the module docstring.
     ``data_plane``: the shards' endpoints and the driver's secret (``socket_handles``);
     ``start``: the first step the coordinator will run."""
 
-    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, data_plane: dict[str, Any], start: int):
-        t = spec.training
-        self.spec = spec
-        self.index = index
+    def __init__(self, job: ReplicaJob, data_plane: dict[str, Any], start: int):
+        t = job.settings
+        self.job = job
+        self.index = index = job.index
         self.timeout = t.call_timeout_s + t.barrier_timeout_s  # a push waits out the others' gradients
         self.worker = str(get_worker().name)
-        self.rep = ReplicaModel(spec, plan, index, start_local_step=start, owns_replies=True)
-        self.shards = socket_handles(spec, plan, index, data_plane)
+        self.rep = ReplicaModel(job, start_local_step=start, owns_replies=True)
+        self.shards = socket_handles(job, data_plane)
         slots = [sh.grad_slots() for sh in self.shards]
         if self.rep.zero_copy and all(s is not None for s in slots):
             # Shared memory: backward writes each gradient straight into the ps's slots.

@@ -22,27 +22,28 @@ import numpy as np
 import torch
 
 from dtrain.data.sampling import ShardIterator
-from dtrain.data.shards import Shard, read_shard
+from dtrain.data.shards import Manifest, Shard, read_shard
 from dtrain.data.stats import make_transform
-from dtrain.data.stream import ShardStream, StreamLayout
+from dtrain.data.stream import ShardStream
 from dtrain.errors import OutOfRange
-from dtrain.plan.compiler import Plan
-from dtrain.spec.pipeline import PipelineSpec
+from dtrain.plan.inputs import DataPlan
+from dtrain.plan.job import ReplicaJob
 
 Reader = Callable[[Shard], tuple[np.ndarray, np.ndarray]]
 
 
 class MemoryBatches:
-    """Batches of an in-memory dataset (see the module docstring)."""
+    """Batches of an in-memory dataset: replica ``job.index``'s slice (see the module docstring)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, spec: PipelineSpec, index: int, num_replicas: int,
-                 start: int = 0):
-        b = spec.data.batch_size
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, job: ReplicaJob, start: int = 0):
+        data = job.data
+        assert data is not None  # (a job that reads data)
+        b = data.batch_size
         self.x, self.y = x, y
-        self.sampler = ShardIterator(len(x), b, index, num_replicas, spec.training.seed, shuffle=spec.data.shuffle)
+        self.sampler = ShardIterator(len(x), b, job.index, data.replicas, job.settings.seed, shuffle=data.shuffle)
         if start:
             self.sampler.seek(start)  # resume: the data order continues where it stopped
-        self.epochs = spec.data.epochs
+        self.epochs = data.epochs
         # Two buffer pairs: a batch drawn ahead (peek) stays intact while the next is drawn.
         self._bufs = [(torch.empty((b, *x.shape[1:]), dtype=x.dtype, device=x.device),
                        torch.empty((b, *y.shape[1:]), dtype=y.dtype, device=y.device)) for _ in range(2)]
@@ -75,17 +76,8 @@ class MemoryBatches:
         pass
 
 
-def stream_layout(spec: PipelineSpec, plan: Plan, index: int) -> StreamLayout:
-    """Replica ``index``'s stream layout (also what the chief locates positions with)."""
-    d = spec.data
-    rep = plan.required_data().replicas[index]
-    return StreamLayout(tuple(p.rows for p in rep.parts), d.batch_size, d.shuffle_buffer, spec.training.seed, index,
-                        d.shuffle, d.epochs)
-
-
-def file_reader(plan: Plan) -> Reader:
-    """Reads a file shard of ``plan``'s sharded dataset."""
-    schema = plan.required_data().schema
+def file_reader(schema: Manifest | None) -> Reader:
+    """Reads a file shard of a sharded dataset whose files hold ``schema``'s columns."""
 
     def read(shard: Shard) -> tuple[np.ndarray, np.ndarray]:
         assert schema is not None  # a plan of files carries their schema
@@ -97,16 +89,14 @@ def file_reader(plan: Plan) -> Reader:
 class StreamBatches:
     """Batches streamed from the replica's shards (see the module docstring)."""
 
-    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, device: torch.device, start: int = 0,
-                 read: Reader | None = None):
-        d = spec.data
-        self.layout = stream_layout(spec, plan, index)
+    def __init__(self, job: ReplicaJob, device: torch.device, start: int = 0, read: Reader | None = None):
+        assert job.data is not None and job.data.stream is not None  # (a job of a sharded dataset)
+        d = job.data.stream
+        self.layout = d.layout
         self.device = device
-        data = plan.required_data()
-        self.stream = ShardStream(self.layout, data.replicas[index].parts, read or file_reader(plan),
-                                  make_transform(data.stats), readers=d.readers, prefetch=d.prefetch,
-                                  skip_bad=d.skip_bad_files, start=start,
-                                  get_timeout_s=spec.training.call_timeout_s * 10)
+        self.stream = ShardStream(self.layout, d.parts, read or file_reader(d.schema), make_transform(d.stats),
+                                  readers=d.readers, prefetch=d.prefetch, skip_bad=d.skip_bad_files, start=start,
+                                  get_timeout_s=job.settings.call_timeout_s * 10)
 
     @property
     def position(self) -> int:
@@ -125,12 +115,11 @@ class StreamBatches:
         self.stream.close()
 
 
-def evaluate_stream(plan: Plan, evaluate: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
+def evaluate_stream(data: DataPlan, evaluate: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
                     read: Reader | None = None) -> dict[str, float]:
-    """``evaluate`` (mean loss and accuracy of the model on (x, y)) over the evaluation shards, read
-    one at a time, weighted by their rows."""
-    data = plan.required_data()
-    read = read or file_reader(plan)
+    """``evaluate`` (mean loss and accuracy of the model on (x, y)) over the evaluation shards of
+    ``data`` (a plan's sharded dataset), read one at a time, weighted by their rows."""
+    read = read or file_reader(data.schema)
     transform = make_transform(data.stats)
     sums: dict[str, float] = {}
     n = 0

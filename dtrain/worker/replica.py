@@ -4,12 +4,12 @@ Nothing here imports Dask. The loop receives one *shard handle* per shard: any o
 ``push_pull`` / ``push_sync`` / ``pull`` methods return a future with ``.result(timeout=...)``
 (a Dask actor handle is one; tests may pass others). The math — forward, loss, backward — knows
 nothing of shards: :class:`ReplicaModel` owns the model, its persistent shard-shaped buffers and
-the replica's deterministic slice of the data.
+the replica's deterministic slice of the data. Everything the replica reads of the pipeline comes
+in its job description (:class:`dtrain.plan.job.ReplicaJob`), never the spec or the plan.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,13 +26,11 @@ from dtrain.errors import OutOfRange, Unavailable  # Unavailable: a transient er
 from dtrain.model.build import build_model
 from dtrain.model.layers import get_loss
 from dtrain.model.metrics import AucHistogram
-from dtrain.model.tables import TABLE_TYPES, tables_of
+from dtrain.model.tables import tables_of
 from dtrain.observe.meters import Every
-from dtrain.plan.compiler import Plan
-from dtrain.plan.layout import BoundModel, ShardLayout
-from dtrain.plan.tables import TablePlan
+from dtrain.plan.job import MemoryDataset, ReplicaJob, memory_dataset
+from dtrain.plan.layout import BoundModel
 from dtrain.spec.device import DeviceSpec
-from dtrain.spec.layers import EmbeddingLayer
 from dtrain.spec.pipeline import PipelineSpec
 from dtrain.worker.buckets import GradBuckets
 from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
@@ -59,64 +57,19 @@ WAIT_SLICE_S = 1.0  # with ``abandoned``: how often a replica waiting for a ps r
 
 
 @lru_cache(maxsize=4)
-def _cached_dataset(source: str, base_dir: str, target: str, test_fraction: float, standardize: bool, seed: int,
-                    task: Literal["classification", "regression"] | None, num_samples: int, num_features: int | None, num_classes: int,
-                    id_rows: int | None, eval_source: str | None) -> Dataset:
-    return load_dataset(source, base_dir=base_dir, target=target, test_fraction=test_fraction,
-                        standardize=standardize, seed=seed, task=task, num_samples=num_samples,
-                        num_features=num_features, num_classes=num_classes, id_rows=id_rows,
-                        eval_source=eval_source)
-
-
-_TABLE_MODULES: dict[tuple[str, str], bool] = {}
-
-
-def _module_has_tables(model: Any) -> bool:
-    """Whether a ``model.module`` holds sparse embeddings (built once on the meta device)."""
-    from types import SimpleNamespace
-
-    from dtrain.model.build import build_model_skeleton
-    from dtrain.model.tables import tables_of
-
-    key = (model.module, json.dumps(model.kwargs or {}, sort_keys=True, default=str))
-    if key not in _TABLE_MODULES:
-        try:
-            _TABLE_MODULES[key] = bool(tables_of(build_model_skeleton(SimpleNamespace(model=model))))
-        except Exception:  # a module that cannot be built is reported where it is built (preflight)
-            return False
-    return _TABLE_MODULES[key]
+def load_memory(args: MemoryDataset) -> Dataset:
+    """An in-memory dataset (cached per process by its loading arguments: the replicas and the
+    session of one process load it once)."""
+    return load_dataset(args.source, base_dir=args.base_dir, target=args.target, test_fraction=args.test_fraction,
+                        standardize=args.standardize, seed=args.seed, task=args.task, num_samples=args.num_samples,
+                        num_features=args.num_features, num_classes=args.num_classes, id_rows=args.id_rows,
+                        eval_source=args.eval_source)
 
 
 def dataset_for(spec: PipelineSpec) -> Dataset:
-    """The pipeline's dataset (cached per process: replicas and the session load it once)."""
-    d = spec.data
-    model = spec.required_model()
-    task = d.task
-    if task is None and d.source == "synthetic":
-        task = "classification" if model.loss in ("cross_entropy", "bce_with_logits") else "regression"
-    num_features = None
-    if d.source == "synthetic" and model.input_shape:
-        num_features = 1
-        for n in model.input_shape:
-            num_features *= n
-    num_classes = d.num_classes if model.loss == "cross_entropy" else 2
-    id_rows = id_rows_of(spec)
-    return _cached_dataset(d.source, str(spec.base_dir), d.target, d.test_fraction, d.standardize,
-                           spec.training.seed, task, d.num_samples, num_features, num_classes, id_rows,
-                           d.eval_source)
-
-
-def id_rows_of(spec: PipelineSpec) -> int | None:
-    """The model takes integer ids: the rows of its first layer's table, or 0 for a ``model.module``
-    with sparse embeddings (what it computes from them is its own: the ps checks them); None when
-    its features are numbers."""
-    model = spec.required_model()
-    if model.features is not None:
-        return 0  # packed records: each table folds (or checks) its ids itself
-    first = model.layers[0] if model.layers else None
-    if isinstance(first, EmbeddingLayer) and first.type in TABLE_TYPES:
-        return first.num_embeddings
-    return 0 if model.module is not None and _module_has_tables(model) else None
+    """The pipeline's in-memory dataset (:func:`load_memory`), as a replica of it loads it (the chief's
+    evaluation, its checks, the tests)."""
+    return load_memory(memory_dataset(spec))
 
 
 def torch_device(device: str, soft: bool) -> torch.device:
@@ -180,36 +133,31 @@ class StepModel(Protocol):  # pragma: no cover - a typing aid
 
 
 class ReplicaModel:
-    """The replica's model, data slice, loss and persistent buffers."""
+    """The replica's model, data slice, loss and persistent buffers (as its job describes them)."""
 
-    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, device: torch.device | None = None,
-                 start_local_step: int = 0, owns_replies: bool = False, read: Reader | None = None):
-        torch.set_num_threads(spec.training.torch_threads)
-        self.spec = spec
-        self.index = index
-        self.device = device or torch_device(plan.replicas[index].device, spec.placement.soft)
-        self.model = build_model(spec, device=self.device, gathered_tables=bool(getattr(plan, "tables", ())))
+    def __init__(self, job: ReplicaJob, device: torch.device | None = None, start_local_step: int = 0,
+                 owns_replies: bool = False, read: Reader | None = None):
+        settings = job.settings
+        torch.set_num_threads(settings.torch_threads)
+        self.job = job
+        self.index = index = job.index
+        self.device = device or torch_device(job.device, settings.soft_placement)
+        self.model = build_model(job, device=self.device, seed=settings.seed, gathered_tables=bool(job.tables))
         self.model.train()
-        self.loss_fn = get_loss(spec.required_model().loss)
-        self.bound = BoundModel(self.model, ShardLayout.from_plan(plan))
+        self.loss_fn = get_loss(job.model.loss)
+        self.bound = BoundModel(self.model, job.shard_layout())
         # Zero-copy needs reply buffers that stay ours until the next reply (the socket data
         # plane's); Dask's replies may share memory with the ps in an in-process cluster.
         self.zero_copy = self.bound.zero_copy and owns_replies
         # Parameter buffers received from the shards are copied in; gradients go out through two
         # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
-        if getattr(plan, "data", None) is not None:  # a sharded dataset: this replica's shards, streamed
-            self.batches: MemoryBatches | StreamBatches = StreamBatches(spec, plan, index, self.device,
-                                                                        start_local_step, read)
-        else:
-            data = dataset_for(spec)
-            x, y = to_tensors(data.x_train, data.y_train, self.device)
-            self.batches = MemoryBatches(x, y, spec, index, plan.num_replicas, start_local_step)
+        self.batches: MemoryBatches | StreamBatches = batches_of(job, self.device, start_local_step, read)
         self._peeked: Any = None  # the next batch, once drawn ahead (sparse tables)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         # Dropout differs per replica, reproducibly (and per resume point).
-        torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + start_local_step)
+        torch.manual_seed(settings.seed * 1_000_003 + index * 7919 + start_local_step)
 
     def step(self, grads: list[torch.Tensor]) -> tuple[float, int]:
         """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
@@ -225,7 +173,7 @@ class ReplicaModel:
             for p in self.model.parameters():
                 assert p.grad is not None  # bound to the gradient buffers (ReplicaModel.__init__)
                 p.grad.zero_()
-        loss = microbatched(self.model, self.loss_fn, xb, yb, self.spec.training.microbatches)
+        loss = microbatched(self.model, self.loss_fn, xb, yb, self.job.settings.microbatches)
         if not self.zero_copy:
             self.bound.grads_into(grads)
         return loss, len(yb)
@@ -248,6 +196,20 @@ class ReplicaModel:
                 self.bound.params_as_views(s, buf)
             else:
                 self.bound.load_params(s, buf)
+
+
+def batches_of(job: ReplicaJob, device: torch.device, start_local_step: int = 0,
+               read: Reader | None = None) -> MemoryBatches | StreamBatches:
+    """The batches of the job's data slice: its shards of a sharded dataset, streamed, or its slice
+    of the in-memory dataset."""
+    data = job.data
+    assert data is not None  # (a replica, or a pipeline's first stage, reads data)
+    if data.stream is not None:
+        return StreamBatches(job, device, start_local_step, read)
+    assert data.memory is not None
+    dataset = load_memory(data.memory)
+    x, y = to_tensors(dataset.x_train, dataset.y_train, device)
+    return MemoryBatches(x, y, job, start_local_step)
 
 
 def microbatched(model: Callable[[torch.Tensor], torch.Tensor], loss_fn: Callable[..., torch.Tensor],
@@ -281,11 +243,12 @@ def pin_compute_thread(local_rank: int, threads: int) -> list[int]:
     return cpus
 
 
-def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]], *,
+def run_replica(job: ReplicaJob, shards: list[Any] | Callable[[], list[Any]], *,
                 start_local_step: int = 0, owns_replies: bool = False, local_rank: int | None = None,
                 read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None,
                 abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
-    """Train until the ps says stop. Returns the replica's own counters. ``shards``: the handles,
+    """Train replica ``job.index`` until the ps says stop. Returns its own counters. ``shards``: the
+    handles (one per ``job.shards``, in order),
     or a function that opens them, called once the model is built and the data loaded (socket
     connections then do not sit idle through a slow start). ``owns_replies``: the
     handles' reply buffers stay valid until their next reply (enables zero-copy). ``local_rank``:
@@ -296,32 +259,32 @@ def run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | 
     ps says stop, at the end of its data (``data.epochs``: TensorFlow's OutOfRange). ``abandoned``: asked
     before every step and every second of a wait for the ps; when it says so, the replica stops
     (:class:`Abandoned`: its chief is gone, and nobody would read its result)."""
-    if not (spec.training.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
-        return _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report, abandoned)
+    if not (job.settings.pin_cpus and local_rank is not None and hasattr(os, "sched_getaffinity")):
+        return _run_replica(job, shards, start_local_step, owns_replies, read, report, abandoned)
     before = os.sched_getaffinity(0)
-    cpus = pin_compute_thread(local_rank, spec.training.torch_threads)
+    cpus = pin_compute_thread(local_rank, job.settings.torch_threads)
     try:
-        stats = _run_replica(spec, plan, index, shards, start_local_step, owns_replies, read, report, abandoned)
+        stats = _run_replica(job, shards, start_local_step, owns_replies, read, report, abandoned)
         stats.extra["cpus"] = cpus
         return stats
     finally:
         os.sched_setaffinity(0, before)
 
 
-def _run_replica(spec: PipelineSpec, plan: Plan, index: int, shards: list[Any] | Callable[[], list[Any]],
-                 start_local_step: int, owns_replies: bool, read: Reader | None = None,
-                 report: Callable[[dict[str, Any]], None] | None = None,
+def _run_replica(job: ReplicaJob, shards: list[Any] | Callable[[], list[Any]], start_local_step: int,
+                 owns_replies: bool, read: Reader | None = None, report: Callable[[dict[str, Any]], None] | None = None,
                  abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
-    rep = ReplicaModel(spec, plan, index, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
+    rep = ReplicaModel(job, start_local_step=start_local_step, owns_replies=owns_replies, read=read)
     try:
-        return _train(rep, spec, plan.tables, index, shards, start_local_step, report, abandoned)
+        return _train(rep, job, shards, start_local_step, report, abandoned)
     finally:
         rep.batches.close()
 
 
-def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], index: int, shards: list[Any] | Callable[[], list[Any]],
-           start_local_step: int, report: Callable[[dict[str, Any]], None] | None = None,
+def _train(rep: StepModel, job: ReplicaJob, shards: list[Any] | Callable[[], list[Any]], start_local_step: int,
+           report: Callable[[dict[str, Any]], None] | None = None,
            abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
+    index, tables, t = job.index, job.tables, job.settings
     stats = ReplicaStats(index, device=str(rep.device))
     if rep.peek_inputs() is None:  # resumed at the end of its data: nothing left to do
         stats.extra["data"] = rep.batches.info()
@@ -333,15 +296,14 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
         # Shared-memory data plane: backward writes each gradient straight into the ps's slots.
         rep.grad_bufs = [[s[j] for s in slots if s is not None] for j in range(2)]
     buckets = None
-    if spec.training.bucket_mb and rep.zero_copy and spec.training.microbatches == 1:  # (not mid-accumulation)
-        buckets = GradBuckets(rep.bound, shards, max(1, int(spec.training.bucket_mb * 2**20 / 4)))
+    if t.bucket_mb and rep.zero_copy and t.microbatches == 1:  # (not mid-accumulation)
+        buckets = GradBuckets(rep.bound, shards, max(1, int(t.bucket_mb * 2**20 / 4)))
         if not buckets.active:  # no shard's bytes cross a socket
             buckets.remove()
             buckets = None
-    t = spec.training
-    timeout = t.call_timeout_s + (t.barrier_timeout_s if t.mode == "sync" or t.max_staleness is not None else 0)
+    timeout = t.wait_timeout_s
     t_start = time.perf_counter()
-    every = Every(report, spec.observe.interval_s / 2) if report is not None else None
+    every = Every(report, t.interval_s / 2) if report is not None else None
     step_bytes = sum(g.numel() * g.element_size() for g in rep.grad_bufs[0])  # each way, every step
 
     def live() -> dict[str, Any]:
@@ -369,7 +331,7 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
     def said_stop(replies: list[tuple[Any, ...]]) -> bool:
         return not follows and any(r[2] for r in replies)
 
-    router = SparseRouter(rep.model, tables, len(shards), rep.device, record=spec.required_model().module is not None) \
+    router = SparseRouter(rep.model, tables, len(shards), rep.device, record=job.model.module is not None) \
         if tables else None
 
     def sparse(s: int, with_grads: bool = True, _cache: dict = {}) -> dict[str, Any]:  # noqa: B006
@@ -403,7 +365,7 @@ def _train(rep: StepModel, spec: PipelineSpec, tables: tuple[TablePlan, ...], in
     versions = [r[1] for r in replies]
     stop = said_stop(replies)
     pending: list[Any] | None = None
-    overlap = t.overlaps(tables=router is not None)  # default: on in async mode (spec/sections.py)
+    overlap = t.overlap  # default: on in async mode without tables (TrainingSpec.overlaps)
     k = start_local_step
     while not stop:
         check()

@@ -21,10 +21,9 @@ from distributed import get_worker, secede
 from dtrain.dataplane.links import StageListener, connect
 from dtrain.dataplane.protocol import DataPlaneError
 from dtrain.plan.assign import task_host
-from dtrain.plan.compiler import Plan
-from dtrain.spec.pipeline import PipelineSpec
+from dtrain.plan.job import ReplicaJob
 
-from .stages import link_shape, run_stage, stage_shards
+from .stages import run_stage
 from .tasks import own_tls, partition_reader, shard_handles, socket_handles
 
 logger = logging.getLogger(__name__)
@@ -71,15 +70,18 @@ def _claim(key: str, name: str) -> StageListener:
     return entry[0]
 
 
-def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: list[tuple[str, str]],
-               start_local_step: int, data_plane: dict[str, Any] | None, links: dict[str, Any],
-               attempt: int = 0) -> dict[str, Any]:
-    """Stage ``position`` of pipeline replica ``index``: trains until the pipeline stops, returns
-    its counters. ``links``: the secret, TLS flag, and each later stage's listener key and address."""
+def stage_task(job: ReplicaJob, refs: list[tuple[str, str]], start_local_step: int,
+               data_plane: dict[str, Any] | None, links: dict[str, Any], attempt: int = 0) -> dict[str, Any]:
+    """The job's stage (``job.stage.position`` of pipeline replica ``job.index``): trains until
+    the pipeline stops, returns its counters. ``refs``: every shard's ``(worker address, actor
+    key)``, in plan order (the stage takes its own); ``links``: the secret, TLS flag, and each
+    later stage's listener key and address."""
     from dtrain.dataplane.protocol import client_ssl_context
 
+    assert job.stage is not None  # a stage task's job
     secede()
-    t = spec.training
+    index, position = job.index, job.stage.position
+    t = job.settings
     timeout = t.call_timeout_s + t.barrier_timeout_s
     start = max(t.stage_start_timeout_s, timeout)  # each link's first message: the neighbour's start
     name = f"replica {index} stage {position - 1}->{position}"
@@ -87,27 +89,26 @@ def stage_task(spec: PipelineSpec, plan: Plan, index: int, position: int, refs: 
     try:
         if position > 0:
             up = _claim(links["keys"][position], name).accept(name, timeout, start)
-        if position + 1 < plan.stage_positions:
+        if position + 1 < job.stage.positions:
             host, port = links["endpoints"][position + 1]
             ctx = client_ssl_context(own_tls()) if links.get("tls") else None
             down = connect(host, port, links["secret"], f"replica {index} stage {position}->{position + 1}",
-                           timeout, ctx, link_shape(spec, plan, position), start)
+                           timeout, ctx, job.stage.link, start)
     except BaseException:
         for link in (up, down):
             if link is not None:
                 link.close()
         raise
-    mine = stage_shards(plan, position)
     opened: list[Any] = []
 
     def open_handles() -> list[Any]:
-        opened.extend(socket_handles(spec, plan, index, data_plane, attempt, only=mine))  # type: ignore[arg-type]
+        opened.extend(socket_handles(job, data_plane, attempt))  # type: ignore[arg-type]
         return opened
 
-    shards = open_handles if data_plane else shard_handles([refs[i] for i in mine], attempt)
+    shards = open_handles if data_plane else shard_handles([refs[s.index] for s in job.shards], attempt)
     try:
-        stats = run_stage(spec, plan, index, position, shards, up, down, start_local_step,
-                          read=partition_reader(plan) if position == 0 else None, owns_replies=bool(data_plane))
+        stats = run_stage(job, shards, up, down, start_local_step, read=partition_reader(job),
+                          owns_replies=bool(data_plane))  # (a later stage reads no data: no reader)
     finally:
         for s in opened:
             s.close()

@@ -32,16 +32,15 @@ from torch import nn
 from dtrain.dataplane.links import BACKWARD, FORWARD, STOP, Message, StageLink
 from dtrain.model.build import build_model, build_model_skeleton
 from dtrain.model.layers import get_loss, init_parameters
-from dtrain.plan.compiler import Plan
-from dtrain.plan.layout import BoundModel, ShardLayout, part_of
-from dtrain.spec.pipeline import PipelineSpec
-from dtrain.worker.inputs import MemoryBatches, Reader, StreamBatches
+from dtrain.plan.job import ReplicaJob
+from dtrain.plan.layout import BoundModel
+from dtrain.worker.inputs import Reader
 from dtrain.worker.replica import (
     ReplicaError,
     ReplicaStats,
     ShardHandle,
     _train,
-    dataset_for,
+    batches_of,
     microbatched,
     torch_device,
 )
@@ -51,30 +50,6 @@ logger = logging.getLogger(__name__)
 
 class StageError(ReplicaError):
     """A stage received what the pipeline protocol does not allow."""
-
-
-def stage_shards(plan: Plan, position: int) -> list[int]:
-    """The shards holding stage ``position``'s variables, in plan order."""
-    return [s.index for s in plan.shards if s.stage == position]
-
-
-def link_shape(spec: PipelineSpec, plan: Plan, position: int) -> tuple[int, int] | None:
-    """(micro-batches, capacity in bytes) of the shared-memory regions of the link from stage
-    ``position`` to the next: one micro-batch's activations as the plan sizes them, plus room for
-    its labels (64 bytes an example). None when ``training.shared_memory`` is off."""
-    if not spec.training.shared_memory:
-        return None
-    last = [s for s in plan.stages if s.position == position][-1]
-    examples = -(-spec.data.batch_size // spec.training.microbatches)
-    return spec.training.microbatches, -(-(last.activation_bytes + 64 * examples) // 64) * 64 + 64
-
-
-def stage_layout(plan: Plan, position: int) -> ShardLayout:
-    """The layout of stage ``position``'s shards, numbered from 0 in :func:`stage_shards` order."""
-    ids = stage_shards(plan, position)
-    local = {g: i for i, g in enumerate(ids)}
-    parts = [part_of(v, local[v.shard]) for v in plan.variables if v.shard in local]
-    return ShardLayout(parts, [plan.shards[g].numel for g in ids])
 
 
 class _Steps:
@@ -91,62 +66,56 @@ class _Steps:
 
 
 class StageModel:
-    """A stage's layers, buffers and links, with ``ReplicaModel``'s interface (module docstring)."""
+    """A stage's layers, buffers and links, with ``ReplicaModel``'s interface (module docstring):
+    stage ``job.stage.position`` of replica ``job.index``."""
 
-    def __init__(self, spec: PipelineSpec, plan: Plan, index: int, position: int, up: StageLink | None,
-                 down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
-                 owns_replies: bool = False):
-        torch.set_num_threads(spec.training.torch_threads)
-        self.spec, self.index, self.position = spec, index, position
+    def __init__(self, job: ReplicaJob, up: StageLink | None, down: StageLink | None, start_local_step: int = 0,
+                 read: Reader | None = None, owns_replies: bool = False):
+        assert job.stage is not None  # a stage task's job
+        settings = job.settings
+        torch.set_num_threads(settings.torch_threads)
+        self.job, self.index, self.position = job, job.index, job.stage.position
+        index, position = self.index, self.position
         self.up, self.down = up, down
         self.follows = position > 0
-        self.microbatches = spec.training.microbatches
-        soft = spec.placement.soft
-        mine = [s for s in plan.stages if s.position == position]
+        self.microbatches = settings.microbatches
+        soft = settings.soft_placement
         # model.layers: only this stage's layers get memory (built on the meta device, then
         # materialised and initialised here; the ps sends their values at the first pull), so a
         # model too large for one process can be split. A model.module is built whole (its own
         # buffers need its constructor), then only this stage's children are kept.
-        lean = spec.required_model().layers is not None
-        whole = build_model_skeleton(spec) if lean else build_model(spec)
+        lean = job.model.layers is not None
+        whole = build_model_skeleton(job) if lean else build_model(job, seed=settings.seed)
         children = list(whole.named_children())
         self.model = nn.Module()
         self.parts: list[tuple[torch.device, list[nn.Module]]] = []
-        for st in mine:
-            dev = torch_device(st.device, soft)
+        for device, members in job.stage.devices:
+            dev = torch_device(device, soft)
             modules = []
-            for m in st.members:
+            for m in members:
                 name, child = children[m]
-                child = init_parameters(child.to_empty(device=dev), spec.training.seed) if lean else child.to(dev)
+                child = init_parameters(child.to_empty(device=dev), settings.seed) if lean else child.to(dev)
                 self.model.add_module(name, child)
                 modules.append(child)
             self.parts.append((dev, modules))
         del whole
         self.device = self.parts[0][0]
         self.model.train()
-        self.loss_fn = get_loss(spec.required_model().loss)
-        self.bound = BoundModel(self.model, stage_layout(plan, position))
+        self.loss_fn = get_loss(job.model.loss)
+        self.bound = BoundModel(self.model, job.shard_layout())
         # As a whole replica's (ReplicaModel): gradients written by backward straight into the
         # shard-shaped buffers, parameters as views of the replies when they stay ours.
         self.zero_copy = self.bound.zero_copy and owns_replies
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
-        if position > 0:
-            self.batches: Any = _Steps(start_local_step)
-        elif getattr(plan, "data", None) is not None:
-            self.batches = StreamBatches(spec, plan, index, self.device, start_local_step, read)
-        else:
-            from dtrain.data.sources import to_tensors
-
-            data = dataset_for(spec)
-            x, y = to_tensors(data.x_train, data.y_train, self.device)
-            self.batches = MemoryBatches(x, y, spec, index, plan.num_replicas, start_local_step)
+        self.batches: Any = _Steps(start_local_step) if position > 0 \
+            else batches_of(job, self.device, start_local_step, read)
         self._peeked: Any = None
         self.stopped = False
         self.exchange_s = 0.0  # waiting for a neighbour's activations or gradients
         self.exchanges = 0
-        torch.manual_seed(spec.training.seed * 1_000_003 + index * 7919 + position * 104_729 + start_local_step)
+        torch.manual_seed(settings.seed * 1_000_003 + index * 7919 + position * 104_729 + start_local_step)
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,19 +256,19 @@ def _grad_of(inp: torch.Tensor) -> torch.Tensor:
     return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
 
-def run_stage(spec: PipelineSpec, plan: Plan, index: int, position: int,
-              shards: list[ShardHandle] | Callable[[], list[ShardHandle]], up: StageLink | None,
+def run_stage(job: ReplicaJob, shards: list[ShardHandle] | Callable[[], list[ShardHandle]], up: StageLink | None,
               down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
               owns_replies: bool = False) -> ReplicaStats:
-    """Run stage ``position`` of replica ``index`` until the pipeline stops (the first stage: the
-    ps says stop or its data ends; the others: the first stage's STOP). ``shards``: this stage's
-    shard handles (or a function opening them). Links are closed at the end; a stage with a
-    downstream neighbour tells it to stop first, whatever ended this one."""
+    """Run the job's stage (``job.stage.position`` of replica ``job.index``) until the pipeline
+    stops (the first stage: the ps says stop or its data ends; the others: the first stage's
+    STOP). ``shards``: this stage's shard handles, one per ``job.shards`` (or a function opening
+    them). Links are closed at the end; a stage with a downstream neighbour tells it to stop
+    first, whatever ended this one."""
     rep = None
     try:
-        rep = StageModel(spec, plan, index, position, up, down, start_local_step, read, owns_replies)
-        stats = _train(rep, spec, (), index, shards, start_local_step)
-        stats.extra["stage"] = {"position": position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
+        rep = StageModel(job, up, down, start_local_step, read, owns_replies)
+        stats = _train(rep, job, shards, start_local_step)
+        stats.extra["stage"] = {"position": rep.position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
                                 "devices": [str(dev) for dev, _ in rep.parts],
                                 "send_s": sum(lk.send_s for lk in (up, down) if lk is not None),
                                 "bytes_sent": sum(lk.bytes_sent for lk in (up, down) if lk is not None),

@@ -31,9 +31,8 @@ from distributed import get_worker, secede
 from distributed.actor import Actor
 from distributed.utils import sync
 
-from dtrain.plan.compiler import Plan
+from dtrain.plan.job import ReplicaJob
 from dtrain.ps.shard import ParameterShard
-from dtrain.spec.pipeline import PipelineSpec
 
 from .inputs import MemoryBatches
 from .replica import ReplicaModel, model_buffers, run_replica
@@ -116,12 +115,11 @@ class WorkerShard(ParameterShard):
         return self.step > before
 
 
-def socket_handles(spec: PipelineSpec, plan: Plan, index: int, data_plane: dict[str, Any], attempt: int = 0,
-                   only: list[int] | None = None) -> list[Any]:
-    """Socket data-plane handles (``training.transport: socket``), one per shard (TLS with this
-    worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``: this
-    submission of the replica (the ps refuses pushes from its other attempts). ``only``: these
-    shards (a pipeline stage's own)."""
+def socket_handles(job: ReplicaJob, data_plane: dict[str, Any], attempt: int = 0) -> list[Any]:
+    """Socket data-plane handles (``training.transport: socket``), one per shard of the job (a
+    pipeline stage's: its own), each connecting to that shard's endpoint in ``data_plane`` (TLS
+    with this worker's own certificate when the chief asks for it: ``tls`` True). ``attempt``:
+    this submission of the replica (the ps refuses pushes from its other attempts)."""
     from dtrain.dataplane.client import SocketShard
     from dtrain.dataplane.protocol import client_ssl_context
 
@@ -129,34 +127,35 @@ def socket_handles(spec: PipelineSpec, plan: Plan, index: int, data_plane: dict[
     if tls is True:
         tls = own_tls()
     ctx = client_ssl_context(tls) if tls else None
-    timeout = spec.training.call_timeout_s + spec.training.barrier_timeout_s
-    return [SocketShard(host, port, data_plane["secret"], index, s.numel, timeout=timeout, ssl_context=ctx,
+    timeout = job.settings.call_timeout_s + job.settings.barrier_timeout_s
+    endpoints = data_plane["endpoints"]  # each shard's (host, port), in plan order
+    return [SocketShard(host, port, data_plane["secret"], job.index, s.numel, timeout=timeout, ssl_context=ctx,
                         wire_dtype=data_plane.get("wire_dtype", "float32"),
                         shared_memory=data_plane.get("shared_memory", True), attempt=attempt,
-                        in_place_views=spec.required_model().module is None,
-                        tables={t.name: t.dim for t in plan.tables if s.index < len(t.parts)})
-            for (host, port), s in zip(data_plane["endpoints"], plan.shards, strict=True)
-            if only is None or s.index in only]
+                        in_place_views=job.model.module is None, tables=dict(s.tables))
+            for s in job.shards for host, port in [endpoints[s.index]]]
 
 
 REPLICA_TOPIC = "dtrain-replica"  # a replica's counters, for the chief (docs/observability.md)
 
 
-def reporter(spec: PipelineSpec, attempt: int, run_id: str | None = None) -> Any:
+def reporter(job: ReplicaJob, attempt: int, run_id: str | None = None) -> Any:
     """A replica's telemetry: its counters as an event on ``REPLICA_TOPIC`` (the worker's batched
     stream to the scheduler, thread-safe; no round trip), which the chief subscribes to. Tagged
     with the run's id, so a chief never counts another run's replicas of the same name."""
-    if not spec.observe.telemetry:
+    if not job.settings.telemetry:
         return None
     worker = get_worker()
-    tag = {"run": run_id or spec.name, "attempt": attempt, "worker": str(worker.name)}
+    tag = {"run": run_id or job.name, "attempt": attempt, "worker": str(worker.name)}
     return lambda counters: worker.log_event(REPLICA_TOPIC, {**tag, **counters})
 
 
-def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[str, str]],
-                 start_local_step: int = 0, data_plane: dict[str, Any] | None = None,
-                 local_rank: int | None = None, attempt: int = 0, run_id: str | None = None) -> dict[str, Any]:
-    """One long-running replica: trains until the ps says stop, returns its counters.
+def replica_task(job: ReplicaJob, refs: list[tuple[str, str]], start_local_step: int = 0,
+                 data_plane: dict[str, Any] | None = None, local_rank: int | None = None, attempt: int = 0,
+                 run_id: str | None = None) -> dict[str, Any]:
+    """One long-running replica (``job``: what it trains, on which slice of the data, with which
+    shards): trains until the ps says stop, returns its counters. ``refs``: every shard's
+    ``(worker address, actor key)``, in plan order.
 
     With ``data_plane`` (endpoints, secret, tls) the flat buffers travel over the socket data
     plane, its connections opened once the model is built and the data loaded, under
@@ -169,14 +168,14 @@ def replica_task(spec: PipelineSpec, plan: Plan, index: int, refs: list[tuple[st
         # Called by run_replica once its model is built and its data loaded: a connection opened
         # before would sit idle through that (the ps used to drop it after about 2 minutes).
         assert data_plane is not None  # (only with a data plane)
-        opened.extend(socket_handles(spec, plan, index, data_plane, attempt))
+        opened.extend(socket_handles(job, data_plane, attempt))
         return opened
 
-    shards = open_handles if data_plane else shard_handles(refs, attempt)
+    shards = open_handles if data_plane else shard_handles([refs[s.index] for s in job.shards], attempt)
     try:
-        stats = run_replica(spec, plan, index, shards, start_local_step=start_local_step,
-                            owns_replies=bool(data_plane), local_rank=local_rank, read=partition_reader(plan),
-                            report=reporter(spec, attempt, run_id), abandoned=abandoned())
+        stats = run_replica(job, shards, start_local_step=start_local_step, owns_replies=bool(data_plane),
+                            local_rank=local_rank, read=partition_reader(job), report=reporter(job, attempt, run_id),
+                            abandoned=abandoned())
     finally:
         for s in opened:
             close = getattr(s, "close", None)
@@ -203,15 +202,17 @@ def abandoned() -> Callable[[], bool]:
     return gone
 
 
-def partition_reader(plan: Plan) -> Any:
+def partition_reader(job: ReplicaJob) -> Any:
     """For a Dask collection's partitions (``dtrain.run(spec, data=...)``): a reader that computes
-    one partition at a time on this worker (its readers' threads call it); None for files."""
-    if plan.data is None or plan.data.format != "dask":
+    one partition at a time on this worker (its readers' threads call it); None for files or
+    data in memory."""
+    stream = job.data.stream if job.data is not None else None
+    if stream is None or stream.format != "dask":
         return None
     import cloudpickle
     from distributed import get_client
 
-    graphs = cloudpickle.loads(plan.data.partitions)
+    graphs = cloudpickle.loads(stream.partitions)
     client, here = get_client(), get_worker().address  # taken in the task's thread, used by the readers
 
     def read(shard: Any) -> Any:
@@ -260,14 +261,13 @@ def read_shard(actor_key: str, timeout: float, *after: Any, fresh: bool = False)
     return params, step, stop
 
 
-def _replica_model(config: tuple[Any, Any], token: str, index: int) -> ReplicaModel:
+def _replica_model(job: ReplicaJob, token: str) -> ReplicaModel:
     with _LOCK:
-        rep = _MODELS.get((token, index))
+        rep = _MODELS.get((token, job.index))
     if rep is None:
-        spec, plan = config
-        rep = ReplicaModel(spec, plan, index)
+        rep = ReplicaModel(job)
         with _LOCK:
-            _MODELS[(token, index)] = rep
+            _MODELS[(token, job.index)] = rep
     return rep
 
 
@@ -298,16 +298,15 @@ def _gradients(rep: ReplicaModel, local_step: int, reads: tuple[tuple[torch.Tens
             "device": str(rep.device)}
 
 
-def replica_gradients(config: tuple[Any, Any], token: str, index: int, *reads: tuple[torch.Tensor, int, bool]
-                      ) -> dict[str, Any]:
-    """Replica ``index``'s gradient on the parameters of one step (one flat buffer per shard)."""
+def replica_gradients(job: ReplicaJob, token: str, *reads: tuple[torch.Tensor, int, bool]) -> dict[str, Any]:
+    """Replica ``job.index``'s gradient on the parameters of one step (one flat buffer per shard)."""
     steps = sorted({r[1] for r in reads})
     if len(steps) != 1:
-        raise RuntimeError(f"replica {index}: the shards' parameters are of different steps {steps}; "
+        raise RuntimeError(f"replica {job.index}: the shards' parameters are of different steps {steps}; "
                            "a replica never mixes steps")
     version = steps[0]
     # Every replica contributes to every step: its local step is the global step.
-    return {**_gradients(_replica_model(config, token, index), version, reads), "step": version}
+    return {**_gradients(_replica_model(job, token), version, reads), "step": version}
 
 
 def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: tuple[torch.Tensor, int, bool],
@@ -332,12 +331,12 @@ def reduce_apply(actor_key: str, token: str, shard: int, timeout: float, read: t
     return out
 
 
-def tower_gradients(config: tuple[Any, Any], token: str, index: int, local_step: int,
-                    *reads: tuple[torch.Tensor, int, bool]) -> dict[str, Any]:
-    """In-graph async: tower ``index``'s gradient on its ``local_step``-th batch, on the parameters
+def tower_gradients(job: ReplicaJob, token: str, local_step: int, *reads: tuple[torch.Tensor, int, bool]
+                    ) -> dict[str, Any]:
+    """In-graph async: tower ``job.index``'s gradient on its ``local_step``-th batch, on the parameters
     it read. Unlike :func:`replica_gradients` the shards' steps may differ (each applies pushes as
     they arrive, as between-graph async replicas' pulls see them)."""
-    return {**_gradients(_replica_model(config, token, index), local_step, reads), "local_step": local_step,
+    return {**_gradients(_replica_model(job, token), local_step, reads), "local_step": local_step,
             "versions": [r[1] for r in reads]}
 
 

@@ -10,6 +10,7 @@ from distributed import get_task_stream
 import dtrain
 from dtrain.chief.ingraph import InGraphDriver
 from dtrain.chief.ingraph_tower_driver import TowerDriver
+from dtrain.plan.job import replica_job
 from dtrain.worker.ingraph_tower_actor import Tower, close_plane, open_plane
 from tests.helpers.ingraph import TOLERANCE, driver_for, in_graph_spec, shards_for, trained_model
 from tests.helpers.reference import max_abs_diff, single_process
@@ -70,7 +71,8 @@ def test_a_tower_runs_the_steps_in_order_whatever_order_they_arrive_in(inproc_cl
         endpoint = client.submit(open_plane, key, secret, "127.0.0.1", None, 10, workers=[ps], pure=False).result(10)
         plane = {"endpoints": [tuple(endpoint)], "secret": secret, "tls": None, "wire_dtype": "float32",
                  "shared_memory": True}
-        future = client.submit(Tower, spec, shards.plan, 0, plane, 0, actor=True, workers=[worker], pure=False)
+        future = client.submit(Tower, replica_job(spec, shards.plan, 0), plane, 0, actor=True, workers=[worker],
+                               pure=False)
         tower = future.result(30)
         # The actor itself (in this process): step 1 has reached it once its turn condition exists,
         # made by the first call on the worker's loop before that call yields to anything else.

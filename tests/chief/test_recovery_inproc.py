@@ -226,11 +226,11 @@ def test_a_worker_restarted_while_the_chief_waits_for_another_is_lost_too(cluste
     real_wait = recovery.wait_for_tasks
     waits = []
 
-    def wait_for_tasks(conn, spec, timeout):
+    def wait_for_tasks(conn, spec, timeout, **kwargs):
         waits.append(dict(conn.tasks))
         if len(waits) == 1:
             lose(cluster, "worker-0", come_back=True)
-        return real_wait(conn, spec, timeout)
+        return real_wait(conn, spec, timeout, **kwargs)
 
     monkeypatch.setattr(recovery, "wait_for_tasks", wait_for_tasks)
     thread, out = run_in_thread(spec, client, tmp_path / "run")

@@ -613,3 +613,32 @@ def test_every_golden_pipeline_compiles(name):
         assert_consistent(plan)
         assert list(plan.ps_bytes) == [f"/job:ps/task:{i}" for i in range(len(plan.ps_bytes))]
     assert plan.format()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PIPELINES.glob("*.yaml")))
+def test_a_plan_compiled_once_then_put_on_workers_is_the_plan_compiled_with_them(name):
+    """A run compiles once and puts that plan on the workers there are, again whenever they change
+    (on_workers): the same plan as compiling with the workers, named or assigned automatically,
+    all of them or one missing, an earlier automatic assignment kept."""
+    from dtrain.plan.compiler import on_workers
+
+    spec = dtrain.load(PIPELINES / f"{name}.yaml")
+    tasks = [f"{j}-{i}" for j in spec.cluster.jobs for i in range(spec.cluster.num_tasks(j))]
+    named = {f"tcp://10.0.0.{n}:1": {"name": t} for n, t in enumerate(tasks)}
+    anon = {f"tcp://10.0.1.{n}:1": {"name": str(n)} for n in range(len(tasks) + 1)}
+    compiled = dtrain.compile(spec)
+    placed = dtrain.compile(spec, anon)
+    kept = {t.task: t.address for t in (*placed.shards, *placed.replicas) if t.address}  # the earlier assignment
+    for workers, keep in [(None, None), (named, None), (dict(list(named.items())[:-1]), None), (anon, None),
+                          (dict(list(anon.items())[::-1][1:]), kept)]:
+        assert on_workers(compiled, spec, workers, keep).to_json() == \
+            dtrain.compile(spec, workers, keep=keep).to_json()
+
+
+def test_a_sharded_datasets_assignment_joins_a_compiled_plan():
+    from dtrain.chief.inputs import file_input
+    from dtrain.plan.compiler import with_data
+
+    spec = dtrain.load(PIPELINES / "stream_parquet.yaml")
+    data = file_input(spec, with_stats=False)
+    assert with_data(dtrain.compile(spec), data) == dtrain.compile(spec, data=data)

@@ -9,6 +9,7 @@ import pytest
 
 import dtrain
 from dtrain.plan.compiler import compile as compile_plan
+from dtrain.plan.job import replica_job
 from dtrain.worker import replica as replica_mod
 from dtrain.worker.replica import pin_compute_thread, run_replica
 from tests.helpers.paths import PIPELINES
@@ -41,10 +42,10 @@ def test_data_plane_handles_open_after_the_model_and_the_data(monkeypatch):
     spec = dtrain.load(PIPELINES / "digits_async.yaml")
     plan = compile_plan(spec)
     events: list[str] = []
-    real_dataset_for = replica_mod.dataset_for
+    real_load = replica_mod.load_memory
 
-    def dataset_for(s):
-        data = real_dataset_for(s)
+    def load_memory(args):
+        data = real_load(args)
         events.append("data loaded")
         return data
 
@@ -55,9 +56,9 @@ def test_data_plane_handles_open_after_the_model_and_the_data(monkeypatch):
         events.append("connect")
         raise Opened
 
-    monkeypatch.setattr(replica_mod, "dataset_for", dataset_for)
+    monkeypatch.setattr(replica_mod, "load_memory", load_memory)
     with pytest.raises(Opened):
-        run_replica(spec, plan, 0, open_handles, owns_replies=True)
+        run_replica(replica_job(spec, plan, 0), open_handles, owns_replies=True)
     assert events == ["data loaded", "connect"]
 
 
@@ -78,5 +79,6 @@ def test_a_replica_waiting_for_a_ps_stops_within_a_second_once_abandoned():
 
     t0 = time.monotonic()
     with pytest.raises(replica_mod.Abandoned):
-        run_replica(spec, plan, 0, [Silent() for _ in plan.shards], abandoned=lambda: time.monotonic() > gone_at)
+        run_replica(replica_job(spec, plan, 0), [Silent() for _ in plan.shards],
+                    abandoned=lambda: time.monotonic() > gone_at)
     assert time.monotonic() - t0 < 10  # (the timeout: 120 s)

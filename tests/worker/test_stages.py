@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.worker.stages import StageModel, link_shape, stage_layout
+from dtrain.plan.job import link_shape, stage_job
+from dtrain.worker.stages import StageModel
 
 
 def reset_peak() -> None:
@@ -46,12 +47,13 @@ def test_a_later_stage_allocates_only_its_own_layers():
     plan = dtrain.compile(s)
     rss = psutil.Process(os.getpid()).memory_info().rss
     reset_peak()
-    stage = StageModel(s, plan, 0, 1, up=None, down=None)
+    job = stage_job(s, plan, 0, 1)
+    stage = StageModel(job, up=None, down=None)
     grown = peak() - rss
     assert grown < 200 << 20, f"building the stage took the process's peak {grown >> 20} MB higher"
     names = [n for n, _ in stage.model.named_parameters()]
     assert names == ["1.weight", "1.bias", "2.weight", "2.bias"]
-    assert stage_layout(plan, 1).shard_numel == [12_000 * 2 + 12_000 * 10 + 10]
+    assert job.shard_layout().shard_numel == [12_000 * 2 + 12_000 * 10 + 10]
     # Buffers are initialised, not left as the empty memory they were materialised in.
     bn = stage.model.get_submodule("1")
     assert torch.equal(bn.running_mean, torch.zeros(12_000)) and torch.equal(bn.running_var, torch.ones(12_000))
@@ -122,7 +124,7 @@ training: {microbatches: 2, shared_memory: false}
         width = 6 if position == 0 else 5  # this stage's output
         for mb in (0, second):  # queued before the step: the stage reads them in this order
             below.send(BACKWARD, mb, (torch.ones(4, width),))
-        stage = StageModel(s, plan, 0, position, up=up, down=down)
+        stage = StageModel(stage_job(s, plan, 0, position), up=up, down=down)
         with pytest.raises(StageError, match=error):
             stage.step(stage.grad_bufs[0])
         stage.batches.close()
