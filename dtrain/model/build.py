@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -110,11 +110,17 @@ class _Seeded(Protocol):
 
 
 class ModelPipeline(Protocol):
-    """What the builders read of a ``dtrain.PipelineSpec``: its ``model`` section (None: a graph
-    pipeline) and ``training.seed``."""
+    """What the builders read of a ``dtrain.PipelineSpec`` (or of a replica's job description,
+    ``dtrain.plan.job.ReplicaJob``): its ``model`` section (None: a graph pipeline)."""
 
     @property
     def model(self) -> ModelSection | None: ...
+
+
+@runtime_checkable
+class SeededPipeline(ModelPipeline, Protocol):
+    """A pipeline with its ``training.seed``: the seed :func:`build_model` uses when given none."""
+
     @property
     def training(self) -> _Seeded: ...
 
@@ -154,7 +160,10 @@ def build_model(spec: ModelPipeline, device: str | torch.device = "cpu", seed: i
     ``gathered_tables``: sparse embedding tables are built without their rows (a replica's model,
     ``dtrain.model.tables``); by default they are built whole (the initial table the ps holds)."""
     model = _model_section(spec)
-    seed = spec.training.seed if seed is None else seed
+    if seed is None:
+        if not isinstance(spec, SeededPipeline):
+            raise ValueError("build_model needs seed= for a model section without training settings")
+        seed = spec.training.seed
     if model.dlrm is not None:
         return build_dlrm(*_recommendation(model), device, seed=seed, gathered_tables=gathered_tables)
     if model.layers is not None:
