@@ -68,6 +68,7 @@ def child_stream(p: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
+    from dtrain.plan.job import replica_job
     from dtrain.worker.inputs import StreamBatches
 
     torch.set_num_threads(1)
@@ -77,7 +78,7 @@ def child_stream(p: dict[str, Any]) -> dict[str, Any]:
     from dtrain.errors import OutOfRange
 
     t0 = time.perf_counter()
-    batches = StreamBatches(spec, plan, 0, torch.device("cpu"))
+    batches = StreamBatches(replica_job(spec, plan, 0), torch.device("cpu"))
     clock = _Clock(t0)
     try:
         while True:
