@@ -24,7 +24,7 @@ from dtrain.plan.assign import task_host
 from dtrain.plan.job import ReplicaJob
 
 from .stages import run_stage
-from .tasks import own_tls, partition_reader, shard_handles, socket_handles
+from .tasks import abandoned, own_tls, partition_reader, shard_handles, socket_handles
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def stage_task(job: ReplicaJob, refs: list[tuple[str, str]], start_local_step: i
     shards = open_handles if data_plane else shard_handles([refs[s.index] for s in job.shards], attempt)
     try:
         stats = run_stage(job, shards, up, down, start_local_step, read=partition_reader(job),
-                          owns_replies=bool(data_plane))  # (a later stage reads no data: no reader)
+                          owns_replies=bool(data_plane), abandoned=abandoned())  # (a later stage reads no data: no reader)
     finally:
         for s in opened:
             s.close()

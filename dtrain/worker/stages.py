@@ -258,16 +258,18 @@ def _grad_of(inp: torch.Tensor) -> torch.Tensor:
 
 def run_stage(job: ReplicaJob, shards: list[ShardHandle] | Callable[[], list[ShardHandle]], up: StageLink | None,
               down: StageLink | None, start_local_step: int = 0, read: Reader | None = None,
-              owns_replies: bool = False) -> ReplicaStats:
+              owns_replies: bool = False, abandoned: Callable[[], bool] | None = None) -> ReplicaStats:
     """Run the job's stage (``job.stage.position`` of replica ``job.index``) until the pipeline
     stops (the first stage: the ps says stop or its data ends; the others: the first stage's
     STOP). ``shards``: this stage's shard handles, one per ``job.shards`` (or a function opening
     them). Links are closed at the end; a stage with a downstream neighbour tells it to stop
-    first, whatever ended this one."""
+    first, whatever ended this one. ``abandoned``: asked before every step and every second of a
+    wait for the ps, as a replica does (``dtrain.worker.replica.run_replica``): once its chief is
+    gone the stage stops (Abandoned), and its STOP ends the stages after it."""
     rep = None
     try:
         rep = StageModel(job, up, down, start_local_step, read, owns_replies)
-        stats = _train(rep, job, shards, start_local_step)
+        stats = _train(rep, job, shards, start_local_step, abandoned=abandoned)
         stats.extra["stage"] = {"position": rep.position, "exchange_s": rep.exchange_s, "exchanges": rep.exchanges,
                                 "devices": [str(dev) for dev, _ in rep.parts],
                                 "send_s": sum(lk.send_s for lk in (up, down) if lk is not None),

@@ -105,8 +105,15 @@ def test_five_random_kills_during_a_run(inproc_client, tmp_path, mode):
             # checkpoint existed: the restore comes from it or a newer one, never an older one or
             # step 0 (at exactly a multiple the chief may still be writing it). `step` is the global
             # step when the loss was seen.
+            # A kill while the checkpoint at the multiple just reached was still being written (in
+            # the background, training going on) costs that checkpoint: the one before is restored,
+            # and the steps since that snapshot are lost too (docs/session.md, the failure model).
             assert rec["restored_step"] % EVERY == 0 and rec["restored_step"] >= (seen - 1) // EVERY * EVERY, rec
-            assert rec["step"] >= seen and 0 <= rec["step"] - rec["restored_step"] <= EVERY, rec
+            assert rec["step"] >= seen, rec
+            if rec["restored_step"] < seen // EVERY * EVERY:  # that checkpoint was lost, and only that one
+                assert rec["restored_step"] == seen // EVERY * EVERY - EVERY, rec
+            else:
+                assert 0 <= rec["step"] - rec["restored_step"] <= EVERY, rec
         else:  # a replica restarts from the ps's current parameters: nothing lost
             assert rec["restored_step"] is None
     assert summary["eval"]["accuracy"] >= calm_accuracy - 0.02, (summary["eval"], calm_accuracy)

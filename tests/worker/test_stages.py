@@ -131,3 +131,38 @@ training: {microbatches: 2, shared_memory: false}
     finally:
         for link in links:
             link.close()
+
+
+def test_a_first_stage_waiting_for_its_ps_stops_once_abandoned_and_stops_the_next_stage():
+    """A stage task asks ``abandoned`` as a replica does (a deployed cluster's killed chief: its
+    tasks are cancelled, their threads run on): the first stage, waiting on a ps that never answers,
+    stops within seconds (Abandoned), not at the ps's timeout (120 s), and its STOP reaches the
+    stage after it (fails if run_stage drops the check, or ends without telling the next stage)."""
+    import time
+    from concurrent.futures import Future
+
+    from dtrain.dataplane.links import FORWARD, STOP
+    from dtrain.worker.replica import Abandoned
+    from dtrain.worker.stages import run_stage
+
+    class Silent:  # a ps that never answers
+        def pull(self, *args, **kwargs):
+            return Future()
+
+    s = spec(8)
+    plan = dtrain.compile(s)
+    job = stage_job(s, plan, 0, 0)
+    down, below = _pair()
+    try:
+        gone_at = time.monotonic() + 0.5
+        t0 = time.monotonic()
+        with pytest.raises(Abandoned):
+            run_stage(job, [Silent() for _ in job.shards], None, down, abandoned=lambda: time.monotonic() > gone_at)
+        assert time.monotonic() - t0 < 10
+        kinds = []
+        while not kinds or kinds[-1] == FORWARD:
+            kinds.append(below.receive(timeout=5).kind)
+        assert kinds[-1] == STOP, kinds
+    finally:
+        below.close()
+        down.close()
