@@ -4,9 +4,10 @@ test_control.py, test_sync_push.py, test_fastpath.py, test_token_push.py): real 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from dtrain.ps.control import ShardControl
 from dtrain.ps.core import ShardCore
 from dtrain.ps.waits import ShardWaits
+from tests.helpers.waiting import wait_until
 
 
 def core_of(mode: str = "sync", n: int = 4, replicas: int = 1, barrier_s: float = 5.0,
@@ -54,6 +56,35 @@ def loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+async def loop_waiter(waits: ShardWaits, ready: Callable[[], bool], what: str = "w") -> asyncio.Task[None]:
+    """A waiter on the shard's loop condition until ``ready()`` (as a held push or a pull waits),
+    started on the running loop and given time to fall asleep."""
+    cond = waits.condition()
+
+    async def wait() -> None:
+        async with cond:
+            await waits.wait(cond, ready, what)
+
+    task = asyncio.create_task(wait())
+    await asyncio.sleep(0.05)
+    return task
+
+
+def thread_loop_waiter(loop: asyncio.AbstractEventLoop, waits: ShardWaits, ready: Callable[[], bool], what: str,
+                       then: Callable[[], Any] = lambda: None) -> concurrent.futures.Future[Any]:
+    """The same waiter on ``loop``, running on its own thread (:func:`loop_thread`), once it is
+    counted in ``waits.waiting``; its result is ``then()``, read on the loop as the wait ends."""
+    async def wait() -> Any:
+        cond = waits.condition()
+        async with cond:
+            await waits.wait(cond, ready, what)
+        return then()
+
+    future = asyncio.run_coroutine_threadsafe(wait(), loop)
+    wait_until(lambda: waits.waiting == 1, 10, f"{what}: counted as waiting", every=0.005)
+    return future
 
 
 class Sleeper(threading.Thread):

@@ -14,8 +14,7 @@ import torch
 
 from dtrain.ps.control import ShardControl
 from dtrain.ps.fastpath import AsyncPush
-from tests.helpers.ps_parts import core_of, loop_thread
-from tests.helpers.waiting import wait_until
+from tests.helpers.ps_parts import core_of, loop_thread, thread_loop_waiter
 
 
 def async_of(mode: str = "async", **config: Any):
@@ -87,14 +86,7 @@ def test_a_direct_apply_wakes_the_loops_waiters():
     would sleep to its timeout)."""
     core, waits, _, pushes = async_of()
     with loop_thread() as loop:
-        async def pull() -> int:
-            cond = waits.condition()
-            async with cond:
-                await waits.wait(cond, lambda: core.step >= 2, "pull")
-            return core.step
-
-        pulled = asyncio.run_coroutine_threadsafe(pull(), loop)
-        wait_until(lambda: waits.waiting == 1, 10, "the pull waiting", every=0.005)
+        pulled = thread_loop_waiter(loop, waits, lambda: core.step >= 2, "the pull", then=lambda: core.step)
         for version in range(2):
             pushes.push_direct(loop, torch.ones(4), 0, version, None, 0, 0, torch.empty(4))
         assert pulled.result(timeout=2) == 2

@@ -16,7 +16,7 @@ import torch
 from dtrain.ps.control import ShardControl
 from dtrain.ps.replication import Accumulate, Apply, Drop
 from dtrain.ps.sync_push import GradientSum, SyncBarrier
-from tests.helpers.ps_parts import Sleeper, core_of, loop_thread
+from tests.helpers.ps_parts import Sleeper, core_of, loop_thread, thread_loop_waiter
 from tests.helpers.waiting import wait_until
 
 
@@ -162,14 +162,7 @@ def test_direct_pushes_meet_on_the_threads_and_wake_the_loops_waiters():
     does not wake the loop when a waiter is counted (it would sleep to its timeout)."""
     core, waits, _, barrier = barrier_of()
     with loop_thread() as loop:
-        async def pull() -> int:
-            cond = waits.condition()
-            async with cond:
-                await waits.wait(cond, lambda: core.step >= 1, "pull")
-            return core.step
-
-        pulled = asyncio.run_coroutine_threadsafe(pull(), loop)
-        wait_until(lambda: waits.waiting == 1, 10, "the pull waiting", every=0.005)
+        pulled = thread_loop_waiter(loop, waits, lambda: core.step >= 1, "the pull", then=lambda: core.step)
         replies: list[Any] = []
         first = threading.Thread(target=lambda: replies.append(
             barrier.push_direct(loop, torch.full((4,), 2.0), 0, 0, None, 0, 0, torch.empty(4))))

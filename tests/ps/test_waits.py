@@ -9,8 +9,7 @@ import time
 import pytest
 
 from dtrain.ps.waits import BarrierTimeout, ShardWaits
-from tests.helpers.ps_parts import Sleeper, loop_thread
-from tests.helpers.waiting import wait_until
+from tests.helpers.ps_parts import Sleeper, loop_thread, loop_waiter, thread_loop_waiter
 
 
 def test_a_wait_ends_at_its_barrier_timeout_naming_what_it_waited_for():
@@ -35,17 +34,10 @@ def test_the_loops_waits_are_counted_while_they_last():
     wait is not counted (a direct apply would leave it asleep) or stays counted after it ended."""
     async def main():
         waits = ShardWaits(5.0)
-        cond = waits.condition()
-        go = False
-
-        async def waiter() -> None:
-            async with cond:
-                await waits.wait(cond, lambda: go, "w")
-
-        task = asyncio.create_task(waiter())
-        await asyncio.sleep(0.05)
+        state = {"go": False}
+        task = await loop_waiter(waits, lambda: state["go"])
         during = waits.waiting
-        go = True
+        state["go"] = True
         await waits.wake()
         await asyncio.wait_for(task, 2)
         return during, waits.waiting
@@ -59,22 +51,15 @@ def test_a_grace_granted_during_a_wait_lets_it_outlast_its_timeout():
     not cut a longer one (fails if grant_grace overwrites instead of keeping the later time)."""
     async def main():
         waits = ShardWaits(0.2)
-        cond = waits.condition()
-        go = False
-
-        async def waiter() -> None:
-            async with cond:
-                await waits.wait(cond, lambda: go, "w")
-
-        task = asyncio.create_task(waiter())
-        await asyncio.sleep(0.05)
+        state = {"go": False}
+        task = await loop_waiter(waits, lambda: state["go"])
         waits.grant_grace(5.0)
         until = waits.grace_until
         waits.grant_grace(0.0)
         assert waits.grace_until == until
         await asyncio.sleep(0.5)  # past the barrier timeout
         assert not task.done()
-        go = True
+        state["go"] = True
         await waits.wake()
         await asyncio.wait_for(task, 2)
 
@@ -88,16 +73,9 @@ def test_wake_wakes_the_connection_threads_and_the_loops_waiters():
     sleeper = Sleeper(waits).start_sleeping()
 
     async def main():
-        cond = waits.condition()
-        go = False
-
-        async def waiter() -> None:
-            async with cond:
-                await waits.wait(cond, lambda: go, "w")
-
-        task = asyncio.create_task(waiter())
-        await asyncio.sleep(0.05)
-        go = True
+        state = {"go": False}
+        task = await loop_waiter(waits, lambda: state["go"])
+        state["go"] = True
         await waits.wake()
         await asyncio.wait_for(task, 2)
 
@@ -112,13 +90,7 @@ def test_wake_soon_wakes_the_loops_waiters_from_another_thread():
     waits = ShardWaits(5.0)
     state = {"go": False}
     with loop_thread() as loop:
-        async def waiter() -> None:
-            cond = waits.condition()
-            async with cond:
-                await waits.wait(cond, lambda: state["go"], "w")
-
-        done = asyncio.run_coroutine_threadsafe(waiter(), loop)
-        wait_until(lambda: waits.waiting == 1, 10, "the waiter counted", every=0.005)
+        done = thread_loop_waiter(loop, waits, lambda: state["go"], "the waiter")
         state["go"] = True
         waits.wake_soon(loop)
         done.result(timeout=2)
