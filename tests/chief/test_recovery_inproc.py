@@ -49,13 +49,16 @@ def cluster():
 def lose(cluster: SpecCluster, name: str, come_back: bool) -> None:
     """Close worker ``name`` (its task is lost), and with ``come_back`` start a new one of that name.
     A closed worker's actors live on in this process, their data-plane listeners open until a lease
-    that needs the closed worker's loop: closed here, as a dead process's would be."""
+    that needs the closed worker's loop: closed here, as a dead process's would be. So are the
+    connection threads still waiting inside a closed shard (a sync push at its barrier): the shard
+    is stopped once its data plane is closed (no replica reads that stop: their sockets are cut)."""
     worker = cluster.workers.pop(name)
     actors = list(worker.state.actors.values())
     cluster.sync(worker.close)
     for actor in actors:
         if getattr(actor, "data_plane", None) is not None:
             actor.data_plane.close()
+            cluster.sync(actor.request_stop)
     if come_back:
         time.sleep(0.5)
         cluster.sync(cluster._correct_state)  # the spec still lists it: a new worker is started
