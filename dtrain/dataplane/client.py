@@ -153,7 +153,7 @@ class SocketShard:
         reply = self._dense_roundtrip(op, grad, version, loss, samples, local_step, head, sparse)
         return reply if sparse is None else (*reply, self._rows(sparse))
 
-    def _rows(self, sparse: dict) -> dict:
+    def _rows(self, sparse: dict) -> dict | torch.Tensor:
         """The rows of a reply to a request with a sparse block (after its dense part)."""
         try:
             return read_rows(self._sock, sparse, self.tables, self.wire)
@@ -177,16 +177,17 @@ class SocketShard:
             slot = self._next
             self._next ^= 1
             sparse_flag = F_SPARSE if sparse is not None else 0
-            if self.shm is not None:
+            block = encode(sparse, self.wire) if sparse is not None else []
+            if self.shm is not None:  # the header and the sparse block in one call
                 gslot = self._grad_slot(grad) if grad is not None else 0
-                self._sock.sendall(REQ.pack(op, F_SHM | gslot << 1 | slot << 2 | sparse_flag, 0, self.replica,
-                                            version, local_step, loss_f, samples, 0, 0))
+                self._sock.sendall(b"".join([REQ.pack(op, F_SHM | gslot << 1 | slot << 2 | sparse_flag, 0,
+                                                      self.replica, version, local_step, loss_f, samples, 0, 0),
+                                             *block]))
             else:
                 end = 0 if grad is None else grad.numel() if head is None else head
                 self._send(op, grad, 0, end, version, local_step, loss_f, samples, sparse_flag)
-            if sparse is not None:
-                for part in encode(sparse, self.wire):
-                    self._sock.sendall(part)
+                if block:
+                    self._sock.sendall(b"".join(block))
             return slot
         except (TimeoutError, BlockingIOError):  # SO_SNDTIMEO expiry is EAGAIN
             raise DataPlaneUnavailable(f"the ps took no request in {self.timeout:.0f} s") from None

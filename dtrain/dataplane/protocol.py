@@ -68,7 +68,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DTRN5"
+MAGIC = b"DTRN6"
 REQ = struct.Struct("<BBHIqqdIQQ")
 REP = struct.Struct("<qBBHIQ")
 OP_PUSH_PULL, OP_PUSH_SYNC, OP_PULL, OP_PART = 1, 2, 3, 4
@@ -152,6 +152,11 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bytes as int16
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy declares the buffer protocol for Python 3.12+ only
+
+
+ANSWERED = object()
+"""What a direct push returns when its reply was already sent for it (by the push that completed
+its sync step, through the ``respond`` callback the server gave it): nothing more to send."""
 
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import hmac
 import logging
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 
 from . import protocol as proto
-from .rows import F_SPARSE, encode_rows, read_request
+from .protocol import ANSWERED
+from .rows import F_SPARSE, SparseBlock, encode_rows, read_request
 from .shm import F_SHM, SharedParams, SharedSlots
 
 logger = logging.getLogger(__name__)
@@ -310,7 +312,7 @@ class ShardServer:
             self._answer(conn, op, grad, replica, version, local_step, loss, samples, reply,
                          narrow_into=wire_out, send=True, sparse=sparse, dims=dims, direct=direct)
 
-    def _sparse(self, conn: socket.socket, flags: int, dims: dict[str, int]) -> dict | None:
+    def _sparse(self, conn: socket.socket, flags: int, dims: dict[str, int]) -> SparseBlock | None:
         """The request's sparse block (flag ``F_SPARSE``), checked against this shard's tables."""
         if not flags & F_SPARSE:
             return None
@@ -325,40 +327,50 @@ class ShardServer:
 
     def _answer(self, conn: socket.socket, op: int, grad: torch.Tensor, replica: int, version: int,
                 local_step: int, loss: float, samples: int, out: torch.Tensor,
-                narrow_into: torch.Tensor | None, send: bool, sparse: dict | None = None,
+                narrow_into: torch.Tensor | None, send: bool, sparse: SparseBlock | None = None,
                 dims: dict[str, int] | None = None, direct: dict | None = None) -> None:
         """Run the request — a push on this thread when ``direct`` has its op and the shard allows
         it now (``push_direct``, ``push_sync_direct``), else on the ps's event loop (the actor's own
-        methods) —,
-        snapshot into ``out``, narrow it into ``narrow_into`` for a bfloat16 wire, and answer: the
-        header, then the parameters when ``send`` (with shared memory they are already in the
-        reply slot)."""
+        methods) —, snapshot into ``out``, and answer (:meth:`_reply`). A direct sync push that
+        waits for its step is answered by the push that completes the step (``ANSWERED``): its
+        replica's reply then leaves with the step, not after this thread has woken."""
         loss_value = None if math.isnan(loss) and samples == 0 else loss
+        respond = functools.partial(self._reply, conn, sparse, dims or {}, narrow_into, send)
         try:
             reply = None
             if direct and op in direct:
-                reply = direct[op](self.loop, grad, replica, version, loss_value, samples, local_step, out, sparse)
+                reply = direct[op](self.loop, grad, replica, version, loss_value, samples, local_step, out, sparse,
+                                   respond=respond)
+                if reply is ANSWERED:  # the push that completed the step sent this one's reply
+                    return
             if reply is None:
                 reply = self._on_loop(op, grad, replica, version, loss_value, samples, local_step, out, sparse)
-            params, step, stop, generation, *rest = reply
         except Exception as exc:
             self._error(conn, f"{type(exc).__name__}: {exc}")
             return
-        tail = encode_rows(sparse, rest[0], dims or {}, self.wire) if sparse is not None else []
+        respond(reply)
+
+    def _reply(self, conn: socket.socket, sparse: SparseBlock | None, dims: dict[str, int], narrow_into: torch.Tensor | None,
+               send: bool, reply: tuple) -> None:
+        """Send a request's reply (the shard method's result): its header, the parameters when
+        ``send`` (with shared memory they are already in the reply slot; narrowed into
+        ``narrow_into`` for a bfloat16 wire), then the rows block of a request with ``sparse``."""
+        params, step, stop, generation, *rest = reply
+        tail = encode_rows(sparse, rest[0], dims, self.wire) if sparse is not None else []
         if narrow_into is not None:
             narrow_into.copy_(params)
             params = narrow_into
-        if not send:
-            conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, 0))
+        if not send:  # the header and the rows in one call
+            conn.sendall(b"".join([proto.REP.pack(step, int(stop), 0, 0, generation, 0), *tail]))
         else:
             payload = proto.tensor_view(params)
             conn.sendall(proto.REP.pack(step, int(stop), 0, 0, generation, len(payload)))
             conn.sendall(payload)
-        for part in tail:
-            conn.sendall(part)
+            if tail:
+                conn.sendall(b"".join(tail))
 
     def _on_loop(self, op: int, grad: torch.Tensor, replica: int, version: int, loss: float | None, samples: int,
-                 local_step: int, out: torch.Tensor, sparse: dict | None) -> tuple:
+                 local_step: int, out: torch.Tensor, sparse: SparseBlock | None) -> tuple:
         """The request run on the ps's event loop; its reply (the shard method's result)."""
         extra = {} if sparse is None else {"sparse": sparse}
         if op == proto.OP_PULL:

@@ -105,15 +105,19 @@ class TableGroup:
 
     def _rows(self, members: list[int], ids: list[torch.Tensor]) -> torch.Tensor:
         """The group rows of ``ids`` (checked: :meth:`valid`), one tensor of ids per member."""
-        flat, which = self._flat(members, ids)
+        return self.rows_of(*self._flat(members, ids))
+
+    def rows_of(self, flat: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """The group rows of global ids ``flat`` (checked), ``which``: the member of each."""
         base = flat.div(self.num_parts, rounding_mode="floor") if self.strategy == "mod" else flat
         return base + self._shift.index_select(0, which)
 
     def valid(self, members: list[int], ids: list[torch.Tensor]) -> bool:
         """Whether every id is in its table and on this part (else the parts' ``check_ids`` say why)."""
-        if not ids:
-            return True
-        flat, which = self._flat(members, ids)
+        return not ids or self.valid_flat(*self._flat(members, ids))
+
+    def valid_flat(self, flat: torch.Tensor, which: torch.Tensor) -> bool:
+        """:meth:`valid` of global ids ``flat``, ``which``: the member of each."""
         bounds = self._ids.index_select(0, which)
         bad = (flat < bounds[:, 0]) | (flat >= bounds[:, 1])
         if self.strategy == "mod" and self.num_parts > 1:
@@ -126,15 +130,23 @@ class TableGroup:
             grad = torch.cat(grads) if len(grads) > 1 else grads[0]
             self._pending.append((self._rows(members, ids), grad.to(torch.float32)))
 
+    def add_rows(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Row gradients (rows x dim) of group ``rows`` (:meth:`rows_of`) for this step."""
+        if rows.numel():
+            self._pending.append((rows, grads.to(torch.float32)))
+
     def gather(self, members: list[int], ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per member in ``members``, the float32 rows of its ``ids`` (checked), as ``TablePart.gather``
         (views into one tensor the group no longer holds)."""
         if not ids:
             return []
-        index = self._rows(members, ids)
-        self._ensure(index)
-        rows = self.weight.index_select(0, index).to(torch.float32)
+        rows = self.gather_rows(self._rows(members, ids))
         return list(rows.split([t.shape[0] for t in ids]))
+
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The float32 values of group rows ``index`` (:meth:`rows_of`), drawn first where new."""
+        self._ensure(index)
+        return self.weight.index_select(0, index).to(torch.float32)
 
     def _ensure(self, rows: torch.Tensor) -> None:
         """Draw the group rows among ``rows`` that no member has drawn yet (TablePart.ensure)."""

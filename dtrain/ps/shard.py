@@ -197,9 +197,10 @@ class ParameterShard:
 
     def push_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
                     loss: float | None, samples: int, local_step: int, out: torch.Tensor,
-                    sparse: Any = None) -> tuple | None:
+                    sparse: Any = None, respond: Callable[[tuple], None] | None = None) -> tuple | None:
         """``push_pull`` on the calling data-plane connection thread, or None where it must run on
-        the event loop (``AsyncPush.push_direct``; :attr:`direct_pushes` is the caller's check)."""
+        the event loop (``AsyncPush.push_direct``; :attr:`direct_pushes` is the caller's check).
+        ``respond``: unused (an async push never waits for another's), the sync push's signature."""
         return self.async_push.push_direct(loop, grad, replica, version, loss, samples, local_step, out, sparse)
 
     async def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None,
@@ -215,10 +216,11 @@ class ParameterShard:
 
     def push_sync_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
                          loss: float | None, samples: int, local_step: int, out: torch.Tensor,
-                         sparse: Sparse | None = None) -> tuple | None:
+                         sparse: Sparse | None = None, respond: Callable[[tuple], None] | None = None) -> Any:
         """``push_sync`` on the calling data-plane connection thread, or None where it must run on
-        the event loop (``SyncBarrier.push_direct``; :attr:`direct_sync` is the caller's check)."""
-        return self.barrier.push_direct(loop, grad, replica, version, loss, samples, local_step, out, sparse)
+        the event loop (``SyncBarrier.push_direct``; :attr:`direct_sync` is the caller's check).
+        ``respond``: sends this push's reply (then ``ANSWERED`` may come back: it was sent)."""
+        return self.barrier.push_direct(loop, grad, replica, version, loss, samples, local_step, out, sparse, respond)
 
     async def excuse(self, replica: int, at_step: int | None, how: str = "excuse") -> int:
         """Sync: lost ``replica`` will not push for step ``at_step``; ``how``: ``excuse``,

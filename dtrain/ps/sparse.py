@@ -15,22 +15,29 @@ from typing import Any
 
 import torch
 
+from dtrain.dataplane.rows import SparseBlock
+
 from .dynamic import DynamicTablePart
 from .groups import TableGroup, table_parts
 from .rows import TablePart
 
-DRAW_AT_START = 1 << 23
+DRAW_AT_START = 1 << 25
 """Values (rows x dim) of the parts initialised per id that a ps task draws when it starts (about
-0.1 s): every part of a model whose tables are small, a large model's small tables."""
+0.2 s; their memory is the table's own, allocated anyway): every part of a model whose tables are
+a few million rows (a DLRM at Criteo's 1% scale), a large model's smaller tables. A row not
+drawn then is drawn the first time a step touches it, at several times the cost per row (a small
+call per table and step while most of a large table's rows are new)."""
 
 Part = TablePart | DynamicTablePart
-Sparse = dict[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None
+Sparse = Mapping[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None (or a SparseBlock)
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
 _Batch = tuple[list[int], list[Any], list[Any], list[str]]  # (members, tensors, gradients, names), one entry each
 
 
 def rows_bytes(sparse: Sparse) -> int:
     """A push's table rows: ids, row gradients, next ids (the dense gradient is the shard's size)."""
+    if isinstance(sparse, SparseBlock):
+        return sparse.nbytes
     return sum(int(getattr(t, "nbytes", 0)) for block in sparse.values() for t in block if t is not None)
 
 
@@ -49,7 +56,28 @@ class ShardTables(Mapping[str, Part]):
         self.shard = shard
         self._grouped = {name: (group, m) for group in self.groups for m, name in enumerate(group.names)}
         self._alone = [part for name, part in self.parts.items() if name not in self._grouped]
+        self._members: dict[tuple[str, ...], tuple[TableGroup, torch.Tensor] | None] = {}
         self.draw_small_parts(draw)
+
+    def _one_group(self, block: SparseBlock) -> tuple[TableGroup, torch.Tensor] | None:
+        """(the group, each table's member index) when every table of ``block`` is one group's
+        member and pushes rows of its width (the batched path: the block's flat tensors, no
+        tensor per table), else None. Remembered per list of names (a replica sends the same list
+        every step)."""
+        key = tuple(block.names)
+        if key not in self._members:
+            where = [self._grouped.get(name) for name in key]
+            one = None
+            if where and all(w is not None for w in where) and len({id(w[0]) for w in where if w}) == 1:
+                group = where[0][0]  # type: ignore[index]
+                one = (group, torch.tensor([w[1] for w in where if w is not None]))
+            self._members[key] = one
+        one = self._members[key]
+        return one if one is not None and block.width in (None, one[0].dim) else None
+
+    @staticmethod
+    def _which(members: torch.Tensor, counts: list[int], total: int) -> torch.Tensor:
+        return members.repeat_interleave(torch.tensor(counts), output_size=total)
 
     def __getitem__(self, name: str) -> Part:
         return self.parts[name]
@@ -99,6 +127,11 @@ class ShardTables(Mapping[str, Part]):
         the request's order, naming the table and the id), or None."""
         if not sparse:
             return None
+        if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
+            g, which = one
+            if g.valid_flat(sparse.ids, self._which(which, sparse.push, len(sparse.ids))) and \
+                    g.valid_flat(sparse.wanted, self._which(which, sparse.want, len(sparse.wanted))):
+                return None
         batches, alone = self._batches(sparse, (0, 2))
         if all(group.valid(b[0], b[1]) for group, b in batches.items()) and all(
                 name in self.parts and not self.parts[name].check_ids(sparse[name][0])
@@ -116,6 +149,12 @@ class ShardTables(Mapping[str, Part]):
         """One replica's row gradients of this step (applied, summed per id, by :meth:`apply`)."""
         if not sparse:
             return
+        if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
+            g, which = one
+            if sparse.grads is not None and len(sparse.ids):
+                rows = g.rows_of(sparse.ids, self._which(which, sparse.push, len(sparse.ids)))
+                g.add_rows(rows, sparse.grads.view(len(sparse.ids), g.dim))
+            return
         batches, alone = self._batches(sparse, (0,))
         for group, (members, ids, grads, _names) in batches.items():
             group.add_grad(members, ids, grads)
@@ -124,10 +163,14 @@ class ShardTables(Mapping[str, Part]):
             if ids is not None and len(ids):
                 self.parts[name].add_grad(ids, grads)
 
-    def gather(self, sparse: Sparse | None) -> dict[str, torch.Tensor]:
-        """The rows a replica asked for (its next batch's ids on this task), after the update."""
+    def gather(self, sparse: Sparse | None) -> dict[str, torch.Tensor] | torch.Tensor:
+        """The rows a replica asked for (its next batch's ids on this task), after the update: per
+        table, or, for a :class:`SparseBlock` of one group's tables, side by side in its order."""
         if not sparse:
             return {}
+        if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
+            g, which = one
+            return g.gather_rows(g.rows_of(sparse.wanted, self._which(which, sparse.want, len(sparse.wanted))))
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)

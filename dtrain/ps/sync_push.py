@@ -13,9 +13,9 @@ which the token queue's push uses too: ps/token_push.py):
 - ``push_direct`` (``ParameterShard.push_sync_direct``) — on the data plane's connection thread,
   under the shard's ``lock``, with no hop to the event loop (that hop cost more of the ps's CPU
   than the apply: ps/fastpath.py). A waiting push sleeps on ``tcond``, a ``threading.Condition``
-  on the same lock. Only where nothing but the barrier can make the push wait: no token queue
-  (``sync_tokens``), no sparse tables, and, checked under the lock, no hold of its step, no stop
-  and no error; else it returns None and the connection thread takes the event-loop path.
+  on the same lock, and the push that completes the step sends its reply for it (``respond``).
+  Only where nothing but the barrier can make the push wait: no token queue (``sync_tokens``),
+  and, checked under the lock, no hold of its step, no stop and no error; else it returns None and the connection thread takes the event-loop path.
 
 The step's gradient sum is a :class:`GradientSum` the barrier is given (``ParameterShard`` owns
 it: a restore clears it). Both kinds of waiter are woken whichever side moves the step:
@@ -28,9 +28,14 @@ the loop's wake-up when a loop waiter is counted (``ShardWaits.waiting``); ``Sha
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from dtrain.dataplane.protocol import ANSWERED
 
 from .control import ShardControl
 from .core import ShardCore
@@ -38,6 +43,8 @@ from .replication import Accumulate, Apply, Decision, Drop
 from .sparse import Reply, Sparse, rows_bytes
 from .tokens import TokenSync
 from .waits import ShardWaits
+
+logger = logging.getLogger(__name__)
 
 
 class FencedOff(RuntimeError):
@@ -95,6 +102,17 @@ class GradientSum:
         self.first = None
 
 
+class _Waiter:
+    """A direct sync push waiting for its step, with what its reply needs (:meth:`SyncBarrier.push_direct`)."""
+
+    __slots__ = ("version", "out", "sparse", "respond", "answered")
+
+    def __init__(self, version: int, out: torch.Tensor, sparse: Sparse | None,
+                 respond: Callable[[tuple], None] | None):
+        self.version, self.out, self.sparse, self.respond = version, out, sparse, respond
+        self.answered = False
+
+
 class SyncBarrier:
     """``push`` and ``push_direct`` (``push_sync`` and ``push_sync_direct``), ``excuse`` and
     ``apply_mean`` (see the module docstring)."""
@@ -105,6 +123,7 @@ class SyncBarrier:
         self.waits = waits
         self.control = control
         self.gradients = gradients
+        self.waiters: list[_Waiter] = []  # direct pushes waiting for their step, with a respond
 
     @property
     def direct(self) -> bool:
@@ -174,11 +193,19 @@ class SyncBarrier:
 
     def push_direct(self, loop: asyncio.AbstractEventLoop, grad: torch.Tensor, replica: int, version: int,
                     loss: float | None, samples: int, local_step: int, out: torch.Tensor,
-                    sparse: Sparse | None = None) -> tuple | None:
+                    sparse: Sparse | None = None, respond: Callable[[tuple], None] | None = None) -> Any:
         """:meth:`push` on the calling (connection) thread, or None where it must run on the event
         loop: a checkpoint hold of its step, a stop or an error (:attr:`direct` is the caller's
-        check). ``sparse``: as for :meth:`push` (the reply then carries the rows)."""
+        check). ``sparse``: as for :meth:`push` (the reply then carries the rows).
+
+        ``respond`` (the server's: sends this push's reply on its connection): a push that waits
+        for its step leaves it here, and the push that completes the step answers every such
+        waiter itself, right after the apply, before waking them (``ANSWERED`` is then the
+        waiter's return: its reply is sent). A replica's reply thus leaves with the step instead
+        of after its connection thread has woken and taken the lock and the GIL again, which on
+        a busy machine costs a scheduling round per waiter on every step."""
         core, waits = self.core, self.waits
+        others: list[tuple[_Waiter, tuple]] = []
         with waits.lock:
             if self.control.held(version) or core.stop or core.error is not None:
                 return None
@@ -188,20 +215,48 @@ class SyncBarrier:
             else:
                 decision = self.accumulate(grad, replica, version, loss, samples, local_step, sparse, borrow=True)
             if isinstance(decision, Accumulate):
+                waiter = _Waiter(version, out, sparse, respond)
+                if respond is not None:
+                    self.waiters.append(waiter)
                 try:
-                    self._wait_thread(version, replica)
+                    self._wait_thread(version, replica, waiter)
                 finally:
                     self.gradients.own_first(grad)
+                    if waiter in self.waiters:
+                        self.waiters.remove(waiter)
+                if waiter.answered:
+                    return ANSWERED
+            elif isinstance(decision, Apply) and self.waiters:
+                others = self._answers(version)
             reply = core.sparse_reply(out, sparse)
+        for waiter, answer in others:  # (outside the lock: sends; each waiter's thread stays away from its socket)
+            try:
+                assert waiter.respond is not None  # (only waiters with a respond are listed)
+                waiter.respond(answer)
+            except Exception as exc:  # its replica's connection broke: that replica's own thread sees it
+                logger.warning("ps: a sync reply could not be sent for a waiting push: %s", exc)
         if waits.waiting and not isinstance(decision, (Accumulate, Drop)):
             waits.wake_soon(loop)  # the step moved (or an error): loop waiters
         return reply
 
-    def _wait_thread(self, version: int, replica: int) -> None:
-        """Sleep on ``tcond`` (the caller holds ``lock``) until step ``version`` is applied, for
-        barrier_timeout_s or longer while a session's grace lasts, like the loop's waits."""
+    def _answers(self, version: int) -> list[tuple[_Waiter, tuple]]:
+        """The replies of the direct pushes waiting for step ``version``, just applied (the caller
+        holds ``lock``): each marked answered and taken off the list, its reply as it would have
+        made it after waking."""
+        ready = [w for w in self.waiters if w.version == version]
+        out = []
+        for w in ready:
+            self.waiters.remove(w)
+            w.answered = True
+            out.append((w, self.core.sparse_reply(w.out, w.sparse)))
+        return out
+
+    def _wait_thread(self, version: int, replica: int, waiter: _Waiter | None = None) -> None:
+        """Sleep on ``tcond`` (the caller holds ``lock``) until step ``version`` is applied (or
+        ``waiter`` answered), for barrier_timeout_s or longer while a session's grace lasts, like
+        the loop's waits."""
         t0 = time.monotonic()
-        while not self.applied(version):
+        while not self.applied(version) and not (waiter is not None and waiter.answered):
             self.waits.tcond.wait(self.waits.remaining(t0, f"replica {replica} waited for the other replicas' "
                                                            f"gradients of step {version}"))
 

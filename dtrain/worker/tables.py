@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dtrain.dataplane.rows import SparseBlock
 from dtrain.model.ids import home_part
 from dtrain.model.tables import Table, div_starts, tables_of
 from dtrain.plan.tables import TablePlan
@@ -47,7 +48,8 @@ class TableRoute:
 class Routed:
     """One batch's ids of every table, routed at once: ``ids`` per table (sorted unique, on the
     CPU) and side by side (``flat``, table after table); the blocks of (part, table) pairs,
-    part-major, as positions into ``flat`` (``order`` split by ``sizes``) and as ids (``blocks``)."""
+    part-major, as positions into ``flat`` (``order`` split by ``sizes``), as ids (``sorted``:
+    ``flat[order]``, ``blocks``: it split), and each part's run of them (``spans``)."""
 
     def __init__(self, ids: list[torch.Tensor], flat: torch.Tensor, part: torch.Tensor, table: torch.Tensor,
                  num_parts: int):
@@ -57,7 +59,10 @@ class Routed:
         # expects them): a stable sort by (part, table) in one nonzero per part.
         self.order = torch.cat([torch.nonzero(part == p).flatten() for p in range(num_parts)])
         self.sizes = torch.bincount(part * len(ids) + table, minlength=num_parts * len(ids)).tolist()
-        self.blocks = flat[self.order].split(self.sizes)
+        self.sorted = flat[self.order]
+        self.blocks = self.sorted.split(self.sizes)
+        per_part = [sum(self.sizes[p * len(ids):(p + 1) * len(ids)]) for p in range(num_parts)]
+        self.spans = list(zip([0, *accumulate(per_part)], accumulate(per_part), strict=False))
 
     def split(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``values`` (one per id of ``flat``) as the blocks."""
@@ -120,36 +125,75 @@ class SparseRouter:
             return (ids.unsqueeze(1) >= self._bounds[table]).sum(1)
         return torch.cat([r.part_of(i) for r, i in zip(self.routes, ids.split(counts), strict=True)])
 
-    def requests(self, with_grads: bool) -> list[dict[str, tuple[Any, Any, Any]]]:
-        """Per shard: table name -> (pushed ids, their row gradients, wanted ids of the next batch)."""
+    def requests(self, with_grads: bool) -> list[SparseBlock | dict[str, tuple[Any, Any, Any]]]:
+        """Per shard: its tables' (pushed ids, their row gradients, wanted ids of the next batch),
+        as one :class:`~dtrain.dataplane.rows.SparseBlock` (every table's entries side by side:
+        slices of the routed batches, no tensor per table) when the tables share one width, else
+        as a mapping per table."""
         cur, nxt = self.current, self.next
         assert nxt is not None, "plan_next first"
-        grads = self._grads(cur) if with_grads and cur is not None else None
-        out: list[dict[str, tuple[Any, Any, Any]]] = [{} for _ in range(self.num_shards)]
+        pushing = with_grads and cur is not None
+        if self._one_width:
+            out: list[SparseBlock | dict[str, tuple[Any, Any, Any]]] = [{} for _ in range(self.num_shards)]
+            grads = self._flat_grads(cur) if pushing and cur is not None else None
+            tables = len(self.routes)
+            dim = self.routes[0].plan.dim
+            for p in range(self.num_parts):
+                members = [t for t, r in enumerate(self.routes) if p < r.num_parts]
+                names = [self.routes[t].plan.name for t in members]
+                want = [nxt.sizes[p * tables + t] for t in members]
+                w0, w1 = nxt.spans[p]
+                if grads is not None and cur is not None:
+                    a, b = cur.spans[p]
+                    push = [cur.sizes[p * tables + t] for t in members]
+                    out[p] = SparseBlock(names, [dim] * len(names), push, want, cur.sorted[a:b],
+                                         grads[a:b].reshape(-1), nxt.sorted[w0:w1])
+                else:
+                    out[p] = SparseBlock(names, [dim] * len(names), [0] * len(names), want,
+                                         torch.empty(0, dtype=torch.int64), None, nxt.sorted[w0:w1])
+            return out
+        per_block = self._grads(cur) if pushing and cur is not None else None
+        dicts: list[SparseBlock | dict[str, tuple[Any, Any, Any]]] = [{} for _ in range(self.num_shards)]
         for p in range(self.num_parts):
             for t, route in enumerate(self.routes):
                 if p < route.num_parts:
                     b = p * len(self.routes) + t
-                    push = (cur.blocks[b], grads[b]) if grads is not None and cur is not None else (None, None)
-                    out[p][route.plan.name] = (*push, nxt.blocks[b])
-        return out
+                    entry = (cur.blocks[b], per_block[b]) if per_block is not None and cur is not None else (None, None)
+                    dicts[p][route.plan.name] = (*entry, nxt.blocks[b])  # type: ignore[index]
+        return dicts
+
+    def _flat_grads(self, routed: Routed) -> torch.Tensor | None:
+        """The current rows' gradients of every table side by side in the routed order (one width),
+        or None when a table has none (no push at all)."""
+        grads = [r.module.rows.grad if r.module.rows is not None else None for r in self.routes]
+        if any(g is None for g in grads):
+            return None
+        return torch.cat(grads).detach().to("cpu")[routed.order]  # type: ignore[arg-type]
 
     def _grads(self, routed: Routed) -> list[torch.Tensor] | None:
         """The current rows' gradients per block (None when a table has none: no push at all)."""
         grads = [r.module.rows.grad if r.module.rows is not None else None for r in self.routes]
         if any(g is None for g in grads):
             return None
-        if self._one_width:
-            return list(routed.split(torch.cat(grads).detach().to("cpu")))  # type: ignore[arg-type]
         return [grads[t].detach().to("cpu")[pos] for t, pos in routed.positions()]  # type: ignore[union-attr]
 
     def take(self, replies: list[tuple[Any, ...]]) -> None:
-        """Install the next batch's rows from the replies (their fifth elements) and make it current."""
+        """Install the next batch's rows from the replies (their fifth elements: a part's rows side
+        by side in the request's order, or per table) and make it current."""
         nxt = self.next
         assert nxt is not None, "plan_next first"
+        tables = len(self.routes)
         got: list[torch.Tensor | None] = []  # per block
         for p in range(self.num_parts):
             rows = replies[p][4] if len(replies[p]) > 4 else {}
+            members = [t for t, r in enumerate(self.routes) if p < r.num_parts]
+            if isinstance(rows, torch.Tensor):
+                count = sum(nxt.sizes[p * tables + t] for t in members)
+                if rows.shape[0] != count:
+                    raise RuntimeError(f"ps shard {p} sent {rows.shape[0]} rows for {count} ids")
+                blocks = iter(rows.split([nxt.sizes[p * tables + t] for t in members]))
+                got.extend(next(blocks) if p < r.num_parts else None for r in self.routes)
+                continue
             for route in self.routes:
                 block = rows.get(route.plan.name) if p < route.num_parts else None
                 if block is None and p < route.num_parts:
@@ -239,7 +283,3 @@ def evaluate_gathered(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
         result["accuracy"] = correct / len(x)
     return result
 
-
-def has_rows(replies: list[tuple[Any, ...]]) -> bool:
-    """Whether every reply brought rows (a stopped or failed ps sends none)."""
-    return all(len(r) > 4 and r[4] for r in replies)

@@ -99,8 +99,8 @@ def test_not_a_data_plane_is_detected():
         SocketShard("127.0.0.1", port, b"x" * 32, replica=0, numel=4, timeout=5)
     t.join(5)
     srv.close()
-    assert MAGIC == b"DTRN5"  # bumped with each handshake change (the attempt id; TLS ending for shared memory;
-    # answer 3, the parameters read in place)
+    assert MAGIC == b"DTRN6"  # bumped with each change a peer of another version would misread (the attempt
+    # id; TLS ending for shared memory; answer 3, the parameters read in place; the sparse block's head first)
 
 
 def test_ps_error_travels_back(loop, shm):

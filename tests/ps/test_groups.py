@@ -241,3 +241,41 @@ def test_a_part_drawn_at_start_holds_what_first_use_draws(storage, strategy):
     touched.weight[0] = 7.0  # an updated row: never drawn again
     touched.draw_all()
     assert bool((touched.weight[0] == 7.0).all()) and torch.equal(touched.weight[1:], lazy.weight[1:])
+
+
+def test_a_request_side_by_side_trains_as_the_same_request_per_table():
+    """A replica's request as one SparseBlock (every table's entries in three tensors) takes the
+    group's batched path; the same request per table the per-table one. Fails if the batched
+    path maps an id to another table's row (a wrong member per id), sums or scales its gradients
+    otherwise, or returns the wanted rows in another order; and if a bad id in a block is not
+    named with its table (the check must fall back to the per-table message)."""
+    from dtrain.dataplane.rows import SparseBlock
+    from dtrain.ps.sparse import ShardTables
+
+    cs = configs(2, 1, "mod", dim=3)
+    batched, per_table = (ShardTables(cs, OPTIMIZERS["rowwise_adagrad"]) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    names = ["e", "a", "c", "b"]  # not the group's order; "b" has no row on part 1
+    for _step in range(4):
+        for table in (batched, per_table):
+            table.clear()
+        for _replica in range(2):
+            request = {}
+            for name in names:
+                pushed = torch.unique(own_ids(per_table[name], gen, 5))
+                request[name] = (pushed, torch.randn((len(pushed), 3), generator=gen), own_ids(per_table[name], gen, 4))
+            block = SparseBlock.of(request)
+            assert batched._one_group(block) is not None
+            assert batched.why_bad(block) is None and per_table.why_bad(request) is None
+            batched.add(block)
+            per_table.add(request)
+        batched.apply(0.5)
+        per_table.apply(0.5)
+        got, want = batched.gather(block), per_table.gather(request)
+        assert isinstance(got, torch.Tensor) and isinstance(want, dict)
+        assert torch.equal(got, torch.cat([want[name] for name in names]))
+    for name in names:
+        assert torch.equal(values(batched[name]), values(per_table[name])), name
+    bad = SparseBlock.of({"a": (None, None, torch.tensor([1, 2]))})  # 2 is on part 0
+    assert batched.why_bad(bad) == per_table.why_bad({"a": (None, None, torch.tensor([1, 2]))})
+    assert "id 2" in (batched.why_bad(bad) or "") and "table a" in (batched.why_bad(bad) or "")

@@ -176,6 +176,38 @@ def test_direct_pushes_meet_on_the_threads_and_wake_the_loops_waiters():
         assert pulled.result(timeout=2) == 1
 
 
+def test_the_push_that_completes_a_step_answers_the_waiting_push_itself():
+    """A waiting direct push leaves its ``respond``; the completing push sends that reply from its
+    own thread, with the applied step's parameters, and the waiter returns ANSWERED (nothing more
+    to send). Fails if the waiter is left to answer itself after waking (a scheduling round per
+    step on a busy machine), if its reply is sent twice or by its own thread, or if it carries
+    the parameters of before the apply."""
+    from dtrain.dataplane.protocol import ANSWERED
+
+    core, _, _, barrier = barrier_of()
+    with loop_thread() as loop:
+        sent: list[tuple[int, tuple]] = []
+        returned: list[Any] = []
+        out0 = torch.empty(4)
+
+        def respond(reply: tuple) -> None:
+            sent.append((threading.get_ident(), (reply[0].clone(), *reply[1:])))
+
+        first = threading.Thread(target=lambda: returned.append(
+            barrier.push_direct(loop, torch.full((4,), 2.0), 0, 0, None, 0, 0, out0, respond=respond)))
+        first.start()
+        assert core.meter is not None
+        wait_until(lambda: core.meter.pushes == 1, 10, "the first push in", every=0.005)
+        params, step, *_ = barrier.push_direct(loop, torch.full((4,), 4.0), 1, 0, None, 0, 0, torch.empty(4),
+                                               respond=lambda reply: sent.append((-1, reply)))
+        first.join(5)
+        assert returned == [ANSWERED] and step == 1
+        assert len(sent) == 1 and sent[0][0] == threading.get_ident()  # the completer's thread, once
+        assert torch.equal(params, torch.full((4,), -3.0))  # the mean of 2 and 4 applied
+        assert sent[0][1][1] == 1 and torch.equal(sent[0][1][0], params) and torch.equal(out0, params)
+        assert not barrier.waiters
+
+
 def test_an_excuse_applies_the_gradients_in_and_a_retired_replica_frees_the_gate():
     """Fails if excusing a lost replica leaves the others waiting (the step is not applied with the
     gradients in), if an excuse of a step already past applies anything, or if a retired async
