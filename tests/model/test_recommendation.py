@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.data.features import RecordLayout
-from dtrain.model.recommendation import build_dlrm, pooled_rows, record_layout
+from dtrain.model.recommendation import _DotInteraction, build_dlrm, pooled_rows, record_layout
 from dtrain.model.tables import tables_of
 
 FEATURES = {"dense": ["I1", "I2"],
@@ -104,3 +104,94 @@ def test_pooled_rows_equal_embedding_bag_in_values_and_gradients(weighted):
     out.backward(upstream)
     expected.backward(upstream)
     torch.testing.assert_close(ours.grad, ref.grad)
+
+
+def _bags(seed: int, num_rows: int = 30):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor([2, 0, 3, 1, 0, 4, 3])  # empty bags inside and a non-empty last one
+    index = torch.randint(0, num_rows, (int(sizes.sum()),), generator=g)
+    index[:2] = 7  # an id twice in one bag
+    index[-1] = 7  # and in another bag
+    return g, index, torch.cumsum(sizes, 0) - sizes
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_rows_with_the_lookups_order_equal_embedding_bag(weighted):
+    """The backward through the lookup's order (a forward embedding_bag over the positions sorted by
+    row) against torch's embedding_bag and the index_add backward: fails if a row misses one of its
+    positions, a run starts in the wrong place, or the weights are not reordered with the positions."""
+    g, index, offsets = _bags(5)
+    rows = torch.randn(30, 5, generator=g, dtype=torch.float64)
+    weights = torch.rand(len(index), generator=g, dtype=torch.float64) if weighted else None
+    order = torch.sort(index, stable=True).indices
+    counts = torch.bincount(index, minlength=len(rows))  # rows 0 .. 29, some never looked up
+    order_of = (order, torch.cumsum(counts, 0) - counts)
+    upstream = torch.randn(len(offsets), 5, generator=g, dtype=torch.float64)
+    ours, plain, ref = (rows.clone().requires_grad_() for _ in range(3))
+    out = pooled_rows(ours, index, offsets, weights, order_of)
+    expected = torch.nn.functional.embedding_bag(index, ref, offsets, mode="sum", per_sample_weights=weights)
+    torch.testing.assert_close(out, expected)
+    out.backward(upstream)
+    pooled_rows(plain, index, offsets, weights).backward(upstream)
+    expected.backward(upstream)
+    torch.testing.assert_close(ours.grad, ref.grad)
+    torch.testing.assert_close(ours.grad, plain.grad)
+    assert torch.autograd.gradcheck(lambda r: pooled_rows(r, index, offsets, weights, order_of),
+                                    (rows.clone().requires_grad_(),))
+
+
+def _interaction_inputs(seed: int, batch: int = 6, features: int = 4, dim: int = 3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    n = features + 1
+    rows, cols = torch.tril_indices(n, n, offset=-1)
+    pairs = rows * n + cols
+    spread = torch.zeros(n * n, dtype=torch.int64)
+    spread[pairs] = torch.arange(1, len(pairs) + 1)
+    spread[cols * n + rows] = spread[pairs]
+    dense = torch.randn(batch, dim, generator=g, dtype=dtype)
+    pooled = torch.randn(features, batch, dim, generator=g, dtype=dtype)
+    return g, dense, pooled, pairs, spread
+
+
+def test_the_dot_interaction_equals_the_plain_torch_expression():
+    """Values bit for bit, gradients to rounding (one bmm over G + G^T instead of two): fails if a pair
+    is spread to the wrong product, the diagonal takes a gradient, or the dense part's two gradients
+    (its own columns and its products) are not added."""
+    g, dense, pooled, pairs, spread = _interaction_inputs(0, batch=32, features=26, dim=16, dtype=torch.float32)
+    a, b = (dense.clone().requires_grad_() for _ in range(2))
+    p, q = (pooled.clone().requires_grad_() for _ in range(2))
+    ours = _DotInteraction.apply(a, p, pairs, spread)
+    stacked = torch.stack([b, *q.unbind(0)], dim=1)
+    plain = torch.cat([b, torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, pairs)], dim=1)
+    assert torch.equal(ours, plain)
+    upstream = torch.randn(plain.shape, generator=g)
+    ours.backward(upstream)
+    plain.backward(upstream)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_dot_interaction_gradients_pass_gradcheck():
+    _g, dense, pooled, pairs, spread = _interaction_inputs(1)
+    assert torch.autograd.gradcheck(lambda d, p: _DotInteraction.apply(d, p, pairs, spread),
+                                    (dense.requires_grad_(), pooled.requires_grad_()))
+
+
+def test_the_lookups_order_sorts_the_index_by_row_keeping_positions():
+    model = build_dlrm(FEATURES, TABLES, DLRM, seed=3, gathered_tables=True)
+    lookup = model.tables.lookup(record_layout(FEATURES).unpack(batch(record_layout(FEATURES), 4, n=64)))
+    index, order, starts = lookup.index, lookup.order, lookup.starts
+    assert index is not None and order is not None and starts is not None
+    assert torch.equal(order, torch.sort(index, stable=True).indices)
+    counts = torch.bincount(index, minlength=sum(len(i) for i in lookup.ids.values()))
+    assert torch.equal(starts, torch.cumsum(counts, 0) - counts) and bool((counts > 0).all())
+
+
+def test_the_evaluation_forward_matches_the_full_models():
+    """No gradient (an evaluation): the gathered model's batched path computes the full model's logits."""
+    model, full = build_dlrm(FEATURES, TABLES, DLRM, seed=3, gathered_tables=True), build_dlrm(FEATURES, TABLES, DLRM, seed=3)
+    x = batch(record_layout(FEATURES), 2)
+    with torch.no_grad():
+        gather(model, model.table_ids(x), full)
+        got, want = model(x), full(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
