@@ -63,6 +63,8 @@ def _pair_table() -> np.ndarray:
 
 _PAIR = _pair_table()
 _COMMA = ord(",")
+_MISSING_DIGITS = np.frombuffer(f"{MISSING_ID:08x}".encode(), np.uint8)
+"""An empty field's id as 8 hex digits: what :func:`_eight_digit_lists` reads for it."""
 _INTEGER = re.compile(r"^[+-]?[0-9]{1,18}$")
 
 
@@ -130,10 +132,16 @@ def count_lines(path: str) -> int:
 
 
 def read_criteo(path: str | Path, layout: RecordLayout, first_line: int = 0, *,
-                use_threads: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                use_threads: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(x, y)``: the file's examples packed by ``layout`` (int64 (N, layout.width)) and their
     labels (float32 (N,)), from line ``first_line + 1`` on (line numbers in errors are the file's).
-    CriteoError naming the file, line and field on bad input (module docstring)."""
+    CriteoError naming the file, line and field on bad input (module docstring).
+
+    ``use_threads``: parse on pyarrow's CPU thread pool. Off by default because files are read by
+    a background thread of a training process, sharing its cores with the training: there the CPU
+    seconds a file costs count, not its wall time. A ``.tsv.gz`` is decompressed on one thread
+    (pyarrow's read-ahead) either way, which bounds its wall time, so threads save it little; on a
+    plain ``.tsv`` they save wall time for more CPU seconds."""
     import pyarrow as pa
 
     path = str(path)
@@ -163,9 +171,10 @@ def read_criteo(path: str | Path, layout: RecordLayout, first_line: int = 0, *,
     for j, name in enumerate(layout.dense):
         dense[:, j] = dense_transform(table.column(name).to_numpy(zero_copy_only=False))
     ids, weights = [], []
+    ones = np.ones(len(y), dtype=np.int64)  # the lengths of every single-id column (pack only reads them)
     for col in layout.categorical:
         values, lengths = _column_ids(table.column(col.name), col, path, line)
-        ids.append((values, lengths))
+        ids.append((values, ones if lengths is None else lengths))
         weights.append(np.ones(len(values), np.float32) if col.weighted else None)
     return layout.pack(dense, ids, weights), y.astype(np.float32)
 
@@ -229,16 +238,17 @@ def _diagnose(path: str, layout: RecordLayout, first_line: int, exc: Exception) 
     raise CriteoError(f"{path}: cannot be parsed: {' '.join(str(exc).split())}") from exc
 
 
-def _column_ids(column: Any, col: CategoricalColumn, path: str, line: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of a categorical column's hex ids; CriteoError on a bad one."""
+def _column_ids(column: Any, col: CategoricalColumn, path: str, line: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, lengths) of a categorical column's hex ids, lengths None when every field holds one
+    id; CriteoError on a bad one."""
     values, lengths, base = [], [], 0
     for chunk in _batches(column):
         try:
-            v, n = hex_ids(chunk)
+            v, n = _hex_ids(chunk)
         except _BadId as bad:
             raise CriteoError(f"{path}:{line(base + bad.row)}: {col.name}: {bad.reason}") from None
-        if (over := np.flatnonzero(n > col.max_ids)).size:
-            r = int(over[0])
+        if n is not None and n.size and n.max() > col.max_ids:
+            r = int(np.flatnonzero(n > col.max_ids)[0])
             raise CriteoError(f"{path}:{line(base + r)}: {col.name}: {int(n[r])} ids ({_text(chunk[r].as_py())!r}), "
                               f"more than the column's max_ids {col.max_ids}" + (
                                   " (a single-id column: raise its max_ids to read a comma-separated list)"
@@ -246,9 +256,14 @@ def _column_ids(column: Any, col: CategoricalColumn, path: str, line: Any) -> tu
         values.append(v)
         lengths.append(n)
         base += len(chunk)
+    if len(values) == 1:  # (a file under _batches' limit: no copy)
+        return values[0], lengths[0]
     if not values:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    return np.concatenate(values), np.concatenate(lengths)
+    if all(n is None for n in lengths):
+        return np.concatenate(values), None
+    return np.concatenate(values), np.concatenate([np.ones(len(v), np.int64) if n is None else n
+                                                   for v, n in zip(values, lengths, strict=True)])
 
 
 def _batches(column: Any, limit: int = 1 << 28) -> Iterator[Any]:
@@ -283,6 +298,13 @@ def hex_ids(strings: Any) -> tuple[np.ndarray, np.ndarray]:
     """(values int64 flat, lengths int64 (N,)) of N fields of comma-separated hex ids (a pyarrow
     string array or a sequence of str): an empty field is one :data:`MISSING_ID`. ValueError
     (``row R: reason``) on a bad field. Vectorised over the array's bytes."""
+    values, lengths = _hex_ids(strings)
+    return values, np.ones(len(values), dtype=np.int64) if lengths is None else lengths
+
+
+def _hex_ids(strings: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`hex_ids` with lengths None when every field holds one id (Criteo's single-id
+    columns: the reader then shares one array of ones among them rather than making one each)."""
     import pyarrow as pa
 
     arr = strings if isinstance(strings, pa.Array) else pa.array(list(strings), type=pa.string())
@@ -295,57 +317,61 @@ def hex_ids(strings: Any) -> tuple[np.ndarray, np.ndarray]:
     else:
         raise TypeError(f"hex ids are text, got a {arr.type} array")
     n = len(arr)
-    offs = np.frombuffer(arr.buffers()[1], offs_dtype)[arr.offset:arr.offset + n + 1].astype(np.int64)
+    offs = np.frombuffer(arr.buffers()[1], offs_dtype)[arr.offset:arr.offset + n + 1]
     data = np.frombuffer(arr.buffers()[2], np.uint8) if arr.buffers()[2] is not None else np.empty(0, np.uint8)
-    data = data[offs[0]:offs[-1]]
-    offs = offs - offs[0]
+    data = data[int(offs[0]):int(offs[-1])]
     lens = np.diff(offs)
     full = lens == 8
-    if (full | (lens == 0)).all():  # Criteo's case: 8 digits or empty, one id per field
+    lists = False
+    if len(data) == 8 * np.count_nonzero(full):  # Criteo's case: 8 digits or empty (no byte elsewhere)
         ids = _eight_digit_ids(data)
         if ids is not None:
             if len(ids) == n:  # no empty field
-                return ids, np.ones(n, dtype=np.int64)
+                return ids, None
             out = np.full(n, MISSING_ID, dtype=np.int64)
             out[full] = ids
-            return out, np.ones(n, dtype=np.int64)
-    elif ((lens % 9 == 8) | (lens == 0)).all():  # perhaps lists of 8-digit ids: checked, else the general case
-        out_lists = _eight_digit_lists(data, offs, lens)
-        if out_lists is not None:
-            return out_lists
+            return out, None
+    else:
+        lists = bool(((lens % 9 == 8) | (lens == 0)).all())  # perhaps lists of 8-digit ids: checked below
+    offs = offs - np.int64(offs[0])
+    lens = lens.astype(np.int64, copy=False)
+    if lists and (found := _eight_digit_lists(data, offs, lens)) is not None:
+        return found
     return _hex_lists(data, offs, lens, arr)
 
 
 def _eight_digit_ids(data: np.ndarray) -> np.ndarray | None:
-    """int64 ids of ``data``, a run of 8-hex-digit ids without separators, or None when a byte is
-    not a hex digit (the general case then names it)."""
-    pairs = _PAIR[data.view("<u2")]  # two digits at a time: one table lookup per byte of the id
-    if (pairs > 0xFF).any():
+    """int64 ids of ``data``, a run of 8-hex-digit ids without separators (uint8), or None when a
+    byte is not a hex digit (the general case then names it)."""
+    pairs = _PAIR.take(data.view("<u2"))  # two digits at a time: one table lookup per byte of the id
+    if pairs.size and pairs.max() > 0xFF:
         return None
     return pairs.astype(np.uint8).view(">u4").astype(np.int64)
 
 
 def _eight_digit_lists(data: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The multi-hot form of Criteo's case: every field empty (one :data:`MISSING_ID`) or a
-    comma-separated list of 8-digit ids, a comma at every 9th byte of its field and nowhere else;
-    None otherwise."""
-    comma = data == _COMMA
-    at = np.flatnonzero(comma)
+    comma-separated list of 8-digit ids (its length ``9k - 1``, as the caller checked), a comma at
+    every 9th byte of its field and nowhere else; None otherwise.
+
+    Each id is read as the 8 bytes where it should start (an empty field's from
+    :data:`_MISSING_DIGITS`, appended after the data), in list order: no pass that removes the
+    commas. When every id read so is 8 hex digits, no comma sits inside an id, so the data holds
+    ``sum(k - 1)`` commas only if each gap between two ids of a field holds one: counting the
+    commas settles the rest."""
     count = (lens + 1) // 9  # ids per field (0 for an empty one)
-    if len(at) != int((count - (lens > 0)).sum()):
+    if np.count_nonzero(data == _COMMA) != int(count.sum()) - np.count_nonzero(count):
         return None
-    field = np.repeat(np.arange(len(lens)), np.maximum(count - 1, 0))  # each comma's field, were all in place
-    if ((at - offs[:-1][field]) % 9 != 8).any():
-        return None
-    ids = _eight_digit_ids(data[~comma])
+    lengths = np.maximum(count, 1)
+    buf = np.concatenate([data, _MISSING_DIGITS])
+    windows = np.ndarray((len(buf) - 7,), dtype="V8", buffer=buf, strides=(1,))  # the 8 bytes from each offset
+    first = np.where(count > 0, offs[:-1], len(data))  # each field's first id
+    starts = np.repeat(first - 9 * (np.cumsum(lengths) - lengths), lengths)
+    starts += 9 * np.arange(len(starts))
+    ids = _eight_digit_ids(windows[starts].view(np.uint8))
     if ids is None:
         return None
-    lengths = np.maximum(count, 1).astype(np.int64)
-    if (lens > 0).all():
-        return ids, lengths
-    out = np.full(int(lengths.sum()), MISSING_ID, dtype=np.int64)
-    out[np.repeat(lens > 0, lengths)] = ids
-    return out, lengths
+    return ids, lengths.astype(np.int64, copy=False)
 
 
 def _hex_lists(data: np.ndarray, offs: np.ndarray, lens: np.ndarray, arr: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -78,13 +78,70 @@ class Records:
     features: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
-def _bits(values: np.ndarray) -> np.ndarray:
-    """float32 values as int64 (their int32 bit pattern, sign-extended)."""
-    return np.ascontiguousarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
+def _bits32(values: np.ndarray) -> np.ndarray:
+    """float32 values' int32 bit patterns (a view when already float32; copied into int64 slots,
+    sign-extended)."""
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.int32)
 
 
 def _floats(bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(bits).astype(np.int32).view(np.float32)  # astype keeps the low 32 bits
+
+
+_BAND_BYTES = 1 << 20
+"""How much of its output (in bytes, whole rows) pack fills at a time: a band stays in cache while
+every column is copied into it, where copying each column over the whole output would bring every
+row's cache lines in again for each column."""
+
+
+def _checked(col: CategoricalColumn, n: int, values: np.ndarray, lengths: np.ndarray,
+             w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
+    """One column's pack input checked: (values int64, lengths int64, weights float32 or None,
+    whether every list is full). LayoutError as :meth:`RecordLayout.pack` says. Each check is a
+    whole-array reduction; the first offending row is looked for only once there is one."""
+    m = col.max_ids
+    values = np.asarray(values)
+    lengths = np.asarray(lengths)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+        raise LayoutError(col.name, None, f"ids must be a flat integer array, got {values.dtype} {values.shape}")
+    if lengths.shape != (n,) or (lengths.size and lengths.dtype.kind not in "iu"):
+        raise LayoutError(col.name, None, f"lengths must be {n} integers (one per example), got "
+                                          f"{lengths.dtype} {lengths.shape}")
+    lengths = lengths.astype(np.int64, copy=False)
+    low, high = (int(lengths.min()), int(lengths.max())) if n else (m, m)
+    if low < 0 or high > m:
+        r = int(np.flatnonzero((lengths > m) | (lengths < 0))[0])
+        raise LayoutError(col.name, r, f"{int(lengths[r])} ids, more than the column's max_ids {m}"
+                          if lengths[r] > m else f"negative length {int(lengths[r])}")
+    if (total := int(lengths.sum())) != len(values):
+        raise LayoutError(col.name, None, f"lengths add up to {total}, but {len(values)} ids were given")
+    if values.dtype.kind == "u" and values.size and values.max() > MAX_ID:
+        first = int(np.argmax(values > MAX_ID))
+        raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
+                          f"id {int(values[first])} is above 2**63 - 1")
+    values = values.astype(np.int64, copy=False)
+    if values.size and values.min() < 0:
+        first = int(np.flatnonzero(values < 0)[0])
+        raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
+                          f"id {int(values[first])} is negative (ids are 0 .. 2**63 - 1)")
+    if col.weighted:
+        if w is None:
+            raise LayoutError(col.name, None, "the column is weighted: give its weights")
+        w = np.asarray(w, dtype=np.float32)
+        if w.shape != values.shape:
+            raise LayoutError(col.name, None, f"{len(values)} ids but weights of shape {w.shape}")
+    elif w is not None:
+        raise LayoutError(col.name, None, "weights given for a column that is not weighted (set weighted=True)")
+    return values, lengths, w, low == m
+
+
+def _padded(values: np.ndarray, lengths: np.ndarray, m: int, fill: int) -> np.ndarray:
+    """(N, m) rows of ``values``'s lists (CSR by ``lengths``, each at most m long), each followed
+    by ``fill``. A boolean mask's True slots, in row-major order, are the lists' slots in CSR order,
+    so one masked assignment places them (an (N, m) bool temporary, no per-id index arrays)."""
+    block = np.full((len(lengths), m), fill, dtype=values.dtype)
+    block[np.arange(m) < lengths[:, None]] = values
+    return block
 
 
 @dataclass(frozen=True)
@@ -136,7 +193,12 @@ class RecordLayout:
         ``ids[i] = (values int64 flat, lengths (N,))`` (the example's ids, CSR by lengths) and
         ``weights[i]`` float32 flat aligned with the values (required iff the column is weighted).
         :class:`LayoutError` (a ValueError) naming the column and the first offending row when a
-        list is longer than ``max_ids`` or an id is negative."""
+        list is longer than ``max_ids`` or an id is negative.
+
+        Every column is checked first (whole-array reductions; the offending row is looked for only
+        once one is known to exist), then made an (N, max_ids) block (a reshape when every list is
+        full, as single-id columns are), then the blocks are copied into the rows a cache-sized
+        band at a time: one pass over the output, not one per column."""
         cats = self.categorical
         dense = np.asarray(dense)
         if dense.ndim == 1 and not self.dense:
@@ -151,64 +213,22 @@ class RecordLayout:
         if len(weights) != len(cats):
             raise ValueError(f"weights: one entry (or None) per categorical column ({len(cats)}), got {len(weights)}")
         n = len(dense)
-        out = np.empty((n, self.width), dtype=np.int64)
-        out[:, :len(self.dense)] = _bits(dense)
-        rows = np.arange(n)
+        blocks = [(0, _bits32(dense))]  # (first slot, (N, k) int64 or int32 block); int32 sign-extends
         slots = self.slots()
         for col, (values, lengths), w in zip(cats, ids, weights, strict=True):
             at, m, wat = slots[col.name]
-            values = np.asarray(values)
-            lengths = np.asarray(lengths)
-            if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
-                raise LayoutError(col.name, None, f"ids must be a flat integer array, got {values.dtype} "
-                                                  f"{values.shape}")
-            if lengths.shape != (n,) or (lengths.size and lengths.dtype.kind not in "iu"):
-                raise LayoutError(col.name, None, f"lengths must be {n} integers (one per example), got "
-                                                  f"{lengths.dtype} {lengths.shape}")
-            lengths = lengths.astype(np.int64, copy=False)
-            if (bad := np.flatnonzero((lengths > m) | (lengths < 0))).size:
-                r = int(bad[0])
-                raise LayoutError(col.name, r, f"{int(lengths[r])} ids, more than the column's max_ids {m}"
-                                  if lengths[r] > m else f"negative length {int(lengths[r])}")
-            if int(lengths.sum()) != len(values):
-                raise LayoutError(col.name, None, f"lengths add up to {int(lengths.sum())}, but {len(values)} "
-                                                  "ids were given")
-            if values.dtype.kind == "u" and values.size and values.max() > MAX_ID:
-                first = int(np.argmax(values > MAX_ID))
-                raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
-                                  f"id {int(values[first])} is above 2**63 - 1")
-            values = values.astype(np.int64, copy=False)
-            if (neg := np.flatnonzero(values < 0)).size:
-                first = int(neg[0])
-                raise LayoutError(col.name, int(np.searchsorted(np.cumsum(lengths), first, side="right")),
-                                  f"id {int(values[first])} is negative (ids are 0 .. 2**63 - 1)")
-            if col.weighted:
-                if w is None:
-                    raise LayoutError(col.name, None, "the column is weighted: give its weights")
-                w = np.asarray(w, dtype=np.float32)
-                if w.shape != values.shape:
-                    raise LayoutError(col.name, None, f"{len(values)} ids but weights of shape {w.shape}")
-            elif w is not None:
-                raise LayoutError(col.name, None, "weights given for a column that is not weighted "
-                                                  "(set weighted=True)")
-            block = out[:, at:at + m]
-            wblock = out[:, wat:wat + m] if wat is not None else None
-            if (lengths == m).all():  # every list full (the single-id case): a reshape, no scatter
-                block[:] = values.reshape(n, m)
-                if wblock is not None:
-                    assert w is not None  # (a weighted column: checked above)
-                    wblock[:] = _bits(w).reshape(n, m)
-                continue
-            block[:] = PAD
-            if wblock is not None:
-                wblock[:] = 0
-            starts = np.cumsum(lengths) - lengths
-            row_of = np.repeat(rows, lengths)
-            j = np.arange(len(values)) - np.repeat(starts, lengths)
-            block[row_of, j] = values
-            if wblock is not None:
-                assert w is not None  # (a weighted column: checked above)
-                wblock[row_of, j] = _bits(w)
+            values, lengths, w, full = _checked(col, n, values, lengths, w)
+            blocks.append((at, values.reshape(n, m) if full else _padded(values, lengths, m, PAD)))
+            if wat is not None:
+                assert w is not None  # (a weighted column: checked)
+                bits = _bits32(w)
+                blocks.append((wat, bits.reshape(n, m) if full else _padded(bits, lengths, m, 0)))
+        out = np.empty((n, self.width), dtype=np.int64)
+        band = max(1, _BAND_BYTES // (8 * self.width))
+        for start in range(0, n, band):
+            rows = out[start:start + band]
+            for at, block in blocks:
+                rows[:, at:at + block.shape[1]] = block[start:start + band]
         return out
 
     # ------------------------------------------------------------------ unpacking

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dtrain.data import criteo
 from dtrain.data.criteo import (
     CRITEO_1TB_CARDINALITIES,
     CRITEO_COLUMNS,
@@ -125,6 +126,61 @@ def test_lists_of_eight_digit_ids_match_python_int_parsing(odd):
     assert values.tolist() == [v for w in want for v in w]
 
 
+
+def general_parse(fields: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The general hex parser on ``fields``, bypassing the shortcuts for 8-digit ids."""
+    arr = pa.array(fields, type=pa.string())
+    offs = np.frombuffer(arr.buffers()[1], np.int32)[:len(arr) + 1].astype(np.int64)
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[:offs[-1]] if offs[-1] else np.empty(0, np.uint8)
+    return criteo._hex_lists(data, offs, np.diff(offs), arr)
+
+
+@pytest.mark.parametrize("empty", [0.0, 0.1, 1.0])
+def test_the_eight_digit_shortcuts_are_taken_and_agree_with_the_general_parser(empty):
+    """Single ids and lists of 8-digit ids (either case, some fields empty) take the shortcuts and
+    read as the general parser reads them; a single-id column reports no lengths (one id each)."""
+    rng = np.random.default_rng(int(empty * 10))
+    digits = [f"{int(v):08x}" if rng.random() < 0.5 else f"{int(v):08X}" for v in rng.integers(0, 2**32, 3000)]
+    single = ["" if rng.random() < empty else d for d in digits[:400]]
+    values, lengths = criteo._hex_ids(single)
+    want = general_parse(single)
+    assert lengths is None and values.tolist() == want[0].tolist() and want[1].tolist() == [1] * 400
+    lists = []
+    for _ in range(400):
+        k = 0 if rng.random() < empty else int(rng.integers(1, 5))
+        lists.append(",".join(digits[int(i)] for i in rng.integers(0, len(digits), k)))
+    arr = pa.array(lists, type=pa.string())
+    offs = np.frombuffer(arr.buffers()[1], np.int32)[:401].astype(np.int64)
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[:offs[-1]] if offs[-1] else np.empty(0, np.uint8)
+    fast = criteo._eight_digit_lists(data, offs, np.diff(offs))
+    assert fast is not None  # (taken: not left to the general parser)
+    want = general_parse(lists)
+    assert fast[0].tolist() == want[0].tolist() and fast[1].tolist() == want[1].tolist()
+    assert [a.tolist() for a in hex_ids(lists)] == [want[0].tolist(), want[1].tolist()]
+
+
+@pytest.mark.parametrize("odd", [
+    ["1234,678,12345678", "123456781234567,1234567812"],  # 9k - 1 bytes each, the commas add up
+    ["12345678x12345678"],
+    ["12345678,1234567,"],
+    [",12345678"],
+    ["1234567,,"],
+])
+def test_fields_shaped_like_eight_digit_lists_but_not_read_as_python_reads_them(odd):
+    """Lengths of ``9k - 1`` and, over the column, the right number of commas, but misplaced: the
+    shortcut must leave them to the general parser, which reads them or names the bad field."""
+    rng = np.random.default_rng(2)
+    fields = [",".join(f"{int(v):08x}" for v in rng.integers(0, 2**32, int(rng.integers(0, 4)))) for _ in range(300)]
+    fields[150:150 + len(odd)] = odd
+    tokens = [f.split(",") if f else [] for f in fields]
+    if any(not t or any(c not in "0123456789abcdefABCDEF" for c in t) for f in tokens for t in f):
+        with pytest.raises(ValueError, match="^row 150: "):
+            hex_ids(fields)
+        return
+    values, lengths = hex_ids(fields)
+    assert lengths.tolist() == [max(len(f), 1) for f in tokens]
+    assert values.tolist() == [v for f in tokens for v in ([int(t, 16) for t in f] or [MISSING_ID])]
+
 BAD = [  # (line 3 of 4 replaced by ..., the message after "FILE:")
     (line(1, I4="x1"), r"3: I4: 'x1' is not an integer"),
     (line(1, I4="1.5"), r"3: I4: '1.5' is not an integer"),
@@ -154,8 +210,9 @@ def test_a_bad_line_is_named_by_file_line_and_field(tmp_path, bad, message, name
     assert isinstance(e.value, BadShardError) and isinstance(e.value, ValueError)  # skip_bad_files skips it
 
 
-def test_a_bad_line_deep_in_a_large_file_is_named_by_its_line(tmp_path):
-    """Past pyarrow's first blocks (read on several threads): the line is still the file's."""
+@pytest.mark.parametrize("use_threads", [False, True])
+def test_a_bad_line_deep_in_a_large_file_is_named_by_its_line(tmp_path, use_threads):
+    """Past pyarrow's first blocks (read on one thread or several): the line is still the file's."""
     (path,) = generate(tmp_path / "g", 12000, seed=1, gzip=False)
     lines = path.read_text().splitlines()
     layout = criteo_layout()
@@ -165,10 +222,10 @@ def test_a_bad_line_deep_in_a_large_file_is_named_by_its_line(tmp_path):
         broken = tmp_path / "broken.tsv"
         write(broken, lines[:n - 1] + ["\t".join(fields)] + lines[n:])
         with pytest.raises(CriteoError, match=f"^{broken}:{n}: {bad}: {message}"):
-            read_criteo(broken, layout)
+            read_criteo(broken, layout, use_threads=use_threads)
     write(broken, lines[:7776] + ["1\t2"] + lines[7777:])
     with pytest.raises(CriteoError, match=f"^{broken}:7777: has 2 tab-separated"):
-        read_criteo(broken, layout)
+        read_criteo(broken, layout, use_threads=use_threads)
 
 
 def test_a_layout_naming_columns_criteo_lacks_is_refused(tmp_path):

@@ -151,6 +151,71 @@ def test_pack_refuses_inconsistent_input(change, message):
         LAYOUT.pack(*change(*example()))
 
 
+def test_pack_refuses_a_negative_length_and_an_unsigned_id_above_int64():
+    dense, ids, weights = example()
+    ids[1] = (ids[1][0], np.array([0, 3, 3, -1]))
+    with pytest.raises(LayoutError, match=r"^C2: row 3: negative length -1$"):
+        LAYOUT.pack(dense, ids, weights)
+    dense, ids, weights = example()
+    ids[0] = (np.array([5, 0, 2**63, 9], dtype=np.uint64), ids[0][1])
+    with pytest.raises(LayoutError, match=r"^C1: row 2: id 9223372036854775808 is above 2\*\*63 - 1$"):
+        LAYOUT.pack(dense, ids, weights)
+
+
+def reference_pack(layout: RecordLayout, dense: np.ndarray, ids: list[tuple[np.ndarray, np.ndarray]],
+                   weights: list[np.ndarray | None]) -> np.ndarray:
+    """The packed rows built one row and one slot at a time, as the module docstring describes them."""
+    n = len(dense)
+    out = np.zeros((n, layout.width), np.int64)
+    out[:, :len(layout.dense)] = np.asarray(dense, np.float32).view(np.int32)
+    slots = layout.slots()
+    for c, (values, lengths), w in zip(layout.categorical, ids, weights, strict=True):
+        at, m, wat = slots[c.name]
+        start = 0
+        for r in range(n):
+            k = int(lengths[r])
+            out[r, at:at + m] = [*values[start:start + k], *[PAD] * (m - k)]
+            if wat is not None:
+                out[r, wat:wat + k] = np.asarray(w[start:start + k], np.float32).view(np.int32)
+            start += k
+    return out
+
+
+@pytest.mark.parametrize("band_bytes", [None, 3 * 8 * 23])  # (the default; bands of 3 rows)
+@pytest.mark.parametrize("n", [0, 1, 50])
+def test_pack_equals_a_row_by_row_reference_on_random_ragged_input(monkeypatch, n, band_bytes):
+    """Full and ragged columns, empty lists, weighted columns, single-id columns and rows packed in
+    several bands: the same rows as building each one slot by slot."""
+    import dtrain.data.features as features
+
+    if band_bytes is not None:
+        monkeypatch.setattr(features, "_BAND_BYTES", band_bytes)
+    rng = np.random.default_rng(n)
+    cols = (CategoricalColumn("C1"), CategoricalColumn("C2", 4), CategoricalColumn("C3", 3, weighted=True),
+            CategoricalColumn("C4", weighted=True), CategoricalColumn("C5", 2), CategoricalColumn("C6", 5))
+    layout = RecordLayout(("I1", "I2", "I3"), cols)
+    assert layout.width == 23
+    ids, weights = [], []
+    for c in cols:
+        if c.name == "C5":
+            lengths = np.full(n, 2)  # every list full: the reshape, not the scatter
+        elif c.name == "C6":
+            lengths = np.zeros(n, np.int64)  # every list empty
+        else:
+            lengths = rng.integers(0 if c.max_ids > 1 else 1, c.max_ids + 1, n)
+        total = int(lengths.sum())
+        ids.append((rng.integers(0, 2**63 - 1, total, dtype=np.int64), lengths))
+        weights.append(rng.standard_normal(total).astype(np.float32) if c.weighted else None)
+    dense = rng.standard_normal((n, 3)).astype(np.float32)
+    x = layout.pack(dense, ids, weights)
+    assert x.dtype == np.int64 and x.shape == (n, 23) and x.flags.c_contiguous
+    assert np.array_equal(x, reference_pack(layout, dense, ids, weights))
+    # Other dtypes of the same values: float64 dense, int32 lengths, uint64 ids, float64 weights.
+    other = [(v.astype(np.uint64), lengths.astype(np.int32)) for v, lengths in ids]
+    assert np.array_equal(layout.pack(dense.astype(np.float64), other,
+                                      [None if w is None else w.astype(np.float64) for w in weights]), x)
+
+
 def test_unpack_refuses_the_wrong_width_or_dtype():
     with pytest.raises(ValueError, match=r"int64 \(B, 10\)"):
         LAYOUT.unpack(torch.zeros(2, 9, dtype=torch.int64))
