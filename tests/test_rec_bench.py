@@ -201,3 +201,21 @@ def test_rec_bench_torchrec_row_is_skipped_without_the_peer_env(tmp_path):
     summary = bench.summarize(["torchrec"], [{"row": "torchrec", "rep": 0, **r}])
     assert "torchrec: skipped: run make x" in bench.table(summary)
     assert bench.PEERS_MISSING.endswith("is missing: run make bench-rec-env")
+
+
+def test_the_log_loss_is_compared_seed_by_seed():
+    """Each repetition trains every row from its own seed; a row's gap to TorchRec is taken within a
+    repetition, then its median. Fails if the gap compares medians across seeds (here 0.010 instead
+    of 0.002: the seeds move the log loss more than the rows differ) or another repetition's."""
+    def run(row, rep, loss, rate):
+        return {"row": row, "rep": rep, "seed": rep, "status": "ok", "samples": 1, "seconds": 1.0,
+                "samples_per_s": rate, "eval_logloss": loss, "eval_auc": 0.8, "eval_seconds": None, "rss_mb": 1.0}
+
+    runs = [run("torchrec", 0, 0.410, 100.0), run("dtrain", 0, 0.412, 50.0),
+            run("torchrec", 1, 0.430, 100.0), run("dtrain", 1, 0.432, 60.0),
+            run("torchrec", 2, 0.420, 100.0), run("dtrain", 2, 0.422, 55.0)]
+    bench = _bench()
+    summary = bench.summarize(["torchrec", "dtrain"], runs)
+    assert summary["dtrain"]["logloss_vs_torchrec"] == pytest.approx(0.002)
+    assert summary["dtrain"]["ratio_to_torchrec"] == pytest.approx(0.55)
+    assert "+0.0020" in bench.table(summary)
