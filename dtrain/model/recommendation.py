@@ -347,7 +347,7 @@ class DLRM(nn.Module):
         else:
             crossed = bottom[-1] + sum(dims)
         self.top = _mlp(top, crossed, last_activation=False)
-        self._ahead: tuple[torch.Tensor, int, Lookup] | None = None  # table_ids' batch, for its forward
+        self._ahead: list[tuple[torch.Tensor, int, Lookup]] = []  # table_ids' batches (two at most), for their forward
 
     def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass).
@@ -355,13 +355,18 @@ class DLRM(nn.Module):
         searches the gathered ids (a replica routes a batch's ids one step before it computes on it)."""
         lookup = self.tables.lookup(self.layout.unpack(x))
         # Keyed on the tensor itself (held, so its identity cannot pass to another) and its version
-        # counter: a batch buffer refilled in place (MemoryBatches alternates two) misses.
-        self._ahead = (x, x._version, lookup)
+        # counter: a batch buffer refilled in place (MemoryBatches alternates two) misses. Two kept:
+        # a replica routes the batch after next while the next one waits for its rows.
+        self._ahead = [*self._ahead[-1:], (x, x._version, lookup)]
         return lookup.ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ahead, self._ahead = self._ahead, None
-        lookup = ahead[2] if ahead is not None and ahead[0] is x and ahead[1] == x._version else None
+        lookup = None
+        for i, (held, version, found) in enumerate(self._ahead):
+            if held is x and version == x._version:
+                lookup = found
+                del self._ahead[:i + 1]  # (and any older: never computed on)
+                break
         records = lookup.records if lookup is not None else self.layout.unpack(x)
         dense = self.bottom(records.dense)
         if self.interaction == "dot":

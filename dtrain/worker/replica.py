@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -153,7 +154,10 @@ class ReplicaModel:
         # alternating shard-shaped buffer sets (one may still be on the wire while the next fills).
         self.grad_bufs = [self.bound.new_buffers(), self.bound.new_buffers()]
         self.batches: MemoryBatches | StreamBatches = batches_of(job, self.device, start_local_step, read)
-        self._peeked: Any = None  # the next batch, once drawn ahead (sparse tables)
+        # Batches drawn ahead (sparse tables: their ids pick the rows replies bring), each with the
+        # data position after it (what a step that consumes it has read: resume points).
+        self._peeked: deque[tuple[Any, int]] = deque()
+        self.position = self.batches.position  # batches consumed by steps (skipped empty ones count)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         # Dropout differs per replica, reproducibly (and per resume point).
@@ -163,10 +167,11 @@ class ReplicaModel:
         """Forward, loss, backward on the next batch; the gradient ends up in ``grads`` (shard-shaped
         buffers): written there directly by backward when zero-copy is on, else copied.
         OutOfRange once the replica has read its data ``data.epochs`` times."""
-        if self._peeked is not None:
-            (xb, yb), self._peeked = self._peeked, None
+        if self._peeked:
+            (xb, yb), self.position = self._peeked.popleft()
         else:
             xb, yb = self.batches.next()
+            self.position = self.batches.position
         if self.zero_copy:
             self.bound.grads_as_views(grads)
         else:
@@ -178,15 +183,16 @@ class ReplicaModel:
             self.bound.grads_into(grads)
         return loss, len(yb)
 
-    def peek_inputs(self) -> torch.Tensor | None:
-        """The next batch's inputs, drawn ahead (its ids pick the rows the next reply brings); None
-        at the end of the data."""
-        if self._peeked is None:
+    def peek_inputs(self, ahead: int = 0) -> torch.Tensor | None:
+        """The inputs of the batch ``ahead`` batches after the next (0: the next), drawn ahead (their
+        ids pick the rows replies bring); None past the end of the data."""
+        while len(self._peeked) <= ahead:
             try:
-                self._peeked = self.batches.next()
+                batch = self.batches.next()
             except OutOfRange:
                 return None
-        return self._peeked[0]
+            self._peeked.append((batch, self.batches.position))
+        return self._peeked[ahead][0][0]
 
     def load(self, buffers: list[torch.Tensor]) -> None:
         """Take the parameters of a reply: as views (zero-copy: the buffers are ours until the next
@@ -350,6 +356,16 @@ def _train(rep: StepModel, job: ReplicaJob, shards: list[Any] | Callable[[], lis
             return {}
         return {"sparse": router.requests(False)[s]}
 
+    peek_after = rep.peek_inputs if isinstance(rep, ReplicaModel) else None  # (a stage reads one ahead)
+
+    def route_after_next() -> None:
+        """Route the batch after the next one while the ps applies the push just sent (its ids are
+        the data's, not the parameters'): the next step's push then goes out without it."""
+        if router is not None and peek_after is not None and len(router.pending) == 1:
+            after = peek_after(1)
+            if after is not None:
+                router.plan_next(after)
+
     # Start from the shards' current parameters (all at one step: sync needs it, async is harmless).
     if router is not None:
         first = rep.peek_inputs()
@@ -386,12 +402,13 @@ def _train(rep: StepModel, job: ReplicaJob, shards: list[Any] | Callable[[], lis
         stats.samples += n
         stats.bytes_sent += step_bytes
         stats.bytes_recv += step_bytes
-        k = rep.batches.position  # batches taken (a stream's skipped empty batches count)
-        if router is not None and (ahead := rep.peek_inputs()) is not None:
-            router.plan_next(ahead)
+        k = rep.position if isinstance(rep, ReplicaModel) else rep.batches.position  # batches taken (skipped empty ones count)
+        if router is not None and not router.pending and (ahead := rep.peek_inputs()) is not None:
+            router.plan_next(ahead)  # (the first step's: the later ones are routed while the ps applies)
         if t.mode == "sync":
             futs = [sh.push_sync(grads[s], index, version, loss if s == 0 else None, n if s == 0 else 0, k,
                                  **_head(heads, s), **sparse(s)) for s, sh in enumerate(shards)]
+            route_after_next()
             replies, version = _consistent(wait(futs), shards, wait, repull)
             rep.load([r[0] for r in replies])
             stop = said_stop(replies)
@@ -413,6 +430,7 @@ def _train(rep: StepModel, job: ReplicaJob, shards: list[Any] | Callable[[], lis
         if overlap:
             pending = futs
             continue
+        route_after_next()
         replies = wait(futs)
         rep.load([r[0] for r in replies])
         versions = [r[1] for r in replies]

@@ -11,6 +11,7 @@ crosses the wire. No Dask here.
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import accumulate
 from typing import Any
 
@@ -99,7 +100,9 @@ class SparseRouter:
         for t, r in enumerate(self.routes):
             self._bounds[t, :len(r._bounds)] = r._bounds
         self._one_width = len({r.plan.dim for r in self.routes}) == 1  # rows side by side in one tensor
-        self.next: Routed | None = None
+        # Routed batches whose rows have not come yet: the next batch's (its rows come with the next
+        # reply), and, routed while that reply is awaited, the one after it (off the step's path).
+        self.pending: deque[Routed] = deque()
         self.current: Routed | None = None
         self.rows_moved = 0  # rows received, for the benchmark's bytes per step
 
@@ -107,15 +110,22 @@ class SparseRouter:
     def active(self) -> bool:
         return bool(self.routes)
 
+    @property
+    def next(self) -> Routed | None:
+        """The batch whose rows the next reply brings: the first routed one not yet taken (the
+        current one again at the end of the data)."""
+        return self.pending[0] if self.pending else self.current
+
     def plan_next(self, inputs: torch.Tensor) -> None:
-        """The next batch's ids per table: the model's input for a ``model.layers`` table (the
-        first layer), what a record pass sees for a custom module's tables (:func:`ids_of`)."""
+        """Route the batch after the ones routed so far (:attr:`pending`): its ids per table, the
+        model's input for a ``model.layers`` table (the first layer), what a record pass sees for a
+        custom module's tables (:func:`ids_of`)."""
         seen = table_ids(self.model, inputs, self.record)
         ids = [seen[r.plan.name] for r in self.routes]
         counts = [len(i) for i in ids]
         flat = torch.cat(ids)
         table = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(counts))
-        self.next = Routed(ids, flat, self._part_of(flat, table, counts), table, self.num_parts)
+        self.pending.append(Routed(ids, flat, self._part_of(flat, table, counts), table, self.num_parts))
 
     def _part_of(self, ids: torch.Tensor, table: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """:meth:`TableRoute.part_of` of every table's ids side by side (``table``: each id's table)."""
@@ -212,6 +222,8 @@ class SparseRouter:
         for route, ids, rows in zip(self.routes, nxt.ids, per_table, strict=True):
             route.module.gather(ids.to(self.device), rows.to(self.device))
         self.rows_moved += len(nxt.flat)
+        if self.pending:
+            self.pending.popleft()
         self.current = nxt
 
 

@@ -41,7 +41,7 @@ def models():
 
 def reference(model, x: torch.Tensor, full) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and the rows' gradients with no lookup kept (the searched path)."""
-    model._ahead = None
+    model._ahead = []
     gather(model, {n: t.ids for n, t in tables_of(model)}, full)
     out = model(x)
     out.sum().backward()
@@ -56,14 +56,33 @@ def test_the_kept_lookup_computes_what_a_fresh_forward_does(models):
         ids = model.table_ids(x)
         assert ids["tables.U.weight"].numel() == 0  # a table no feature reads
         gather(model, ids, full)
-        assert model._ahead is not None and model._ahead[2].index is not None
+        assert model._ahead and model._ahead[-1][2].index is not None
         out = model(x)
         out.sum().backward()
         grads = {n: t.rows.grad for n, t in tables_of(model)}
-        assert model._ahead is None  # used once
+        assert not model._ahead  # used once
         want, want_grads = reference(model, x, full)
         assert torch.equal(out.detach(), want)
         assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+
+
+def test_two_batches_routed_ahead_keep_their_lookups_for_their_forwards(models):
+    """A replica routes the batch after next while the next waits for its rows: both lookups are
+    kept, each used by its own forward. Fails if the second lookup evicts the first (the first
+    forward would search again) or a forward takes the other batch's lookup."""
+    model, full = models
+    layout = record_layout(FEATURES)
+    x0, x1 = batch(layout, 0), batch(layout, 1)
+    ids0 = model.table_ids(x0)
+    lookup0 = model._ahead[-1][2]
+    model.table_ids(x1)
+    lookup1 = model._ahead[-1][2]
+    assert len(model._ahead) == 2 and model._ahead[0][0] is x0 and model._ahead[1][0] is x1
+    gather(model, ids0, full)
+    out0 = model(x0)
+    assert len(model._ahead) == 1 and model._ahead[0][2] is lookup1 and lookup0 is not lookup1
+    want, _ = reference(model, x0, full)
+    assert torch.equal(out0.detach(), want)
 
 
 def test_a_stale_lookup_is_never_used(models):
