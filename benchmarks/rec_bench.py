@@ -236,10 +236,15 @@ summary: {{tensorboard: false}}
 
 def run_dtrain(data: RecData, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """The dtrain row: :func:`dtrain_pipeline` run by ``dtrain run`` on its embedded cluster (a fresh
-    process, as a user runs it); samples/s over the training loop (summary.json's ``train_s``: the
-    replicas' first step to their last, start-up and the final evaluation excluded, as the peers
-    time theirs), the held-out log loss and AUC from its final evaluation, and the peak RSS of its
-    largest process (its process tree sampled every 0.2 s; every process's own peak is kept too)."""
+    process, as a user runs it); samples/s over the training loop, as the peers time theirs: the
+    samples over the longest replica's loop (its steps over its steps/s in summary.json's
+    ``replicas_stats``: its first step to its last), so start-up (scheduling the tasks, building
+    the model, connecting, reading the first file before the first batch) and the final
+    evaluation are left out, while parsing the other files, which the replicas do as they train,
+    stays in (the peers parse every file before their clock starts); the chief's ``train_s``
+    (from the replicas' submission to their end) is kept as ``run_train_s``. Also the held-out log
+    loss and AUC from its final evaluation, and the peak RSS of its largest process (its process
+    tree sampled every 0.2 s; every process's own peak is kept too)."""
     import threading
 
     import psutil
@@ -279,8 +284,10 @@ def run_dtrain(data: RecData, args: argparse.Namespace, seed: int) -> dict[str, 
             return {"status": "failed", "error": f"dtrain run exited {proc.returncode}: {log[-2000:]}"}
         s = json.loads(summary_path.read_text())
         ev = s.get("eval") or {}
-        return {"status": "ok", "samples": s["samples"], "seconds": s["train_s"],
-                "samples_per_s": s["samples_per_sec"], "eval_logloss": ev.get("log_loss"), "eval_auc": ev.get("auc"),
+        loops = [r["steps"] / r["steps_per_s"] for r in (s.get("replicas_stats") or {}).values() if r.get("steps_per_s")]
+        seconds = max(loops) if loops else s["train_s"]
+        return {"status": "ok", "samples": s["samples"], "seconds": round(seconds, 3), "run_train_s": s["train_s"],
+                "samples_per_s": s["samples"] / seconds, "eval_logloss": ev.get("log_loss"), "eval_auc": ev.get("auc"),
                 "eval_seconds": None, "rss_mb": round(max(peaks.values(), default=0) / 2**20, 1),
                 "process_rss_mb": sorted((round(v / 2**20, 1) for v in peaks.values()), reverse=True),
                 "global_step": s["global_step"], "wall_s": s["wall_s"]}
