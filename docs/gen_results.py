@@ -70,16 +70,19 @@ def rec_bench(r: dict[str, Any]) -> list[str]:
     """``benchmarks/rec_bench.py``: DLRM on Criteo-layout data, dtrain against TorchRec and torch."""
     s = r["settings"]
     head = [f"`python benchmarks/rec_bench.py --rows {s['rows']} --files {s['files']} --scale {s['scale']} "
-            f"--cap {s['cap']} --reps {s['reps']}` (the same model, data, batch and learning rate):", "",
-            "| row | samples/s | ratio to TorchRec (range) | eval log loss | eval AUC |", "| --- | --- | --- | --- | --- |"]
+            f"--cap {s['cap']} --reps {s['reps']}` (the same model, data, batch and learning rate; each repetition "
+            "from its own seed, medians):", "",
+            "| row | samples/s | ratio to TorchRec (range) | eval log loss | vs TorchRec, same seed | eval AUC |",
+            "| --- | --- | --- | --- | --- | --- |"]
     out = []
     for name, row in r["results"].items():
         if row.get("status") != "ok":
-            out.append(f"| {name} | {row.get('status')} | | | |")
+            out.append(f"| {name} | {row.get('status')} | | | | |")
             continue
         lo, hi = row["ratio_range"]
+        gap = row.get("logloss_vs_torchrec")
         out.append(f"| {name} | {row['samples_per_s']:,.0f} | {row['ratio_to_torchrec']:.2f} ({lo:.2f}-{hi:.2f}) | "
-                   f"{row['eval_logloss']:.4f} | {row['eval_auc']:.4f} |")
+                   f"{row['eval_logloss']:.4f} | {'-' if gap is None else f'{gap:+.4f}'} | {row['eval_auc']:.4f} |")
     return head + out
 
 
