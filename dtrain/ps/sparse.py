@@ -29,7 +29,8 @@ drawn then is drawn the first time a step touches it, at several times the cost 
 call per table and step while most of a large table's rows are new)."""
 
 Part = TablePart | DynamicTablePart
-Sparse = Mapping[str, tuple[Any, Any, Any]]  # table name -> (ids, row gradients, next ids); any may be None (or a SparseBlock)
+# table name -> (ids, row gradients, next ids), any may be None; or a SparseBlock (the same, side by side)
+Sparse = Mapping[str, tuple[Any, Any, Any]]
 Reply = tuple[Any, ...]  # (params, step, stop, generation[, rows])
 _Batch = tuple[list[int], list[Any], list[Any], list[str]]  # (members, tensors, gradients, names), one entry each
 

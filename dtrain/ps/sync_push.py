@@ -15,7 +15,8 @@ which the token queue's push uses too: ps/token_push.py):
   than the apply: ps/fastpath.py). A waiting push sleeps on ``tcond``, a ``threading.Condition``
   on the same lock, and the push that completes the step sends its reply for it (``respond``).
   Only where nothing but the barrier can make the push wait: no token queue (``sync_tokens``),
-  and, checked under the lock, no hold of its step, no stop and no error; else it returns None and the connection thread takes the event-loop path.
+  and, checked under the lock, no hold of its step, no stop and no error; else it returns None
+  and the connection thread takes the event-loop path.
 
 The step's gradient sum is a :class:`GradientSum` the barrier is given (``ParameterShard`` owns
 it: a restore clears it). Both kinds of waiter are woken whichever side moves the step:
@@ -199,11 +200,12 @@ class SyncBarrier:
         check). ``sparse``: as for :meth:`push` (the reply then carries the rows).
 
         ``respond`` (the server's: sends this push's reply on its connection): a push that waits
-        for its step leaves it here, and the push that completes the step answers every such
-        waiter itself, right after the apply, before waking them (``ANSWERED`` is then the
-        waiter's return: its reply is sent). A replica's reply thus leaves with the step instead
-        of after its connection thread has woken and taken the lock and the GIL again, which on
-        a busy machine costs a scheduling round per waiter on every step."""
+        for its step leaves it here, and the push that completes the step makes every such
+        waiter's reply right after the apply and sends it once it has let go of the lock; the
+        waiter's thread, woken, finds itself answered and returns ``ANSWERED`` (nothing to send).
+        A replica's reply thus leaves with the step instead of after its connection thread has
+        woken and taken the lock and the GIL again, which on a busy machine costs a scheduling
+        round per waiter on every step."""
         core, waits = self.core, self.waits
         others: list[tuple[_Waiter, tuple]] = []
         with waits.lock:

@@ -60,10 +60,18 @@ def test_hosts_are_separate_machines_with_full_duplex_links():
         assert 0.75 * RATE_BITS / 8 < one < 1.1 * RATE_BITS / 8, one
         both = blast(lab, [("a", "b"), ("b", "a")], seconds=1.5)
         assert sum(both) > 1.4 * RATE_BITS / 8 and max(both) < 1.1 * RATE_BITS / 8, both
-        # A degraded link: the new rate holds at once, in both directions.
+        # A degraded link: the new rate holds at once, in both directions. No measurement may pass
+        # the rate; the best of three must show both directions at once (a measurement only comes
+        # out low, never high, when a sender is starved of CPU on a loaded machine: one such run
+        # measured 5.6 and 3.1 MB/s).
         lab.set_rate("b", "50mbit")
-        slow = blast(lab, [("a", "b"), ("b", "a")], seconds=1.5)
-        assert sum(slow) > 1.4 * 50e6 / 8 and max(slow) < 1.1 * 50e6 / 8, slow
+        tries = []
+        for _ in range(3):
+            tries.append(blast(lab, [("a", "b"), ("b", "a")], seconds=1.5))
+            assert max(tries[-1]) < 1.1 * 50e6 / 8, tries
+            if sum(tries[-1]) > 1.4 * 50e6 / 8:
+                break
+        assert max(sum(t) for t in tries) > 1.4 * 50e6 / 8, tries
         # A partition: nothing gets through until it heals.
         lab.partition("b")
         cut = a.run([sys.executable, "-c", f"import socket; socket.create_connection(({b.address!r}, 9), timeout=1)"],
