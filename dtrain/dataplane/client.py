@@ -14,7 +14,9 @@ import select
 import socket
 import ssl
 import struct
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ from .protocol import (
     tensor_view,
     tune,
 )
-from .rows import F_SPARSE, encode, read_rows
+from .rows import F_SPARSE, SparseBlock, encode, read_rows
 from .shm import F_SHM, SHM_DIR, SharedParams, SharedSlots, unlink
 
 logger = logging.getLogger(__name__)
@@ -149,11 +151,11 @@ class SocketShard:
         return 0
 
     def _roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                   local_step: int, head: int | None = None, sparse: dict | None = None) -> tuple:
+                   local_step: int, head: int | None = None, sparse: Mapping[str, Any] | None = None) -> tuple:
         reply = self._dense_roundtrip(op, grad, version, loss, samples, local_step, head, sparse)
         return reply if sparse is None else (*reply, self._rows(sparse))
 
-    def _rows(self, sparse: dict) -> dict | torch.Tensor:
+    def _rows(self, sparse: Mapping[str, Any]) -> dict | torch.Tensor:
         """The rows of a reply to a request with a sparse block (after its dense part)."""
         try:
             return read_rows(self._sock, sparse, self.tables, self.wire)
@@ -163,12 +165,12 @@ class SocketShard:
             raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
 
     def _dense_roundtrip(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                         local_step: int, head: int | None, sparse: dict | None) -> tuple[torch.Tensor, int, bool, int]:
+                         local_step: int, head: int | None, sparse: Mapping[str, Any] | None) -> tuple[torch.Tensor, int, bool, int]:
         slot = self._request(op, grad, version, loss, samples, local_step, head, sparse)
         return self._answer(slot)
 
     def _request(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                 local_step: int, head: int | None, sparse: dict | None) -> int:
+                 local_step: int, head: int | None, sparse: Mapping[str, Any] | None) -> int:
         """Send one request (header, gradient bytes or slot, sparse block); returns its reply slot."""
         try:
             if self._part_error is not None:
@@ -228,10 +230,14 @@ class SocketShard:
             raise DataPlaneUnavailable(f"data-plane connection failed: {exc}") from None
 
     def _submit(self, op: int, grad: torch.Tensor | None, version: int, loss: float | None, samples: int,
-                local_step: int, head: int | None, sparse: dict | None) -> Future | InlineReply:
+                local_step: int, head: int | None, sparse: Mapping[str, Any] | None) -> Future | InlineReply:
         """A request: sent on this thread with its reply read when asked for (shared memory, float32:
         only 48- and 24-byte headers, and a sparse block's ids, gradients and rows, cross the
-        socket), else run by the background thread."""
+        socket), else run by the background thread. A per-table ``sparse`` mapping becomes one
+        :class:`~dtrain.dataplane.rows.SparseBlock` here, once: its request and its reply's rows
+        read the same block."""
+        if sparse is not None:
+            sparse = SparseBlock.of(sparse)
         if not self._inline:
             return self._pool.submit(self._roundtrip, op, grad, version, loss, samples, local_step, head, sparse)
         if self._unread is not None:  # (one reply in flight per connection: read the last one first)
@@ -276,16 +282,16 @@ class SocketShard:
         self._pool.submit(self._send_part, grad, start, end)
 
     def push_pull(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future | InlineReply:
+                  local_step: int = 0, head: int | None = None, sparse: Mapping[str, Any] | None = None) -> Future | InlineReply:
         """``head``: only ``grad[:head]`` still has to be sent (the rest went by :meth:`send_part`).
         ``sparse``: rows to push and to gather (``dtrain.ps.sparse``); the reply then has the rows."""
         return self._submit(OP_PUSH_PULL, grad, version, loss, samples, local_step, head, sparse)
 
     def push_sync(self, grad: torch.Tensor, replica: int, version: int, loss: float | None = None, samples: int = 0,
-                  local_step: int = 0, head: int | None = None, sparse: dict | None = None) -> Future | InlineReply:
+                  local_step: int = 0, head: int | None = None, sparse: Mapping[str, Any] | None = None) -> Future | InlineReply:
         return self._submit(OP_PUSH_SYNC, grad, version, loss, samples, local_step, head, sparse)
 
-    def pull(self, min_step: int = 0, sparse: dict | None = None) -> Future | InlineReply:
+    def pull(self, min_step: int = 0, sparse: Mapping[str, Any] | None = None) -> Future | InlineReply:
         return self._submit(OP_PULL, None, min_step, None, 0, 0, None, sparse)
 
     def close(self) -> None:
@@ -309,7 +315,7 @@ class InlineReply:
 
     __slots__ = ("shard", "sparse", "slot", "value", "error")
 
-    def __init__(self, shard: SocketShard, sparse: dict | None = None):
+    def __init__(self, shard: SocketShard, sparse: Mapping[str, Any] | None = None):
         self.shard = shard
         self.sparse = sparse  # (the request's sparse block: the reply's rows follow its header)
         self.slot = 0

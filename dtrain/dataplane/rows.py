@@ -50,13 +50,16 @@ class SparseBlock(Mapping[str, tuple[Any, Any, Any]]):
     (the per-table paths: tables without a vocabulary, the actor transport's checks); the ps's
     batched path reads the flat tensors (``dtrain.ps.sparse.ShardTables``)."""
 
-    __slots__ = ("names", "dims", "push", "want", "ids", "grads", "wanted", "_tables")
+    __slots__ = ("names", "dims", "push", "want", "ids", "grads", "wanted", "_tables", "memo")
 
     def __init__(self, names: list[str], dims: list[int], push: list[int], want: list[int], ids: torch.Tensor,
                  grads: torch.Tensor | None, wanted: torch.Tensor):
         self.names, self.dims, self.push, self.want = names, dims, push, want
         self.ids, self.grads, self.wanted = ids, grads, wanted
         self._tables: dict[str, tuple[Any, Any, Any]] | None = None
+        # what a receiver derives from the block once and reads in several passes (the ps: each
+        # id's member of its table group, for the check, the add and the gather)
+        self.memo: dict[Any, torch.Tensor] = {}
 
     @classmethod
     def of(cls, sparse: Mapping[str, tuple[Any, Any, Any]]) -> SparseBlock:
@@ -145,7 +148,7 @@ def read_request(sock: Any, dims: dict[str, int], wire: torch.dtype) -> SparseBl
         raise ValueError(f"a sparse block of {length} bytes with a head of {head_len} (at most {MAX_BLOCK} bytes)")
     itemsize = torch.empty((), dtype=wire).element_size()
     head = recv_bytes(sock, head_len)
-    at, used = 0, _HEAD.size + head_len
+    at, used, grad_bytes = 0, _HEAD.size + head_len, 0
     entries = []
     for _ in range(count):
         if at + _ENTRY.size > head_len:
@@ -157,10 +160,10 @@ def read_request(sock: Any, dims: dict[str, int], wire: torch.dtype) -> SparseBl
             raise ValueError(f"no table {name!r} on this ps task (tables: {', '.join(dims) or 'none'})")
         if n_push and dim != dims[name]:
             raise ValueError(f"table {name!r} rows of width {dim}, the table's is {dims[name]}")
-        grad_bytes = n_push * dims[name] * itemsize
-        used += n_push * 8 + grad_bytes + n_want * 8
-        entries.append((name, n_push, n_want, grad_bytes))
-    used += _pad(sum(e[3] for e in entries))
+        grad_bytes += n_push * dims[name] * itemsize
+        used += n_push * 8 + n_push * dims[name] * itemsize + n_want * 8
+        entries.append((name, n_push, n_want))
+    used += _pad(grad_bytes)
     if at > head_len or head_len - at >= 8 or used != length:
         raise ValueError(f"a sparse block of {length} bytes whose entries need {used}")
     body = torch.empty(length - _HEAD.size - head_len, dtype=torch.uint8)
@@ -169,7 +172,7 @@ def read_request(sock: Any, dims: dict[str, int], wire: torch.dtype) -> SparseBl
     names = [e[0] for e in entries]
     push = [e[1] for e in entries]
     want = [e[2] for e in entries]
-    pushed, grad_bytes = sum(push), sum(e[3] for e in entries)
+    pushed = sum(push)
     ids = body[:pushed * 8].view(torch.int64)
     grads = None
     at = pushed * 8

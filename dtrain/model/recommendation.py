@@ -352,7 +352,8 @@ class DLRM(nn.Module):
     def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per table weight name: the sorted unique rows the batch ``x`` looks up (no forward pass).
         The lookup is kept for ``x``'s forward, which then neither unpacks the records again nor
-        searches the gathered ids (a replica routes a batch's ids one step before it computes on it)."""
+        searches the gathered ids (a replica routes a batch's ids one or two steps before it computes on
+        it)."""
         lookup = self.tables.lookup(self.layout.unpack(x))
         # Keyed on the tensor itself (held, so its identity cannot pass to another) and its version
         # counter: a batch buffer refilled in place (MemoryBatches alternates two) misses. Two kept:

@@ -77,8 +77,15 @@ class ShardTables(Mapping[str, Part]):
         return one if one is not None and block.width in (None, one[0].dim) else None
 
     @staticmethod
-    def _which(members: torch.Tensor, counts: list[int], total: int) -> torch.Tensor:
-        return members.repeat_interleave(torch.tensor(counts), output_size=total)
+    def _which(block: SparseBlock, members: torch.Tensor, kind: str) -> torch.Tensor:
+        """Each pushed (``kind`` "push") or wanted ("want") id's member of the group, made once
+        per block (the check, the add and the gather each read it)."""
+        key = (kind, id(members))  # (a block one process's two tasks both read: each its own)
+        which = block.memo.get(key)
+        if which is None:
+            counts, ids = (block.push, block.ids) if kind == "push" else (block.want, block.wanted)
+            which = block.memo[key] = members.repeat_interleave(torch.tensor(counts), output_size=len(ids))
+        return which
 
     def __getitem__(self, name: str) -> Part:
         return self.parts[name]
@@ -130,8 +137,8 @@ class ShardTables(Mapping[str, Part]):
             return None
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
-            if g.valid_flat(sparse.ids, self._which(which, sparse.push, len(sparse.ids))) and \
-                    g.valid_flat(sparse.wanted, self._which(which, sparse.want, len(sparse.wanted))):
+            if g.valid_flat(sparse.ids, self._which(sparse, which, "push")) and \
+                    g.valid_flat(sparse.wanted, self._which(sparse, which, "want")):
                 return None
         batches, alone = self._batches(sparse, (0, 2))
         if all(group.valid(b[0], b[1]) for group, b in batches.items()) and all(
@@ -153,7 +160,7 @@ class ShardTables(Mapping[str, Part]):
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
             if sparse.grads is not None and len(sparse.ids):
-                rows = g.rows_of(sparse.ids, self._which(which, sparse.push, len(sparse.ids)))
+                rows = g.rows_of(sparse.ids, self._which(sparse, which, "push"))
                 g.add_rows(rows, sparse.grads.view(len(sparse.ids), g.dim))
             return
         batches, alone = self._batches(sparse, (0,))
@@ -171,7 +178,7 @@ class ShardTables(Mapping[str, Part]):
             return {}
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
-            return g.gather_rows(g.rows_of(sparse.wanted, self._which(which, sparse.want, len(sparse.wanted))))
+            return g.gather_rows(g.rows_of(sparse.wanted, self._which(sparse, which, "want")))
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)
