@@ -109,3 +109,12 @@ class Sleeper(threading.Thread):
         with self.waits.lock:  # (free only once the thread waits on tcond)
             pass
         return self
+
+
+def refusing_states(core: ShardCore) -> Iterator[str]:
+    """Puts ``core`` in each state in which a direct push must go to the event loop instead (a
+    checkpoint hold of step 0, a stop, an error), one at a time, the others cleared; yields its name."""
+    for name, value in (("hold_at", 0), ("stop", True), ("error", "failed")):
+        core.hold_at, core.stop, core.error = None, False, None
+        setattr(core, name, value)
+        yield name

@@ -14,7 +14,7 @@ import torch
 
 from dtrain.ps.control import ShardControl
 from dtrain.ps.fastpath import AsyncPush
-from tests.helpers.ps_parts import core_of, loop_thread, thread_loop_waiter
+from tests.helpers.ps_parts import core_of, loop_thread, refusing_states, thread_loop_waiter
 
 
 def async_of(mode: str = "async", **config: Any):
@@ -72,10 +72,8 @@ def test_a_direct_push_goes_to_the_loop_while_held_stopped_or_failed():
     core, _, _, pushes = async_of()
     loop = asyncio.new_event_loop()
     try:
-        for name, value in (("hold_at", 0), ("stop", True), ("error", "failed")):
-            core.hold_at, core.stop, core.error = None, False, None
-            setattr(core, name, value)
-            assert pushes.push_direct(loop, torch.ones(4), 0, 0, None, 8, 1, torch.empty(4)) is None
+        for name in refusing_states(core):
+            assert pushes.push_direct(loop, torch.ones(4), 0, 0, None, 8, 1, torch.empty(4)) is None, name
     finally:
         loop.close()
     assert core.step == 0 and core.meter is not None and core.meter.pushes == 0 and core.records.samples_total == 0

@@ -16,7 +16,7 @@ import torch
 from dtrain.ps.control import ShardControl
 from dtrain.ps.replication import Accumulate, Apply, Drop
 from dtrain.ps.sync_push import GradientSum, SyncBarrier
-from tests.helpers.ps_parts import Sleeper, core_of, loop_thread, thread_loop_waiter
+from tests.helpers.ps_parts import Sleeper, core_of, loop_thread, refusing_states, thread_loop_waiter
 from tests.helpers.waiting import wait_until
 
 
@@ -144,10 +144,8 @@ def test_a_direct_push_goes_to_the_loop_while_held_stopped_or_failed():
     core, _, _, barrier = barrier_of(replicas=1)
     loop = asyncio.new_event_loop()
     try:
-        for name, value in (("hold_at", 0), ("stop", True), ("error", "failed")):
-            core.hold_at, core.stop, core.error = None, False, None
-            setattr(core, name, value)
-            assert barrier.push_direct(loop, torch.ones(4), 0, 0, None, 0, 0, torch.empty(4)) is None
+        for name in refusing_states(core):
+            assert barrier.push_direct(loop, torch.ones(4), 0, 0, None, 0, 0, torch.empty(4)) is None, name
         assert core.meter is not None and core.meter.pushes == 0 and core.step == 0
         core.hold_at, core.error = 1, None
         reply = barrier.push_direct(loop, torch.ones(4), 0, 0, None, 0, 0, torch.empty(4))
