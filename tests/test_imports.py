@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.helpers.imports import parse
 from tests.helpers.paths import PKG
 
 # Circles not cut yet: the modules of each, exactly, and why it stands. None is left; the entry
@@ -39,7 +40,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str | None] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 deps |= {resolve(a.name) for a in node.names if a.name.split(".")[0] == root.name}
             elif isinstance(node, ast.ImportFrom):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.imports import imported, tops
+from tests.helpers.imports import imported, parse, tops
 from tests.helpers.paths import PKG
 
 DASK = {"dask", "distributed"}
@@ -106,7 +106,7 @@ def test_replication_rules_are_pure():
 def test_the_cli_and_the_spec_import_no_dask_at_module_level():
     """`dtrain validate` must not pay for Dask: the CLI and the spec import it only in functions."""
     for path in [PKG / "cli.py", PKG / "__init__.py", *modules("spec")]:
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text(), str(path))
         top = set()
         for node in tree.body:
             if isinstance(node, ast.Import):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 
+from tests.helpers.imports import parse
 from tests.helpers.paths import PKG
 
 CHIEF = PKG / "chief"
@@ -14,7 +15,7 @@ MAX_SESSION_ATTRIBUTES = 12
 
 
 def _session_class() -> ast.ClassDef:
-    tree = ast.parse((CHIEF / "session.py").read_text())
+    tree = parse((CHIEF / "session.py").read_text())
     return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
 
 
@@ -56,7 +57,7 @@ def test_no_chief_module_takes_or_reaches_into_the_session():
     for path in sorted(CHIEF.glob("*.py")):
         if path.name == "session.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
@@ -72,6 +73,6 @@ def test_no_chief_module_takes_or_reaches_into_the_session():
 def test_the_checks_see_a_session_argument():
     """The check above on a function that does take the session (fails if it reads nothing)."""
     code = "def publish(session: 'Session', step: int) -> None: ...\ndef other(s: SessionView) -> None: ..."
-    fn, other = ast.parse(code).body
+    fn, other = parse(code).body
     assert isinstance(fn, ast.FunctionDef) and isinstance(other, ast.FunctionDef)
     assert _mentions_session(fn.args.args[0].annotation) and not _mentions_session(other.args.args[0].annotation)
