@@ -58,8 +58,8 @@ class SparseBlock(Mapping[str, tuple[Any, Any, Any]]):
         self.ids, self.grads, self.wanted = ids, grads, wanted
         self._tables: dict[str, tuple[Any, Any, Any]] | None = None
         # what a receiver derives from the block once and reads in several passes (the ps: each
-        # id's member of its table group, for the check, the add and the gather)
-        self.memo: dict[Any, torch.Tensor] = {}
+        # id's member of its table group and its row there, for the check, the add and the gather)
+        self.memo: dict[Any, Any] = {}
 
     @classmethod
     def of(cls, sparse: Mapping[str, tuple[Any, Any, Any]]) -> SparseBlock:

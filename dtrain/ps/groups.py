@@ -6,8 +6,8 @@ A request names up to one entry per table (a DLRM has tens of tables), and the p
 (``dtrain.ps.rows.TablePart``) runs a dozen small torch calls per table per request and twenty
 more per table per apply: on small tables the calls' overhead is the ps's CPU, not the rows. A
 :class:`TableGroup` holds its parts' rows at offsets of one (rows, dim) tensor (``starts``) and
-makes one call where the parts made one each: one id check and one id-to-row translation per
-request, one ``index_select`` for the rows it asks for; per step one unique, one ``index_add_``,
+makes one call where the parts made one each: one pass per request that checks every id and finds
+its row (read again by the add and the gather), one ``index_select`` for the rows it asks for; per step one unique, one ``index_add_``,
 one optimizer update and one write-back for all the group's tables.
 
 Each part stays a :class:`~dtrain.ps.rows.TablePart` whose rows and optimizer state are views
@@ -95,6 +95,12 @@ class TableGroup:
         ids = [(0, int(c["num_embeddings"])) if self.strategy == "mod" else (r.start, r.stop)
                for c, r in zip(configs, spans, strict=True)]
         self._ids = torch.tensor(ids, dtype=torch.int64).reshape(-1, 2)
+        # checked_rows: each member's first and past-last group row (its rows hold exactly its ids on
+        # this part), and the id -> quotient step as a shift where num_parts is a power of two
+        self._first = torch.tensor(self.starts[:-1], dtype=torch.int64)
+        self._end = torch.tensor(self.starts[1:], dtype=torch.int64)
+        p = self.num_parts
+        self._bits = p.bit_length() - 1 if self.strategy == "mod" and p & (p - 1) == 0 else None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (group rows, float32 row gradients)
 
     def _flat(self, members: list[int], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +117,26 @@ class TableGroup:
         """The group rows of global ids ``flat`` (checked), ``which``: the member of each."""
         base = flat.div(self.num_parts, rounding_mode="floor") if self.strategy == "mod" else flat
         return base + self._shift.index_select(0, which)
+
+    def checked_rows(self, flat: torch.Tensor, which: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`rows_of` and :meth:`valid_flat` in one pass: the group rows of global ids ``flat``
+        (``which``: the member of each), or None when an id is outside its table or not on this
+        part. A member's rows are exactly its ids on this part, so an id is valid when its row
+        falls in its member's run of rows (and, mod, it leaves this part's remainder)."""
+        if self.strategy == "mod":
+            if self._bits is not None:  # (a power of two: shifts, no integer division)
+                quotient, on_part = flat >> self._bits, (flat & (self.num_parts - 1)) == self.part
+            else:
+                quotient = flat.div(self.num_parts, rounding_mode="floor")
+                on_part = (flat - quotient * self.num_parts) == self.part
+            first = self._first.index_select(0, which)
+            rows = quotient + first
+            ok = on_part & (rows >= first)
+        else:
+            rows = flat + self._shift.index_select(0, which)
+            ok = rows >= self._first.index_select(0, which)
+        ok &= rows < self._end.index_select(0, which)
+        return rows if bool(ok.all()) else None
 
     def valid(self, members: list[int], ids: list[torch.Tensor]) -> bool:
         """Whether every id is in its table and on this part (else the parts' ``check_ids`` say why)."""

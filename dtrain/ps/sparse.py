@@ -87,6 +87,16 @@ class ShardTables(Mapping[str, Part]):
             which = block.memo[key] = members.repeat_interleave(torch.tensor(counts), output_size=len(ids))
         return which
 
+    def _rows(self, block: SparseBlock, group: TableGroup, members: torch.Tensor, kind: str) -> torch.Tensor | None:
+        """The group rows of the block's pushed (``kind`` "push") or wanted ("want") ids, checked
+        (None: an id outside its table or not on this task), made once per block: the check, the
+        add and the gather each read them."""
+        key = ("rows", kind, id(members))
+        if key not in block.memo:
+            flat = block.ids if kind == "push" else block.wanted
+            block.memo[key] = group.checked_rows(flat, self._which(block, members, kind))
+        return block.memo[key]
+
     def __getitem__(self, name: str) -> Part:
         return self.parts[name]
 
@@ -137,8 +147,7 @@ class ShardTables(Mapping[str, Part]):
             return None
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
-            if g.valid_flat(sparse.ids, self._which(sparse, which, "push")) and \
-                    g.valid_flat(sparse.wanted, self._which(sparse, which, "want")):
+            if self._rows(sparse, g, which, "push") is not None and self._rows(sparse, g, which, "want") is not None:
                 return None
         batches, alone = self._batches(sparse, (0, 2))
         if all(group.valid(b[0], b[1]) for group, b in batches.items()) and all(
@@ -160,7 +169,9 @@ class ShardTables(Mapping[str, Part]):
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
             if sparse.grads is not None and len(sparse.ids):
-                rows = g.rows_of(sparse.ids, self._which(sparse, which, "push"))
+                rows = self._rows(sparse, g, which, "push")
+                if rows is None:  # (checked before: bad ids never get here)
+                    raise ValueError(self.why_bad(sparse) or "ids outside their tables")
                 g.add_rows(rows, sparse.grads.view(len(sparse.ids), g.dim))
             return
         batches, alone = self._batches(sparse, (0,))
@@ -178,7 +189,10 @@ class ShardTables(Mapping[str, Part]):
             return {}
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
-            return g.gather_rows(g.rows_of(sparse.wanted, self._which(sparse, which, "want")))
+            rows = self._rows(sparse, g, which, "want")
+            if rows is None:  # (checked before: bad ids never get here)
+                raise ValueError(self.why_bad(sparse) or "ids outside their tables")
+            return g.gather_rows(rows)
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)

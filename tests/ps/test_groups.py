@@ -243,7 +243,45 @@ def test_a_part_drawn_at_start_holds_what_first_use_draws(storage, strategy):
     assert bool((touched.weight[0] == 7.0).all()) and torch.equal(touched.weight[1:], lazy.weight[1:])
 
 
-def test_a_request_side_by_side_trains_as_the_same_request_per_table():
+@pytest.mark.parametrize(("num_parts", "part", "strategy"), [(1, 0, "mod"), (2, 1, "mod"), (4, 3, "mod"),
+                                                         (3, 2, "mod"), (3, 1, "div")])
+def test_checked_rows_are_the_rows_of_valid_ids_and_none_for_any_bad_one(num_parts, part, strategy):
+    """The batched path's one pass (``checked_rows``: a power of two of parts by shifts, others by
+    division, div by ranges) against ``rows_of`` and ``valid_flat``. Fails if an id off this
+    part, past its table, negative, or of a table without a row here passes, or if a valid id
+    gets another row than ``rows_of`` gives it."""
+    group = TableGroup(configs(num_parts, part, strategy), OPTIMIZERS["sgd"])
+    gen = torch.Generator().manual_seed(num_parts * 10 + part)
+    which = torch.randint(0, len(group.parts), (400,), generator=gen)
+    own = [torch.tensor(list(p.rows), dtype=torch.int64) for p in group.parts]
+    good = torch.stack([own[m][torch.randint(0, len(own[m]), (1,), generator=gen)][0] if len(own[m]) else
+                        torch.tensor(-1) for m in which.tolist()])
+    keep = good >= 0
+    flat, which = good[keep], which[keep]
+    rows = group.checked_rows(flat, which)
+    assert rows is not None and torch.equal(rows, group.rows_of(flat, which)) and group.valid_flat(flat, which)
+    sizes = torch.tensor(list(SIZES.values()))[which]
+    if strategy == "mod":
+        past = sizes + (part - sizes) % num_parts  # past the table, on this part's residue
+        elsewhere = flat + 1  # (every other residue belongs to another part)
+    else:
+        lo = torch.tensor([p.rows.start for p in group.parts])[which]
+        hi = torch.tensor([p.rows.stop for p in group.parts])[which]
+        past = sizes
+        elsewhere = torch.where(lo > 0, lo - 1, hi)  # the neighbouring part's first or last id
+    cases = {"past its table": past, "negative": part - num_parts + 0 * flat}
+    if num_parts > 1:
+        cases["on another part"] = elsewhere
+    for why, bad in cases.items():
+        for k in (0, len(flat) // 2, len(flat) - 1):  # one bad id anywhere spoils the request
+            ids = flat.clone()
+            ids[k] = bad[k]
+            assert not group.valid_flat(ids, which), (why, k)
+            assert group.checked_rows(ids, which) is None, (why, k, int(ids[k]))
+
+
+@pytest.mark.parametrize(("num_parts", "part", "strategy"), [(2, 1, "mod"), (3, 2, "mod"), (3, 1, "div")])
+def test_a_request_side_by_side_trains_as_the_same_request_per_table(num_parts, part, strategy):
     """A replica's request as one SparseBlock (every table's entries in three tensors) takes the
     group's batched path; the same request per table the per-table one. Fails if the batched
     path maps an id to another table's row (a wrong member per id), sums or scales its gradients
@@ -252,10 +290,10 @@ def test_a_request_side_by_side_trains_as_the_same_request_per_table():
     from dtrain.dataplane.rows import SparseBlock
     from dtrain.ps.sparse import ShardTables
 
-    cs = configs(2, 1, "mod", dim=3)
+    cs = configs(num_parts, part, strategy, dim=3)
     batched, per_table = (ShardTables(cs, OPTIMIZERS["rowwise_adagrad"]) for _ in range(2))
     gen = torch.Generator().manual_seed(5)
-    names = ["e", "a", "c", "b"]  # not the group's order; "b" has no row on part 1
+    names = ["e", "a", "c", "b"]  # not the group's order; "b" has no row on parts but the first
     for _step in range(4):
         for table in (batched, per_table):
             table.clear()
@@ -276,6 +314,8 @@ def test_a_request_side_by_side_trains_as_the_same_request_per_table():
         assert torch.equal(got, torch.cat([want[name] for name in names]))
     for name in names:
         assert torch.equal(values(batched[name]), values(per_table[name])), name
-    bad = SparseBlock.of({"a": (None, None, torch.tensor([1, 2]))})  # 2 is on part 0
-    assert batched.why_bad(bad) == per_table.why_bad({"a": (None, None, torch.tensor([1, 2]))})
-    assert "id 2" in (batched.why_bad(bad) or "") and "table a" in (batched.why_bad(bad) or "")
+    mine = int(own_ids(per_table["a"], gen, 1)[0])
+    other = next(i for i in range(SIZES["a"]) if i not in per_table["a"].rows)  # on another part
+    bad = SparseBlock.of({"a": (None, None, torch.tensor([mine, other]))})
+    assert batched.why_bad(bad) == per_table.why_bad({"a": (None, None, torch.tensor([mine, other]))})
+    assert f"id {other}" in (batched.why_bad(bad) or "") and "table a" in (batched.why_bad(bad) or "")
