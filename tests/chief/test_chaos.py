@@ -20,6 +20,7 @@ import pytest
 import dtrain
 from tests.helpers.hooks import read_calls
 from tests.helpers.paths import PIPELINES, ROOT
+from tests.helpers.runs import crash_group
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
@@ -87,7 +88,7 @@ def test_five_random_kills_during_a_run(inproc_client, tmp_path, mode):
         out, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            crash_group(proc.pid)
             proc.communicate()
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())

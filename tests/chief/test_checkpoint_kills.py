@@ -1,6 +1,6 @@
 """Checkpoints written in the background by the ps tasks, with the whole `dtrain run` process group
-SIGKILLed while parts are being written (at seeded moments after a checkpoint fell due): every
-checkpoint with a manifest is complete and verifies (each part's sha256), a directory of parts
+SIGKILLed (``crash_group``) while parts are being written (at seeded moments after a checkpoint
+fell due): every checkpoint with a manifest is complete and verifies (each part's sha256), a directory of parts
 without one is never used, and a resume restores exactly what was snapshotted (the resumed run's
 model, with no step trained, equals the export of that checkpoint, tables included), with full
 checkpoints only and with incremental ones (deltas between)."""
@@ -25,7 +25,7 @@ import torch
 from dtrain.chief import checkpoint as ckpt
 from dtrain.ps.part_writer import read_part_file
 from tests.helpers.paths import ROOT
-from tests.helpers.runs import finish, start_run, wait_for_step
+from tests.helpers.runs import crash_group, finish, start_run, wait_for_step
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
@@ -63,7 +63,7 @@ def test_a_kill_during_background_writes_leaves_only_whole_checkpoints_that_rest
     wait_until((run_dir / "checkpoints" / "ckpt-00000010.json").exists, 180, "ckpt-00000010", check=running)
     wait_for_step(proc, run_dir, 20 + 10 * seed)  # then the next one falls due ...
     time.sleep(random.Random(seed).uniform(0.0, 1.0))  # ... and is being written
-    os.killpg(proc.pid, signal.SIGKILL)  # the chief, the scheduler, the ps tasks and their writers
+    crash_group(proc.pid)  # the chief, the scheduler, the ps tasks and their writers
     proc.communicate()
     # Killed with it, the embedded cluster's forkserver could not remove its socket's directory.
     for leftover in set(Path(tempfile.gettempdir()).glob("pymp-*")) - forkservers:
@@ -149,7 +149,7 @@ def test_a_ps_or_the_chief_killed_during_a_background_write_costs_only_that_chec
             assert not alive, [p.pid for p in alive]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            crash_group(proc.pid)
             proc.communicate()
         for leftover in set(Path(tempfile.gettempdir()).glob("pymp-*")) - forkservers:
             shutil.rmtree(leftover, ignore_errors=True)

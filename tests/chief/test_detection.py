@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.helpers.paths import ROOT
-from tests.helpers.runs import logged_step, task_pids
+from tests.helpers.runs import crash_group, logged_step, task_pids
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
@@ -55,7 +55,7 @@ def test_a_killed_ps_and_a_killed_worker_are_seen_within_2_s(tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            crash_group(proc.pid)
             proc.communicate()
     assert proc.returncode == 143, err[-3000:]
     log = json.loads((run_dir / "summary.json").read_text())["recovery_log"]
