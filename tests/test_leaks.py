@@ -45,6 +45,13 @@ def test_leaks_a_shared_memory_file():
     (OUT / "shm").write_text(name)
 
 
+def test_leaks_a_named_semaphore():  # (no process to blame: the run's end sees it)
+    import _multiprocessing
+    name = "mp-leaktest" + os.urandom(6).hex()
+    _kept.append(_multiprocessing.SemLock(1, 1, 1, "/" + name, False))  # not unlinked, no tracker told
+    (OUT / "semaphore").write_text("sem." + name)
+
+
 def test_leaks_a_thread():
     threading.Thread(target=threading.Event().wait, name="dtrain-leaky", daemon=True).start()
 
@@ -102,6 +109,25 @@ def test_the_leak_check_names_what_each_test_left_and_cleans_it_up(tmp_path):
     assert "thread dtrain-dashboard_0 of the test process" in report.split("left behind by the session:", 1)[-1]
     # The session's own check sees the socket again (it stays open: nothing may close another's descriptor).
     assert "left behind by the session:" in report and report.count(f"listening socket 127.0.0.1:{port} ") >= 2
-    assert "8 passed, 6 errors" in report, report[-1500:]
+    assert "9 passed, 6 errors" in report, report[-1500:]
+    semaphore = (out / "semaphore").read_text()
+    assert "left behind by the run: 1 named semaphore(s)" in report and semaphore in report, report[-1500:]
+    assert not Path("/dev/shm", semaphore).exists(), "the leaked semaphore was not removed"
     assert not alive(daemon) and not alive(child), "the leaked processes were not killed"
     assert not Path("/dev/shm", shm).exists() and not Path(tmp).exists()
+
+
+def test_a_run_that_leaves_only_a_named_semaphore_fails(tmp_path):
+    """Every test passes, yet the run fails: a semaphore names no test, so the run's end checks it.
+    Fails if that check only prints (exit status 0) or does not run."""
+    (tmp_path / "test_sem.py").write_text(
+        LEAKY.split("def test_cleans_up", 1)[0] + "def test_leaks_a_named_semaphore" +
+        LEAKY.split("def test_leaks_a_named_semaphore", 1)[1].split("\n\n\ndef ", 1)[0] + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env = dict(outer, PYTHONPATH=str(ROOT), LEAK_OUT=str(out), DTRAIN_TEST_LEAK_GRACE_S="0.5")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.helpers.leaks", "-p", "no:cacheprovider",
+                           "test_sem.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 passed" in proc.stdout and proc.returncode == 1, proc.stdout[-2000:]
+    assert not Path("/dev/shm", (out / "semaphore").read_text()).exists()

@@ -15,7 +15,11 @@ loads it anywhere else). After every test, nothing that test started may outlive
 - **shared-memory files** ``/dev/shm/dtrain-<creator pid>...`` of this process or of a process of
   the suite;
 - **temporary files and directories**, forkserver directories (``pymp-*``) and TLS directories
-  included: the suite gets a private ``TMPDIR``, so whatever is new in it is the suite's.
+  included: the suite gets a private ``TMPDIR``, so whatever is new in it is the suite's;
+- **named semaphores** (``/dev/shm/sem.mp-*``: multiprocessing's locks and queues under spawn or a
+  forkserver, which a resource tracker unlinks once their processes are gone, unless it was killed
+  with them): they name no process, so the whole run's end checks them, in the process that ran
+  the session (xdist's controller), after every worker and its tracker is gone.
 
 What a test leaves is reported in the test's teardown, which fails; leaked processes are then
 SIGKILLed by pid, leaked files removed. Resources of broader fixtures (module, session) are set up
@@ -299,6 +303,50 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["TMPDIR"] = str(_state.tmpdir)
         tempfile.tempdir = str(_state.tmpdir)
     snapshot()
+
+
+SEMAPHORES = "sem.mp-"  # multiprocessing's named semaphores in /dev/shm
+_semaphores_before: set[str] | None = None  # at the start of the run (the controller's, or a plain run's)
+
+
+def _semaphores() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith(SEMAPHORES)}
+    except OSError:
+        return set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _semaphores_before
+    if not _XDIST:
+        _semaphores_before = _semaphores()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run's named semaphores that outlive it (module docstring) fail it, and are removed. The
+    trackers of processes that just ended unlink theirs within ``GRACE_S``."""
+    if _XDIST or _semaphores_before is None:
+        return
+    deadline = time.monotonic() + GRACE_S
+    while (left := _semaphores() - _semaphores_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not left:
+        return
+    for name in left:
+        try:
+            (SHM / name).unlink()
+        except OSError:
+            pass
+    shown = ", ".join(sorted(left)[:4]) + (", ..." if len(left) > 4 else "")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"left behind by the run: {len(left)} named semaphore(s) in {SHM} ({shown}; removed): "
+                            "a process group killed together with its multiprocessing resource tracker? "
+                            "(tests/helpers/runs.py: crash_group)", red=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
