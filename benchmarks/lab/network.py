@@ -13,10 +13,10 @@ separate machine is, and every byte between tasks crosses the links.
 Links: a veth pair per host, ``eth0`` inside, ``<lab>h<i>`` outside on the bridge. A token
 bucket (``tbf``) shapes egress at both ends: inside, what the host sends; outside, what it
 receives. Each direction has its own bucket, so a host can send and receive at the link's rate at
-once (full duplex), and two hosts' traffic never shares a bucket, as on a switch. The kernel's
-``netem`` (delay, loss) is used where it exists; where it does not (this project's development
-machine), a degraded link is a lower rate (:meth:`Lab.set_rate`) and a partition is the link
-taken down (:meth:`Lab.partition`).
+once (full duplex), and two hosts' traffic never shares a bucket, as on a switch. A degraded link
+is a lower rate (:meth:`Lab.set_rate`) and a partition is the link taken down
+(:meth:`Lab.partition`). The kernel's ``netem`` (delay, loss) is not used: this project's
+development machine's kernel lacks it (:func:`has_netem` says whether this one has it).
 
 Teardown (:meth:`Lab.close`, also on ``with``-exit, at interpreter exit and on SIGTERM/SIGINT):
 the holders are killed; a PID namespace's init dying kills every process in it, the network
