@@ -233,14 +233,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.scheduler is None:  # the embedded cluster's worker parent imports torch beside this process
-        from .deploy.forkserver import warm_for_file
+    from .chief import signals
 
-        warm_for_file(args.pipeline, args.overrides)
-    from .chief.rundir import check_run_dir, default_run_dir
-    from .chief.runner import run
-    from .deploy import phases
-    from .spec.loading import load, locate
+    with signals.held():  # a Ctrl-C raised inside torch's import would abort the process (exit -6)
+        if args.scheduler is None:  # the embedded cluster's worker parent imports torch beside this process
+            from .deploy.forkserver import warm_for_file
+
+            warm_for_file(args.pipeline, args.overrides)
+        from .chief.rundir import check_run_dir, default_run_dir
+        from .chief.runner import run
+        from .deploy import phases
+        from .spec.loading import load, locate
 
     if args.profile_startup:
         phases.start()

@@ -4,6 +4,7 @@
 - ``dtrain run`` (:func:`handled`): SIGINT raises KeyboardInterrupt (exit 130); SIGTERM and
   SIGHUP (a dropped SSH session) raise :class:`~dtrain.errors.Terminated` (exit 143). The
   session then writes a provisional ``summary.json``, checkpoints consistently and cleans up.
+  While the command imports torch and the chief (:func:`held`), a signal waits for the import's end.
 - During that cleanup (:func:`deferred`, used by the session and ``dtrain.run`` in the main
   thread, whoever installed the handlers) a further signal is counted and logged, not raised: a
   second Ctrl-C must not cut the interrupt checkpoint or the cluster's shutdown short. The
@@ -81,6 +82,22 @@ def handled() -> Iterator[None]:
     _count, _raised = 0, None
     with _installed(_raise):
         yield
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Under :func:`handled`: signals recorded instead of raised for the duration, the first then
+    raised as its exception once the block is done (main thread only). For the start-up's imports
+    of C extensions: a KeyboardInterrupt raised midway through ``import torch`` crosses its C++
+    bindings, which abort the process (SIGABRT, exit -6) instead of letting it exit 130."""
+    if not _main_thread() or signal.getsignal(signal.SIGINT) is not _raise:
+        yield
+        return
+    got: list[int] = []
+    with _installed(lambda signum, frame: got.append(signum)):
+        yield
+    if got:
+        _raise(got[0], None)
 
 
 @contextlib.contextmanager

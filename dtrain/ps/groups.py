@@ -7,8 +7,9 @@ A request names up to one entry per table (a DLRM has tens of tables), and the p
 more per table per apply: on small tables the calls' overhead is the ps's CPU, not the rows. A
 :class:`TableGroup` holds its parts' rows at offsets of one (rows, dim) tensor (``starts``) and
 makes one call where the parts made one each: one pass per request that checks every id and finds
-its row (read again by the add and the gather), one ``index_select`` for the rows it asks for; per step one unique, one ``index_add_``,
-one optimizer update and one write-back for all the group's tables.
+its row (read again by the add and the gather), one ``index_select`` for the rows it asks for; per
+step one unique, one ``index_add_``, one optimizer update and one write-back for all the group's
+tables.
 
 Each part stays a :class:`~dtrain.ps.rows.TablePart` whose rows and optimizer state are views
 into the group's (so ``check_ids``, ``gather``, ``state``, ``chunk``, ``load_state`` and the

@@ -97,6 +97,13 @@ class ShardTables(Mapping[str, Part]):
             block.memo[key] = group.checked_rows(flat, self._which(block, members, kind))
         return block.memo[key]
 
+    def _checked_rows(self, block: SparseBlock, group: TableGroup, members: torch.Tensor, kind: str) -> torch.Tensor:
+        """:meth:`_rows` of a block that passed :meth:`why_bad` (a bad id never gets this far)."""
+        rows = self._rows(block, group, members, kind)
+        if rows is None:
+            raise ValueError(self.why_bad(block) or "ids outside their tables")
+        return rows
+
     def __getitem__(self, name: str) -> Part:
         return self.parts[name]
 
@@ -169,10 +176,7 @@ class ShardTables(Mapping[str, Part]):
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
             if sparse.grads is not None and len(sparse.ids):
-                rows = self._rows(sparse, g, which, "push")
-                if rows is None:  # (checked before: bad ids never get here)
-                    raise ValueError(self.why_bad(sparse) or "ids outside their tables")
-                g.add_rows(rows, sparse.grads.view(len(sparse.ids), g.dim))
+                g.add_rows(self._checked_rows(sparse, g, which, "push"), sparse.grads.view(len(sparse.ids), g.dim))
             return
         batches, alone = self._batches(sparse, (0,))
         for group, (members, ids, grads, _names) in batches.items():
@@ -189,10 +193,7 @@ class ShardTables(Mapping[str, Part]):
             return {}
         if isinstance(sparse, SparseBlock) and (one := self._one_group(sparse)) is not None:
             g, which = one
-            rows = self._rows(sparse, g, which, "want")
-            if rows is None:  # (checked before: bad ids never get here)
-                raise ValueError(self.why_bad(sparse) or "ids outside their tables")
-            return g.gather_rows(rows)
+            return g.gather_rows(self._checked_rows(sparse, g, which, "want"))
         batches, alone = self._batches(sparse, (2,))
         out = {}
         for name, (_ids, _grads, pull) in sparse.items():  # (a grouped table's empty ids: not in its batch)

@@ -45,3 +45,24 @@ def test_a_signal_of_an_earlier_run_is_not_raised_in_the_next_one():
         signal.raise_signal(signal.SIGINT)  # raised where it came (the run's own cleanup handles it)
     with signals.handled():
         signals.reraise_lost()  # a new run (dtrain.run twice in one process) starts clean
+
+
+@pytest.mark.parametrize(("sig", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
+def test_a_signal_during_a_held_block_is_raised_once_the_block_is_done(sig, raised):
+    """``held`` (the start-up's imports: an exception raised inside torch's C++ bindings aborts the
+    process). Fails if the signal's exception is raised inside the block, if it is dropped, or if
+    the handlers are not ``handled``'s again after it (a later signal would be lost)."""
+    reached = []
+    with signals.handled():
+        with pytest.raises(raised):
+            with signals.held():
+                signal.raise_signal(sig)
+                reached.append("after the signal, inside the block")  # (its handler ran before this)
+        assert reached
+        assert signal.getsignal(sig) is signals._raise
+        with signals.held():
+            pass  # nothing came: nothing raised
+        with pytest.raises(raised):
+            signal.raise_signal(sig)
+    with signals.held():  # outside a run's handlers (dtrain.run from Python): changes nothing
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -13,6 +13,7 @@ from dtrain.chief import checkpoint as ckpt
 from dtrain.plan.inputs import assign_shards
 from tests.helpers import shards
 from tests.helpers.runs import finish, kill_pid, start_run, task_pid, wait_for_step
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -57,6 +58,10 @@ def test_a_killed_streaming_run_resumes_without_repeating_or_skipping(tmp_path, 
     monkeypatch.setenv("DTRAIN_TEST_RECORD", str(first))
     proc = start_run(path, run_dir)
     wait_for_step(proc, run_dir, 330)  # past a few checkpoints, mid-way through the first epoch... or the second
+    # ... and step 300's checkpoint committed (written in the background: on a loaded machine its
+    # manifest can come some steps after step 330)
+    wait_until(lambda: (c := ckpt.latest(run_dir)) is not None and c.step >= 300, 120, "checkpoint 300 committed",
+               check=lambda: None if proc.poll() is None else pytest.fail(f"the run ended: {proc.communicate()[1][-2000:]}"))
     kill_pid(proc.pid)  # the client process: scheduler and nannies die with it
     proc.communicate()
     killed = batches_by_task(first, run_dir)
