@@ -93,9 +93,6 @@ class TableGroup:
         # are [starts[m], starts[m + 1]) of the group, its ids [lo, hi) (mod: and id % num_parts == part).
         shift = [lo if self.strategy == "mod" else lo - r.start for lo, r in zip(self.starts, spans, strict=False)]
         self._shift = torch.tensor(shift, dtype=torch.int64)
-        ids = [(0, int(c["num_embeddings"])) if self.strategy == "mod" else (r.start, r.stop)
-               for c, r in zip(configs, spans, strict=True)]
-        self._ids = torch.tensor(ids, dtype=torch.int64).reshape(-1, 2)
         # checked_rows: each member's first and past-last group row (its rows hold exactly its ids on
         # this part), and the id -> quotient step as a shift where num_parts is a power of two
         self._first = torch.tensor(self.starts[:-1], dtype=torch.int64)
@@ -120,9 +117,8 @@ class TableGroup:
         return base + self._shift.index_select(0, which)
 
     def checked_rows(self, flat: torch.Tensor, which: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`rows_of` and :meth:`valid_flat` in one pass: the group rows of global ids ``flat``
-        (``which``: the member of each), or None when an id is outside its table or not on this
-        part. A member's rows are exactly its ids on this part, so an id is valid when its row
+        """:meth:`rows_of`, checked: the group rows of global ids ``flat`` (``which``: the member of
+        each), or None when an id is outside its table or not on this part. A member's rows are exactly its ids on this part, so an id is valid when its row
         falls in its member's run of rows (and, mod, it leaves this part's remainder)."""
         if self.strategy == "mod":
             if self._bits is not None:  # (a power of two: shifts, no integer division)
@@ -144,12 +140,8 @@ class TableGroup:
         return not ids or self.valid_flat(*self._flat(members, ids))
 
     def valid_flat(self, flat: torch.Tensor, which: torch.Tensor) -> bool:
-        """:meth:`valid` of global ids ``flat``, ``which``: the member of each."""
-        bounds = self._ids.index_select(0, which)
-        bad = (flat < bounds[:, 0]) | (flat >= bounds[:, 1])
-        if self.strategy == "mod" and self.num_parts > 1:
-            bad |= flat.remainder(self.num_parts) != self.part
-        return not bool(bad.any())
+        """:meth:`valid` of global ids ``flat``, ``which``: the member of each (:meth:`checked_rows`)."""
+        return self.checked_rows(flat, which) is not None
 
     def add_grad(self, members: list[int], ids: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Replica row gradients for this step (checked ids), as ``TablePart.add_grad`` per member."""

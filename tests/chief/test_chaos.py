@@ -14,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import dtrain
 from tests.helpers.hooks import read_calls
 from tests.helpers.paths import PIPELINES, ROOT
-from tests.helpers.runs import crash_group
+from tests.helpers.runs import crash_group, group_members
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
@@ -127,6 +126,6 @@ def test_five_random_kills_during_a_run(inproc_client, tmp_path, mode):
             break
         time.sleep(0.2)
     else:
-        alive = [p.pid for p in psutil.process_iter() if p.pid != os.getpid() and os.getpgid(p.pid) == proc.pid]
+        alive = [p.pid for p in group_members(proc.pid) if p.pid != os.getpid()]
         raise AssertionError(f"processes left behind: {alive}")
     assert shm_files() <= shm_before

@@ -25,7 +25,7 @@ import torch
 from dtrain.chief import checkpoint as ckpt
 from dtrain.ps.part_writer import read_part_file
 from tests.helpers.paths import ROOT
-from tests.helpers.runs import crash_group, finish, start_run, wait_for_step
+from tests.helpers.runs import crash_group, finish, group_members, start_run, wait_for_step
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.processes
@@ -144,7 +144,7 @@ def test_a_ps_or_the_chief_killed_during_a_background_write_costs_only_that_chec
             assert rec["restored_step"] < int(half.name.split("-")[1]) or not cut
         else:
             proc.communicate(timeout=60)
-            group = [p for p in psutil.process_iter() if _in_group(p, proc.pid)]
+            group = group_members(proc.pid)
             _gone, alive = psutil.wait_procs(group, timeout=20)  # (workers end within 15 s of their chief)
             assert not alive, [p.pid for p in alive]
     finally:
@@ -170,10 +170,3 @@ def test_a_ps_or_the_chief_killed_during_a_background_write_costs_only_that_chec
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["start_step"] == newest.step and summary["status"] == "completed"
         assert not half.exists()  # (an unfinished write goes at the next commit)
-
-
-def _in_group(p: psutil.Process, pgid: int) -> bool:
-    try:
-        return os.getpgid(p.pid) == pgid
-    except (ProcessLookupError, psutil.Error):
-        return False

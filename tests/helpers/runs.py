@@ -82,7 +82,7 @@ def crash_group(pgid: int, timeout: float = 10.0) -> None:
     killed processes registered. A crashed machine starts again with an empty /dev/shm; the test
     machine's stays, and a plain ``killpg`` left 48 semaphores in it per run."""
     os.killpg(pgid, signal.SIGSTOP)
-    members = [p for p in psutil.process_iter(["cmdline"]) if _group(p.pid) == pgid]
+    members = group_members(pgid)
     trackers = [p for p in members if "multiprocessing.resource_tracker" in " ".join(p.info["cmdline"] or ())]
     for p in members:
         if p not in trackers:
@@ -91,6 +91,11 @@ def crash_group(pgid: int, timeout: float = 10.0) -> None:
         _signal(p.pid, signal.SIGCONT)
     psutil.wait_procs(trackers, timeout=timeout)
     _signal(-pgid, signal.SIGKILL)  # (anything the group still holds: a child forked as it was frozen, a stuck tracker)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of group ``pgid`` now (with their command lines); one that ends meanwhile is left out."""
+    return [p for p in psutil.process_iter(["cmdline"]) if _group(p.pid) == pgid]
 
 
 def _group(pid: int) -> int | None:

@@ -247,9 +247,10 @@ def test_a_part_drawn_at_start_holds_what_first_use_draws(storage, strategy):
                                                          (3, 2, "mod"), (3, 1, "div")])
 def test_checked_rows_are_the_rows_of_valid_ids_and_none_for_any_bad_one(num_parts, part, strategy):
     """The batched path's one pass (``checked_rows``: a power of two of parts by shifts, others by
-    division, div by ranges) against ``rows_of`` and ``valid_flat``. Fails if an id off this
-    part, past its table, negative, or of a table without a row here passes, or if a valid id
-    gets another row than ``rows_of`` gives it."""
+    division, div by ranges; ``valid_flat`` is its check) against ``rows_of`` and ids made bad by
+    hand (``check_ids`` is the other reference: the test above). Fails if an id off this part,
+    past its table, negative, or of a table without a row here passes, or if a valid id gets
+    another row than ``rows_of`` gives it."""
     group = TableGroup(configs(num_parts, part, strategy), OPTIMIZERS["sgd"])
     gen = torch.Generator().manual_seed(num_parts * 10 + part)
     which = torch.randint(0, len(group.parts), (400,), generator=gen)
